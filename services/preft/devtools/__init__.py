@@ -1,0 +1,1 @@
+"""Generated tiny models, tokenizers and adapters for the demo, tests and CPU benchmarks (nothing is downloaded)."""

@@ -1,0 +1,198 @@
+"""Build tiny random models of real architectures (Llama, Qwen2), a tokenizer, and random adapters.
+
+Everything is generated locally from a seed: no weights or data sets are downloaded. The models use
+head_dim 32 (vLLM's CPU attention refuses 16) and a larger-than-default init range so greedy decoding has
+clear margins between the top logits, which keeps float32 comparisons against a reference meaningful.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Arch = Literal["llama", "qwen2"]
+
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+_WORDS = (
+    "the a an of to in on for with and or but not is are was were be been have has had do does did "
+    "adapter prefill decode token model serve tenant request batch cache block slot layer weight rank "
+    "prompt output stream engine gateway registry metric latency throughput memory compute kernel graph "
+    "alpha beta gamma delta red green blue cat dog bird fish tree river mountain city road house book "
+    "one two three four five six seven eight nine ten hello world yes no why how what when where who"
+).split()
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of a generated model; defaults give a model vLLM's CPU backend runs in well under a second."""
+
+    arch: Arch = "llama"
+    hidden_size: int = 64
+    num_layers: int = 3
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    intermediate_size: int = 128
+    vocab_size: int = 384
+    max_position_embeddings: int = 2048
+    init_range: float = 0.2
+    seed: int = 0
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """Train a byte-level BPE tokenizer on generated text and save it in Hugging Face format."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 30))) for _ in range(2000)]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|begin|>", "<|end|>", "<|pad|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|end|>", pad_token="<|pad|>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    fast.save_pretrained(str(out_dir))
+
+
+def build_model(out_dir: Path | str, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write a random model (config, safetensors weights, tokenizer) to out_dir and return it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, spec.vocab_size)
+    common = dict(
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_range,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        torch_dtype="float32",
+    )
+    if spec.arch == "llama":
+        config = AutoConfig.for_model("llama", head_dim=spec.hidden_size // spec.num_heads, **common)
+    else:
+        config = AutoConfig.for_model("qwen2", use_sliding_window=False, **common)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Norm weights start at 1; jitter them so every parameter matters to the output.
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def _projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each Llama/Qwen2 linear projection."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    return {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+    }
+
+
+def _module_path(proj: str) -> str:
+    return f"self_attn.{proj}" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else f"mlp.{proj}"
+
+
+def build_lora(
+    out_dir: Path | str,
+    model_dir: Path | str,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets: tuple[str, ...] = LLAMA_PROJECTIONS,
+    scale: float = 0.3,
+    seed: int = 1,
+) -> Path:
+    """Write a random PEFT LoRA adapter for the model in model_dir, in the layout PEFT itself saves."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    shapes = _projection_shapes(config)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for proj in targets:
+            fan_in, fan_out = shapes[proj]
+            prefix = f"base_model.model.model.layers.{layer}.{_module_path(proj)}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * scale / fan_in**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * scale
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": list(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "base_model_name_or_path": str(model_dir),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return out
+
+
+def build_direft(
+    out_dir: Path | str,
+    model_dir: Path | str,
+    *,
+    rank: int = 4,
+    layers: tuple[int, ...] = (0, 2),
+    scale: float = 0.5,
+    seed: int = 2,
+) -> Path:
+    """Write a random DiReFT adapter (preft_config.json + layers.{l}.A/B/b) for the model in model_dir."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hidden = json.loads((Path(model_dir) / "config.json").read_text())["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in layers:
+        tensors[f"layers.{layer}.A"] = torch.randn(rank, hidden, generator=g) * scale / hidden**0.5
+        tensors[f"layers.{layer}.B"] = torch.randn(rank, hidden, generator=g) * scale
+        tensors[f"layers.{layer}.b"] = torch.randn(rank, generator=g) * scale
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "preft_config.json").write_text(
+        json.dumps({"method": "direft", "rank": rank, "layers": list(layers)}, indent=2)
+    )
+    return out

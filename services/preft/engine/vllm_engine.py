@@ -1,0 +1,141 @@
+"""The offline PreFT engine: one vLLM engine with the PreFT plugin serving mixed-adapter, mixed-mode batches.
+
+This is the only module of ours that uses vLLM's engine API (the plugin package is the only one that
+touches vLLM internals).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from preft.adapters import AdapterError, ModelShape
+from preft.engine.catalog import AdapterCatalog
+from preft.engine.requests import GenerationRequest, GenerationResult
+from preft.vllm_plugin.modes import mode_extra_args
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine is built; None means "vLLM's default for this machine"."""
+
+    model: str
+    dtype: str = "auto"
+    max_loras: int = 4  # adapter slots: adapters with prompt tokens in one step (prefill mode) or running (all)
+    max_lora_rank: int = 16  # largest LoRA or DiReFT rank accepted
+    max_cpu_loras: int | None = None  # adapters kept loaded in host memory (LRU), >= max_loras
+    max_num_batched_tokens: int | None = None  # tokens per step; longer prompts are prefilled in chunks
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None  # on CPU: fraction of one NUMA node's memory for the KV cache
+    enable_prefix_caching: bool = True
+    enforce_eager: bool | None = None
+    load_format: str = "auto"
+    seed: int = 0
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class PreftEngine:
+    """Runs generation requests, each with its own adapter (LoRA or DiReFT) and position mode, in one engine.
+
+    Requests are checked first (adapter validated against the model, prompt within vocabulary and context);
+    a bad request gets an error result and never reaches vLLM, so the others keep being served.
+    """
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.shape = ModelShape.from_model_dir(options.model)
+        self.catalog = AdapterCatalog(self.shape, max_rank=options.max_lora_rank)
+        # The plugin needs vLLM's V1 model runner (see preft.vllm_plugin.compat).
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        from vllm import LLM
+
+        o = options
+        on_cpu = _is_cpu()
+        kwargs: dict[str, Any] = dict(
+            model=o.model,
+            dtype=o.dtype,
+            enable_lora=True,
+            max_loras=o.max_loras,
+            max_lora_rank=o.max_lora_rank,
+            max_cpu_loras=max(o.max_cpu_loras or 0, o.max_loras, 64),
+            max_num_seqs=min(o.max_num_seqs, o.max_num_batched_tokens or o.max_num_seqs),
+            enable_prefix_caching=o.enable_prefix_caching,
+            enable_chunked_prefill=True,
+            gpu_memory_utilization=o.gpu_memory_utilization or (0.3 if on_cpu else 0.9),
+            enforce_eager=o.enforce_eager if o.enforce_eager is not None else on_cpu,
+            load_format=o.load_format,
+            seed=o.seed,
+        )
+        if o.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = o.max_num_batched_tokens
+        if o.max_model_len is not None:
+            kwargs["max_model_len"] = o.max_model_len
+        self.llm = LLM(**kwargs)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+
+    def _prepare(self, req: GenerationRequest) -> tuple[Any, Any, Any]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+
+        if req.prompt_ids is not None:
+            bad = [t for t in req.prompt_ids if t >= self.shape.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.shape.vocab_size})")
+            prompt: Any = TokensPrompt(prompt_token_ids=list(req.prompt_ids))
+            n_prompt = len(req.prompt_ids)
+        else:
+            prompt = req.prompt
+            n_prompt = len(self.llm.get_tokenizer().encode(req.prompt))
+        if n_prompt + req.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({req.max_tokens}) exceeds the context of "
+                f"{self.max_model_len} tokens"
+            )
+        lora = None
+        if req.adapter is not None:
+            entry = self.catalog.resolve(req.adapter)
+            lora = LoRARequest(entry.lora_name, entry.lora_int_id, str(entry.info.path))
+        params = SamplingParams(
+            temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True, extra_args=mode_extra_args(req.mode)
+        )
+        return prompt, params, lora
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Greedy generation for all requests in one engine run (mixed batches); results in request order."""
+        results: dict[int, GenerationResult] = {}
+        runnable: list[tuple[int, Any, Any, Any]] = []
+        for i, req in enumerate(requests):
+            try:
+                runnable.append((i, *self._prepare(req)))
+            except (AdapterError, ValueError, OSError) as e:
+                adapter = f"adapter {req.adapter}: " if isinstance(e, AdapterError) else ""
+                results[i] = GenerationResult(id=req.id, error=f"{adapter}{e}")
+        if runnable:
+            outputs = self.llm.generate(
+                [p for _, p, _, _ in runnable],
+                [s for _, _, s, _ in runnable],
+                lora_request=[lr for _, _, _, lr in runnable],
+                use_tqdm=False,
+            )
+            for (i, *_), out in zip(runnable, outputs, strict=True):
+                completion = out.outputs[0]
+                results[i] = GenerationResult(
+                    id=requests[i].id, token_ids=tuple(completion.token_ids), text=completion.text
+                )
+        return [results[i] for i in range(len(requests))]
+
+
+def model_dir_exists(path: str) -> bool:
+    return (Path(path) / "config.json").is_file()

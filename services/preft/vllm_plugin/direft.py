@@ -1,0 +1,182 @@
+"""DiReFT inside vLLM: adapter loading into slots, the batched residual-stream op, and its layer hook.
+
+A DiReFT adapter travels through vLLM's LoRA machinery (one LoRA id, one slot, one token->slot map, one
+scheduler limit), as a LoRAModel with no LoRA weights that carries its DiReFT tensors. When it takes a slot
+its tensors are copied into static per-slot buffers. Each decoder layer is given a subclass whose forward
+ends with ``preft::direft_delta``: for every token whose slot holds a DiReFT adapter with this layer,
+delta = Bᵀ(A·h + b) at the residual stream h after the layer. The layer then returns (delta, h), which the
+next layer's fused add-norm (or the final norm) sums to h + delta, exactly as in the reference.
+
+The op is opaque to torch.compile. On CPU (eager) it works on the step's token groups and skips tokens
+without DiReFT. On GPU it is one dense, shape-static computation over all slots (one-hot slot masks), so it
+can be captured in CUDA graphs: no host sync, no per-adapter loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from preft.adapters import AdapterMethod, ModelShape, load_direft_tensors
+from preft.adapters.formats import detect_method
+from preft.vllm_plugin import compat
+from preft.vllm_plugin.patching import wrap_method
+from preft.vllm_plugin.state import STATES, PreftSlotState
+
+logger = logging.getLogger(__name__)
+
+
+# --- the op ------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("preft::direft_delta", mutates_args=())
+def direft_delta(h: torch.Tensor, layer: int, state_id: int) -> torch.Tensor:
+    """Bᵀ(A·h + b) for each token's DiReFT slot at `layer`; zero for tokens without one."""
+    state = STATES[state_id]
+    if state.eager:
+        return _delta_grouped(state, h, layer)
+    return _delta_dense(state, h, layer)
+
+
+@direft_delta.register_fake
+def _(h: torch.Tensor, layer: int, state_id: int) -> torch.Tensor:
+    return torch.empty_like(h)
+
+
+def _delta_grouped(state: PreftSlotState, h: torch.Tensor, layer: int) -> torch.Tensor:
+    out = torch.zeros_like(h)
+    groups = state.step_direft_groups
+    mask = state.direft_layer_mask
+    for slot, s, e in groups.segments:
+        if not mask[slot, layer]:
+            continue
+        rows = groups.rows[s:e]
+        z = h.index_select(0, rows) @ state.direft_a[layer, slot].T + state.direft_bias[layer, slot]
+        out.index_copy_(0, rows, z @ state.direft_b[layer, slot])
+    return out
+
+
+def _delta_dense(state: PreftSlotState, h: torch.Tensor, layer: int) -> torch.Tensor:
+    n = h.shape[0]
+    slots = state.direft_token_slots[:n]
+    a, b, bias = state.direft_a[layer], state.direft_b[layer], state.direft_bias[layer]  # [S,r,H],[S,r,H],[S,r]
+    s, r, hidden = a.shape
+    onehot = (slots.unsqueeze(1) == torch.arange(s, device=h.device)).to(h.dtype)  # [n, S]
+    z = (h @ a.reshape(s * r, hidden).T).view(n, s, r) + bias
+    z = z * onehot.unsqueeze(2)
+    return z.reshape(n, s * r) @ b.reshape(s * r, hidden)
+
+
+# --- the layer hook ------------------------------------------------------------------------------------------
+
+_LAYER_CLASSES: dict[type, type] = {}
+
+
+def _direft_layer_class(base: type) -> type:
+    if base not in _LAYER_CLASSES:
+        base_forward = base.forward
+
+        def forward(self, positions, hidden_states, residual, *args: Any, **kwargs: Any):
+            hidden_states, residual = base_forward(self, positions, hidden_states, residual, *args, **kwargs)
+            stream = hidden_states + residual
+            delta = torch.ops.preft.direft_delta(stream, self.preft_layer_index, self.preft_state_id)
+            return delta, stream
+
+        _LAYER_CLASSES[base] = type(f"Direft{base.__name__}", (base,), {"forward": forward})
+    return _LAYER_CLASSES[base]
+
+
+def install_layers(model: torch.nn.Module, state: PreftSlotState) -> bool:
+    """Give every decoder layer the DiReFT edit; False (and DiReFT refused) for unsupported architectures."""
+    if compat.model_architecture(model) not in compat.DIREFT_ARCHITECTURES:
+        return False
+    for index, layer in enumerate(compat.decoder_layers(model)):
+        if type(layer).__name__.startswith("PPMissing"):
+            continue
+        layer.__class__ = _direft_layer_class(type(layer))
+        layer.preft_layer_index = index
+        layer.preft_state_id = state.id
+    return True
+
+
+# --- vLLM LoRA manager hooks ---------------------------------------------------------------------------------
+
+
+def _create_lora_manager(original):
+    def create_lora_manager(self, model, vllm_config, *args: Any, **kwargs: Any):
+        if vllm_config.use_v2_model_runner:
+            raise compat.UnsupportedVllmError(
+                "PreFT needs vLLM's V1 model runner: set VLLM_USE_V2_MODEL_RUNNER=0 (preft's engine does)"
+            )
+        result = original(self, model, vllm_config, *args, **kwargs)
+        manager = self._adapter_manager
+        lora_config = vllm_config.lora_config
+        shape = ModelShape.from_config(vllm_config.model_config.hf_config.get_text_config().to_dict())
+        state = PreftSlotState(
+            shape=shape,
+            max_slots=lora_config.max_loras,
+            max_rank=lora_config.max_lora_rank,
+            max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            dtype=vllm_config.model_config.dtype,
+            device=self.device,
+        )
+        self.preft_state = manager.preft_state = state
+        for wrapper in manager.punica_wrapper_mapping.values():
+            wrapper.preft_state = state
+        state.direft_supported = install_layers(manager.model, state)
+        return result
+
+    return create_lora_manager
+
+
+def _load_adapter(original):
+    def load_adapter(self, lora_request, *args: Any, **kwargs: Any):
+        if detect_method(lora_request.lora_path) is not AdapterMethod.DIREFT:
+            return original(self, lora_request, *args, **kwargs)
+        state: PreftSlotState = self.preft_state
+        if not getattr(state, "direft_supported", False):
+            raise compat.UnsupportedVllmError(
+                f"DiReFT adapters need one of {compat.DIREFT_ARCHITECTURES}, not {state.shape.architecture}"
+            )
+        tensors = load_direft_tensors(lora_request.lora_path, state.shape, max_rank=state.max_rank)
+        model = self._lora_model_cls(lora_request.lora_int_id, max(a.shape[0] for a, _, _ in tensors.values()), {})
+        model.preft_direft = tensors
+        return model
+
+    return load_adapter
+
+
+def _activate_adapter(original):
+    def activate_adapter(self, lora_id: int, *args: Any, **kwargs: Any) -> bool:
+        activated = original(self, lora_id, *args, **kwargs)
+        state: PreftSlotState | None = getattr(self, "preft_state", None)
+        if activated and state is not None:
+            lora_model = self._registered_adapters[lora_id]
+            slot = self.lora_index_to_id.index(lora_id)
+            state.load_slot(
+                slot, lora_id, has_lora=bool(lora_model.loras), direft=getattr(lora_model, "preft_direft", None)
+            )
+        return activated
+
+    return activate_adapter
+
+
+def _create_merged_loras_inplace(original):
+    def create_merged_loras_inplace(self, lora_model, *args: Any, **kwargs: Any) -> None:
+        if not lora_model.loras:  # a DiReFT-only adapter has no LoRA weights to pack
+            return None
+        return original(self, lora_model, *args, **kwargs)
+
+    return create_merged_loras_inplace
+
+
+def install() -> None:
+    worker_base, worker_lru = compat.worker_lora_manager_classes()
+    for cls in (worker_base, worker_lru):
+        wrap_method(cls, "create_lora_manager", _create_lora_manager)
+    wrap_method(worker_base, "_load_adapter", _load_adapter)
+    manager = compat.lora_model_manager_module().LoRAModelManager
+    wrap_method(manager, "activate_adapter", _activate_adapter)
+    wrap_method(manager, "_create_merged_loras_inplace", _create_merged_loras_inplace)

@@ -1,0 +1,92 @@
+"""Per-worker PreFT state: what each adapter slot holds and this step's token-to-slot maps.
+
+One instance per vLLM worker (attached to its LoRA managers and punica wrapper). It owns the DiReFT slot
+buffers, which are static so CUDA graphs can read them: a slot's contents change when an adapter takes the
+slot, the token-to-slot map changes every step, their addresses never change.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from preft.adapters import ModelShape
+from preft.vllm_plugin.groups import EMPTY_GROUPS, TokenGroups
+
+_ids = itertools.count(1)
+STATES: dict[int, PreftSlotState] = {}
+
+
+@dataclass(frozen=True)
+class SlotContents:
+    lora_id: int
+    has_lora: bool
+    direft_layers: tuple[int, ...]
+
+
+class PreftSlotState:
+    """Slot bookkeeping and DiReFT buffers for one worker."""
+
+    def __init__(
+        self, *, shape: ModelShape, max_slots: int, max_rank: int, max_tokens: int, dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.id = next(_ids)
+        STATES[self.id] = self
+        self.shape, self.max_slots, self.max_rank = shape, max_slots, max_rank
+        self.device = torch.device(device)
+        self.eager = self.device.type == "cpu"
+        layers, hidden = shape.num_layers, shape.hidden_size
+        self.direft_a = torch.zeros(layers, max_slots, max_rank, hidden, dtype=dtype, device=device)
+        self.direft_b = torch.zeros(layers, max_slots, max_rank, hidden, dtype=dtype, device=device)
+        self.direft_bias = torch.zeros(layers, max_slots, max_rank, dtype=dtype, device=device)
+        self.direft_layer_mask = np.zeros((max_slots, layers), dtype=bool)
+        self.slot_has_lora = torch.zeros(max_slots + 1, dtype=torch.bool, device=device)  # [-1] stays False
+        self.slot_has_direft = torch.zeros(max_slots + 1, dtype=torch.bool, device=device)
+        self.direft_token_slots = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+        self.lora_ids_with_lora: set[int] = set()
+        self.lora_ids_with_direft: set[int] = set()
+        self.step_num_lora_adapters = 0
+        self.step_direft_groups: TokenGroups = EMPTY_GROUPS
+
+    # --- slots -------------------------------------------------------------------------------------------
+    def load_slot(self, slot: int, lora_id: int, *, has_lora: bool, direft: dict | None) -> SlotContents:
+        """Record what adapter `lora_id` brings into `slot`; copy its DiReFT tensors (zeros elsewhere)."""
+        self.slot_has_lora[slot] = has_lora
+        (self.lora_ids_with_lora.add if has_lora else self.lora_ids_with_lora.discard)(lora_id)
+        self.direft_a[:, slot].zero_()
+        self.direft_b[:, slot].zero_()
+        self.direft_bias[:, slot].zero_()
+        self.direft_layer_mask[slot] = False
+        for layer, (a, b, bias) in (direft or {}).items():
+            r = a.shape[0]
+            self.direft_a[layer, slot, :r].copy_(a)
+            self.direft_b[layer, slot, :r].copy_(b)
+            self.direft_bias[layer, slot, :r].copy_(bias)
+            self.direft_layer_mask[slot, layer] = True
+        self.slot_has_direft[slot] = bool(direft)
+        (self.lora_ids_with_direft.add if direft else self.lora_ids_with_direft.discard)(lora_id)
+        return SlotContents(lora_id, has_lora, tuple(sorted(direft or {})))
+
+    # --- steps -------------------------------------------------------------------------------------------
+    def count_lora_adapters(self, active_lora_ids: np.ndarray) -> int:
+        """Adapters with tokens in this step that carry LoRA weights (what graph dispatch must know)."""
+        self.step_num_lora_adapters = sum(int(i) in self.lora_ids_with_lora for i in active_lora_ids)
+        return self.step_num_lora_adapters
+
+    def split_slots(self, token_slots: torch.Tensor) -> torch.Tensor:
+        """From the step's token->slot map, record the DiReFT map; return the map for the LoRA kernels."""
+        safe = torch.where(token_slots >= 0, token_slots, self.max_slots)
+        n = token_slots.shape[0]
+        direft_slots = torch.where(self.slot_has_direft[safe], token_slots, -1)
+        self.direft_token_slots[:n].copy_(direft_slots)
+        if self.eager:
+            self.step_direft_groups = TokenGroups.from_slots(direft_slots)
+        return self.lora_slots(token_slots)
+
+    def lora_slots(self, token_slots: torch.Tensor) -> torch.Tensor:
+        safe = torch.where(token_slots >= 0, token_slots, self.max_slots)
+        return torch.where(self.slot_has_lora[safe], token_slots, -1)

@@ -1,0 +1,80 @@
+"""Model-runner side of PreFT: which tokens of a step run with which adapter, and graph dispatch.
+
+- The input batch stores a prefill-only request's LoRA id negated (patch #2 in compat), so the flag moves
+  with the request through vLLM's own swap/condense bookkeeping of that array.
+- ``set_active_loras`` (patch #1) maps each scheduled token from its position: prompt positions of a
+  prefill-mode request carry the adapter, generated positions map to "no adapter", and only adapters with
+  tokens in the step are activated.
+- CUDA-graph dispatch (patch #3) counts only adapters whose LoRA weights have tokens in the step, so a
+  decode-only PreFT step replays the no-LoRA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from preft.vllm_plugin import compat
+from preft.vllm_plugin.modes import is_prefill_only
+from preft.vllm_plugin.patching import wrap_method
+from preft.vllm_plugin.token_mapping import build_step_mapping
+
+
+def _add_request(original):
+    def add_request(self, request, *args: Any, **kwargs: Any):
+        index = original(self, request, *args, **kwargs)
+        if request.lora_request is not None and is_prefill_only(request.sampling_params):
+            self.request_lora_mapping[index] = -abs(self.request_lora_mapping[index])
+        return index
+
+    return add_request
+
+
+def _remove_request(original):
+    def remove_request(self, req_id: str, *args: Any, **kwargs: Any):
+        index = self.req_id_to_index.get(req_id)
+        if index is not None:
+            self.request_lora_mapping[index] = abs(self.request_lora_mapping[index])
+        return original(self, req_id, *args, **kwargs)
+
+    return remove_request
+
+
+def _set_active_loras(original):
+    def set_active_loras(self, input_batch, num_scheduled_tokens, num_sampled_tokens=None, *args, **kwargs):
+        if num_sampled_tokens is None:
+            num_sampled_tokens = np.ones_like(num_scheduled_tokens, dtype=np.int32)
+        n = len(num_scheduled_tokens)
+        step = build_step_mapping(
+            input_batch.request_lora_mapping[:n],
+            input_batch.num_prompt_tokens[:n],
+            input_batch.num_computed_tokens_cpu[:n],
+            num_scheduled_tokens,
+            num_sampled_tokens,
+        )
+        requests = {input_batch.lora_id_to_lora_request[int(i)] for i in step.active_ids}
+        return self._set_active_loras(
+            tuple(step.sampled_ids.tolist()), tuple(step.token_ids.tolist()), requests, *args, **kwargs
+        )
+
+    return set_active_loras
+
+
+def _determine_batch_execution_and_padding(original):
+    def determine(self, *args: Any, **kwargs: Any):
+        state = getattr(getattr(self, "lora_manager", None), "preft_state", None)
+        if state is not None and kwargs.get("force_has_lora") is None and kwargs.get("force_num_active_loras") is None:
+            kwargs["force_num_active_loras"] = state.step_num_lora_adapters
+            kwargs["force_has_lora"] = state.step_num_lora_adapters > 0
+        return original(self, *args, **kwargs)
+
+    return determine
+
+
+def install() -> None:
+    batch = compat.input_batch_cls()
+    wrap_method(batch, "add_request", _add_request)
+    wrap_method(batch, "remove_request", _remove_request)
+    wrap_method(compat.lora_mixin(), "set_active_loras", _set_active_loras)
+    wrap_method(compat.gpu_model_runner_cls(), "_determine_batch_execution_and_padding", _determine_batch_execution_and_padding)

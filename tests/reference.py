@@ -1,0 +1,78 @@
+"""Reference PreFT generation with Hugging Face transformers + peft, written independently of the plugin.
+
+Greedy decoding over one KV cache: the prompt is run with the adapter on; in ``prefill`` mode every
+generated token is then run with the adapter off (attending to the adapter-computed prompt KV), in ``all``
+mode with it on. LoRA goes through peft (``disable_adapter()`` turns it off); DiReFT through forward hooks
+on the decoder layers that add Bᵀ(A·h + b) to the layer's output h.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+
+class _DireftHooks:
+    def __init__(self, model, adapter_dir: Path) -> None:
+        cfg = json.loads((adapter_dir / "preft_config.json").read_text())
+        weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
+        self.enabled = True
+        self.handles = []
+        for layer in cfg["layers"]:
+            a, b, bias = (weights[f"layers.{layer}.{p}"].double() for p in ("A", "B", "b"))
+            self.handles.append(model.model.layers[layer].register_forward_hook(self._hook(a, b, bias)))
+
+    def _hook(self, a, b, bias):
+        def hook(module, args, output):
+            if not self.enabled:
+                return output
+            h = output[0] if isinstance(output, tuple) else output
+            delta = ((h.double() @ a.T + bias) @ b).to(h.dtype)
+            h = h + delta
+            return (h, *output[1:]) if isinstance(output, tuple) else h
+
+        return hook
+
+
+def _method(adapter_dir: Path) -> str:
+    return "direft" if (adapter_dir / "preft_config.json").exists() else "lora"
+
+
+@torch.no_grad()
+def reference_generate(
+    model_dir: str | Path, prompt_ids: list[int], adapter_dir: str | Path | None, mode: str, max_tokens: int
+) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    adapter_off = contextlib.nullcontext
+    if adapter_dir is not None:
+        adapter_dir = Path(adapter_dir)
+        if _method(adapter_dir) == "lora":
+            model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+            adapter_off = model.disable_adapter
+        else:
+            hooks = _DireftHooks(model, adapter_dir)
+
+            @contextlib.contextmanager
+            def adapter_off():
+                hooks.enabled = False
+                try:
+                    yield
+                finally:
+                    hooks.enabled = True
+
+    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+    tokens = [token]
+    decode_ctx = adapter_off if mode == "prefill" else contextlib.nullcontext
+    for _ in range(max_tokens - 1):
+        with decode_ctx():
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+        tokens.append(token)
+    return tokens

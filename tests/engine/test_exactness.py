@@ -24,7 +24,10 @@ MAX_TOKENS = 12
 
 def _request(rid, prompt, adapter_dir, mode, max_tokens=MAX_TOKENS) -> GenerationRequest:
     return GenerationRequest(
-        id=rid, prompt_ids=tuple(prompt), adapter=str(adapter_dir) if adapter_dir else None, mode=mode,
+        id=rid,
+        prompt_ids=tuple(prompt),
+        adapter=str(adapter_dir) if adapter_dir else None,
+        mode=mode,
         max_tokens=max_tokens,
     )
 
@@ -123,6 +126,4 @@ def test_prefix_cache_reuse_is_exact(arch, engine, model_dirs, adapters):
 
 
 def _prefix_cache_hits(engine) -> float:
-    return sum(
-        getattr(m, "value", 0) for m in engine.llm.get_metrics() if m.name == "vllm:prefix_cache_hits"
-    )
+    return sum(getattr(m, "value", 0) for m in engine.llm.get_metrics() if m.name == "vllm:prefix_cache_hits")

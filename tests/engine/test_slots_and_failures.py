@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -36,8 +37,9 @@ def _intervals(engine, reqs):
 def test_prefill_mode_needs_one_slot_for_many_adapters(engine, four_loras):
     rng = random.Random(5)
     reqs = [
-        GenerationRequest(f"r{i}", prompt_ids=tuple(random_prompt(rng, 8)), adapter=str(d), mode="prefill",
-                          max_tokens=48)
+        GenerationRequest(
+            f"r{i}", prompt_ids=tuple(random_prompt(rng, 8)), adapter=str(d), mode="prefill", max_tokens=48
+        )
         for i, d in enumerate(four_loras)
     ]
     spans = _intervals(engine, reqs)
@@ -50,12 +52,11 @@ def test_all_mode_holds_its_slot_until_done(engine, four_loras):
     """The contrast that shows the previous test can fail: `all` mode serializes on one slot."""
     rng = random.Random(6)
     reqs = [
-        GenerationRequest(f"a{i}", prompt_ids=tuple(random_prompt(rng, 8)), adapter=str(d), mode="all",
-                          max_tokens=16)
+        GenerationRequest(f"a{i}", prompt_ids=tuple(random_prompt(rng, 8)), adapter=str(d), mode="all", max_tokens=16)
         for i, d in enumerate(four_loras)
     ]
     spans = sorted(_intervals(engine, reqs))
-    for (_, prev_last), (next_first, _) in zip(spans, spans[1:], strict=False):
+    for (_, prev_last), (next_first, _) in itertools.pairwise(spans):
         assert next_first >= prev_last, f"`all`-mode requests overlapped on a single slot: {spans}"
 
 
@@ -69,8 +70,9 @@ def test_bad_adapters_fail_alone_and_the_engine_keeps_serving(engine, model_dirs
         GenerationRequest("good-direft", prompt_ids=tuple(prompt), adapter=str(ads["direft_b"]), max_tokens=8),
         GenerationRequest("good-base", prompt_ids=tuple(prompt), max_tokens=8),
     ]
-    broken = [GenerationRequest(name, prompt_ids=tuple(prompt), adapter=str(p), max_tokens=8)
-              for name, (p, _) in bad.items()]
+    broken = [
+        GenerationRequest(name, prompt_ids=tuple(prompt), adapter=str(p), max_tokens=8) for name, (p, _) in bad.items()
+    ]
     too_long = GenerationRequest("too-long", prompt_ids=tuple(prompt * 30), max_tokens=8)
     out_of_vocab = GenerationRequest("out-of-vocab", prompt_ids=(1, 2, 10_000), max_tokens=8)
     results = {r.id: r for r in engine.generate([*broken[:10], *good, *broken[10:], too_long, out_of_vocab])}

@@ -18,7 +18,7 @@ import json
 import re
 import struct
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ LORA_TENSOR = re.compile(
 DIREFT_TENSOR = re.compile(r"^layers\.(?P<layer>\d+)\.(?P<part>A|B|b)$")
 
 
-class AdapterMethod(str, Enum):
+class AdapterMethod(StrEnum):
     """How an adapter changes the model."""
 
     LORA = "lora"
@@ -141,7 +141,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
     covered = 0
     for tensor, meta in header.items():
         try:
-            dtype, shape, (start, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
+            _dtype, shape, (start, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
             raise AdapterError("corrupt safetensors entry", file=name, tensor=tensor) from e
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
@@ -154,9 +154,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
             )
         covered += end - start
     if covered != data_len:
-        raise AdapterError(
-            f"corrupt or truncated: tensors cover {covered} of {data_len} data bytes", file=name
-        )
+        raise AdapterError(f"corrupt or truncated: tensors cover {covered} of {data_len} data bytes", file=name)
     return header
 
 
@@ -268,8 +266,10 @@ def _inspect_direft(d: Path, shape: ModelShape, max_rank: int) -> tuple[int, tup
         raise AdapterError(f"method must be 'direft', got {cfg.get('method')!r}", file=DIREFT_CONFIG)
     rank = _positive_rank(cfg.get("rank"), DIREFT_CONFIG, max_rank)
     layers = cfg.get("layers")
-    if not isinstance(layers, list) or not layers or not all(
-        isinstance(x, int) and not isinstance(x, bool) for x in layers
+    if (
+        not isinstance(layers, list)
+        or not layers
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
     ):
         raise AdapterError(f"layers must be a non-empty list of integers, got {layers!r}", file=DIREFT_CONFIG)
     if len(set(layers)) != len(layers):
@@ -321,18 +321,23 @@ def inspect_adapter(adapter_dir: str | Path, shape: ModelShape, *, max_rank: int
         (rank, layers), targets = _inspect_direft(d, shape, max_rank), ()
     size = sum((d / n).stat().st_size for n in (LORA_CONFIG, DIREFT_CONFIG, WEIGHTS) if (d / n).is_file())
     return AdapterInfo(
-        path=d.resolve(), method=method, rank=rank, digest=adapter_digest(d), targets=targets,
-        layers=layers, size_bytes=size,
+        path=d.resolve(),
+        method=method,
+        rank=rank,
+        digest=adapter_digest(d),
+        targets=targets,
+        layers=layers,
+        size_bytes=size,
     )
 
 
-def load_direft_tensors(adapter_dir: str | Path, shape: ModelShape, *, max_rank: int) -> dict[int, tuple[Any, Any, Any]]:
+def load_direft_tensors(
+    adapter_dir: str | Path, shape: ModelShape, *, max_rank: int
+) -> dict[int, tuple[Any, Any, Any]]:
     """Validate then load a DiReFT adapter: layer -> (A [r, H], B [r, H], b [r]) as float32 CPU tensors."""
     from safetensors.torch import load_file
 
     d = Path(adapter_dir)
     _, layers = _inspect_direft(d, shape, max_rank)
     tensors = load_file(str(d / WEIGHTS), device="cpu")
-    return {
-        layer: tuple(tensors[f"layers.{layer}.{part}"].float() for part in ("A", "B", "b")) for layer in layers
-    }
+    return {layer: tuple(tensors[f"layers.{layer}.{part}"].float() for part in ("A", "B", "b")) for layer in layers}

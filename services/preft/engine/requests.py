@@ -74,6 +74,7 @@ class GenerationResult:
     token_ids: tuple[int, ...] = field(default=())
     text: str = ""
     error: str | None = None
+    first_token_latency_s: float | None = None  # arrival to first token (engine stats), when recorded
 
     def to_json(self) -> dict[str, Any]:
         if self.error is not None:

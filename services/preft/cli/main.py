@@ -38,16 +38,20 @@ def _engine(model: Path, dtype: str, max_loras: int, max_lora_rank: int, batched
     if dtype not in ("float32", "bfloat16", "float16", "auto"):
         err.print(f"[red]error:[/red] --dtype must be float32, bfloat16, float16 or auto, not {dtype!r}")
         raise typer.Exit(2)
-    return PreftEngine(
-        EngineOptions(
-            model=str(model),
-            dtype=dtype,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            max_num_batched_tokens=batched,
-            max_model_len=max_len,
+    try:
+        return PreftEngine(
+            EngineOptions(
+                model=str(model),
+                dtype=dtype,
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                max_num_batched_tokens=batched,
+                max_model_len=max_len,
+            )
         )
-    )
+    except Exception as e:  # the CLI boundary: vLLM raises many kinds for a model it cannot serve
+        err.print(f"[red]error:[/red] cannot start the engine on {model}: {e}")
+        raise typer.Exit(2) from None
 
 
 @app.command()

@@ -7,9 +7,9 @@ ends with ``preft::direft_delta``: for every token whose slot holds a DiReFT ada
 delta = Bᵀ(A·h + b) at the residual stream h after the layer. The layer then returns (delta, h), which the
 next layer's fused add-norm (or the final norm) sums to h + delta, exactly as in the reference.
 
-The op is opaque to torch.compile. On CPU (eager) it works on the step's token groups and skips tokens
-without DiReFT. On GPU it is one dense, shape-static computation over all slots (one-hot slot masks), so it
-can be captured in CUDA graphs: no host sync, no per-adapter loop.
+The op is opaque to torch.compile and batched over all adapters of the step (no per-adapter loop): one
+computation over all slots with one-hot slot masks. On GPU it runs over every token with static shapes, so
+CUDA graphs can capture it; on CPU (eager) it runs over the adapted tokens only.
 """
 
 from __future__ import annotations
@@ -35,9 +35,13 @@ logger = logging.getLogger(__name__)
 def direft_delta(h: torch.Tensor, layer: int, state_id: int) -> torch.Tensor:
     """Bᵀ(A·h + b) for each token's DiReFT slot at `layer`; zero for tokens without one."""
     state = STATES[state_id]
-    if state.eager:
-        return _delta_grouped(state, h, layer)
-    return _delta_dense(state, h, layer)
+    if not state.eager:
+        return _delta(state, h, state.direft_token_slots[: h.shape[0]], layer)
+    rows, slots = state.step_direft_rows, state.step_direft_row_slots
+    out = torch.zeros_like(h)
+    if rows.numel():
+        out.index_copy_(0, rows, _delta(state, h.index_select(0, rows), slots, layer))
+    return out
 
 
 @direft_delta.register_fake
@@ -45,22 +49,13 @@ def _(h: torch.Tensor, layer: int, state_id: int) -> torch.Tensor:
     return torch.empty_like(h)
 
 
-def _delta_grouped(state: PreftSlotState, h: torch.Tensor, layer: int) -> torch.Tensor:
-    out = torch.zeros_like(h)
-    groups = state.step_direft_groups
-    mask = state.direft_layer_mask
-    for slot, s, e in groups.segments:
-        if not mask[slot, layer]:
-            continue
-        rows = groups.rows[s:e]
-        z = h.index_select(0, rows) @ state.direft_a[layer, slot].T + state.direft_bias[layer, slot]
-        out.index_copy_(0, rows, z @ state.direft_b[layer, slot])
-    return out
+def _delta(state: PreftSlotState, h: torch.Tensor, slots: torch.Tensor, layer: int) -> torch.Tensor:
+    """All slots at once: z = A_all·h + b masked to each token's own slot (-1: none), then Bᵀz.
 
-
-def _delta_dense(state: PreftSlotState, h: torch.Tensor, layer: int) -> torch.Tensor:
+    Shape-static and free of host syncs (CUDA-graph safe); its cost grows with slots × rank, which PreFT keeps
+    small because only requests still in their prompt hold a slot.
+    """
     n = h.shape[0]
-    slots = state.direft_token_slots[:n]
     a, b, bias = state.direft_a[layer], state.direft_b[layer], state.direft_bias[layer]  # [S,r,H],[S,r,H],[S,r]
     s, r, hidden = a.shape
     onehot = (slots.unsqueeze(1) == torch.arange(s, device=h.device)).to(h.dtype)  # [n, S]

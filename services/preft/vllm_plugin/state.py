@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from preft.adapters import ModelShape
-from preft.vllm_plugin.groups import EMPTY_GROUPS, TokenGroups
 
 _ids = itertools.count(1)
 STATES: dict[int, PreftSlotState] = {}
@@ -49,14 +48,15 @@ class PreftSlotState:
         self.direft_a = torch.zeros(layers, max_slots, max_rank, hidden, dtype=dtype, device=device)
         self.direft_b = torch.zeros(layers, max_slots, max_rank, hidden, dtype=dtype, device=device)
         self.direft_bias = torch.zeros(layers, max_slots, max_rank, dtype=dtype, device=device)
-        self.direft_layer_mask = np.zeros((max_slots, layers), dtype=bool)
         self.slot_has_lora = torch.zeros(max_slots + 1, dtype=torch.bool, device=device)  # [-1] stays False
         self.slot_has_direft = torch.zeros(max_slots + 1, dtype=torch.bool, device=device)
         self.direft_token_slots = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
         self.lora_ids_with_lora: set[int] = set()
         self.lora_ids_with_direft: set[int] = set()
         self.step_num_lora_adapters = 0
-        self.step_direft_groups: TokenGroups = EMPTY_GROUPS
+        # Eager (CPU) path: the step's tokens that have a DiReFT slot, and those slots.
+        self.step_direft_rows = torch.zeros(0, dtype=torch.long)
+        self.step_direft_row_slots = torch.zeros(0, dtype=torch.long)
 
     # --- slots -------------------------------------------------------------------------------------------
     def load_slot(self, slot: int, lora_id: int, *, has_lora: bool, direft: dict | None) -> SlotContents:
@@ -66,13 +66,11 @@ class PreftSlotState:
         self.direft_a[:, slot].zero_()
         self.direft_b[:, slot].zero_()
         self.direft_bias[:, slot].zero_()
-        self.direft_layer_mask[slot] = False
         for layer, (a, b, bias) in (direft or {}).items():
             r = a.shape[0]
             self.direft_a[layer, slot, :r].copy_(a)
             self.direft_b[layer, slot, :r].copy_(b)
             self.direft_bias[layer, slot, :r].copy_(bias)
-            self.direft_layer_mask[slot, layer] = True
         self.slot_has_direft[slot] = bool(direft)
         (self.lora_ids_with_direft.add if direft else self.lora_ids_with_direft.discard)(lora_id)
         return SlotContents(lora_id, has_lora, tuple(sorted(direft or {})))
@@ -90,7 +88,8 @@ class PreftSlotState:
         direft_slots = torch.where(self.slot_has_direft[safe], token_slots, -1)
         self.direft_token_slots[:n].copy_(direft_slots)
         if self.eager:
-            self.step_direft_groups = TokenGroups.from_slots(direft_slots)
+            self.step_direft_rows = torch.nonzero(direft_slots >= 0).squeeze(1)
+            self.step_direft_row_slots = direft_slots[self.step_direft_rows]
         return self.lora_slots(token_slots)
 
     def lora_slots(self, token_slots: torch.Tensor) -> torch.Tensor:

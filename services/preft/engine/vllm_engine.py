@@ -6,7 +6,6 @@ touches vLLM internals).
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +14,6 @@ from preft.adapters import AdapterError, ModelShape
 from preft.engine.catalog import AdapterCatalog
 from preft.engine.requests import GenerationRequest, GenerationResult
 from preft.vllm_plugin.modes import mode_extra_args
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

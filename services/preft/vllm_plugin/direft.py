@@ -14,7 +14,6 @@ CUDA graphs can capture it; on CPU (eager) it runs over the adapted tokens only.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -24,9 +23,6 @@ from preft.adapters.formats import detect_method
 from preft.vllm_plugin import compat
 from preft.vllm_plugin.patching import wrap_method
 from preft.vllm_plugin.state import STATES, PreftSlotState
-
-logger = logging.getLogger(__name__)
-
 
 # --- the op ------------------------------------------------------------------------------------------------
 

@@ -83,15 +83,19 @@ class PreftSlotState:
 
     def split_slots(self, token_slots: torch.Tensor) -> torch.Tensor:
         """From the step's token->slot map, record the DiReFT map; return the map for the LoRA kernels."""
-        safe = torch.where(token_slots >= 0, token_slots, self.max_slots)
+        safe = self._indexable(token_slots)
         n = token_slots.shape[0]
         direft_slots = torch.where(self.slot_has_direft[safe], token_slots, -1)
         self.direft_token_slots[:n].copy_(direft_slots)
         if self.eager:
             self.step_direft_rows = torch.nonzero(direft_slots >= 0).squeeze(1)
             self.step_direft_row_slots = direft_slots[self.step_direft_rows]
-        return self.lora_slots(token_slots)
+        return torch.where(self.slot_has_lora[safe], token_slots, -1)
 
     def lora_slots(self, token_slots: torch.Tensor) -> torch.Tensor:
-        safe = torch.where(token_slots >= 0, token_slots, self.max_slots)
-        return torch.where(self.slot_has_lora[safe], token_slots, -1)
+        """The map with slots that hold no LoRA weights (DiReFT-only adapters) turned into -1."""
+        return torch.where(self.slot_has_lora[self._indexable(token_slots)], token_slots, -1)
+
+    def _indexable(self, token_slots: torch.Tensor) -> torch.Tensor:
+        """-1 ("no adapter") replaced by the extra always-False entry at index max_slots of the slot masks."""
+        return torch.where(token_slots >= 0, token_slots, self.max_slots)

@@ -118,7 +118,8 @@ def _adapters(model_dir: Path, root: Path, args) -> dict[str, list[Path]]:
                 data["preft_bench_copy"] = i  # a distinct digest: to the engine, a distinct adapter
                 (d / cfg).write_text(json.dumps(data))
             out[kind].append(d)
-    shutil.rmtree(root / "proto-lora", ignore_errors=True)
+    for proto in (proto_lora, proto_direft):  # the copies hard-link the weights; the prototypes can go
+        shutil.rmtree(proto, ignore_errors=True)
     return out
 
 

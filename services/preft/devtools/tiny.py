@@ -12,103 +12,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from preft.adapters import ModelShape
+from preft.adapters.formats import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+
 Arch = Literal["llama", "qwen2"]
 
-LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LLAMA_PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
 
-_WORDS = [
-    "the",
-    "a",
-    "an",
-    "of",
-    "to",
-    "in",
-    "on",
-    "for",
-    "with",
-    "and",
-    "or",
-    "but",
-    "not",
-    "is",
-    "are",
-    "was",
-    "were",
-    "be",
-    "been",
-    "have",
-    "has",
-    "had",
-    "do",
-    "does",
-    "did",
-    "adapter",
-    "prefill",
-    "decode",
-    "token",
-    "model",
-    "serve",
-    "tenant",
-    "request",
-    "batch",
-    "cache",
-    "block",
-    "slot",
-    "layer",
-    "weight",
-    "rank",
-    "prompt",
-    "output",
-    "stream",
-    "engine",
-    "gateway",
-    "registry",
-    "metric",
-    "latency",
-    "throughput",
-    "memory",
-    "compute",
-    "kernel",
-    "graph",
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "red",
-    "green",
-    "blue",
-    "cat",
-    "dog",
-    "bird",
-    "fish",
-    "tree",
-    "river",
-    "mountain",
-    "city",
-    "road",
-    "house",
-    "book",
-    "one",
-    "two",
-    "three",
-    "four",
-    "five",
-    "six",
-    "seven",
-    "eight",
-    "nine",
-    "ten",
-    "hello",
-    "world",
-    "yes",
-    "no",
-    "why",
-    "how",
-    "what",
-    "when",
-    "where",
-    "who",
-]
+_WORDS = (  # noqa: SIM905 (one readable string, not a 90-line list)
+    "the a an of to in on for with and or but not is are was were be been have has had do does did "
+    "adapter prefill decode token model serve tenant request batch cache block slot layer weight rank "
+    "prompt output stream engine gateway registry metric latency throughput memory compute kernel graph "
+    "alpha beta gamma delta red green blue cat dog bird fish tree river mountain city road house book one "
+    "two three four five six seven eight nine ten hello world yes no why how what when where who"
+).split()
 
 
 @dataclass(frozen=True)
@@ -195,26 +112,6 @@ def build_model(out_dir: Path | str, spec: TinyModelSpec = TinyModelSpec()) -> P
     return out
 
 
-def _projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each Llama/Qwen2 linear projection."""
-    h, i = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    return {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, i),
-        "up_proj": (h, i),
-        "down_proj": (i, h),
-    }
-
-
-def _module_path(proj: str) -> str:
-    return f"self_attn.{proj}" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else f"mlp.{proj}"
-
-
 def build_lora(
     out_dir: Path | str,
     model_dir: Path | str,
@@ -231,14 +128,14 @@ def build_lora(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    shapes = _projection_shapes(config)
+    shape = ModelShape.from_model_dir(model_dir)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(config["num_hidden_layers"]):
+    for layer in range(shape.num_layers):
         for proj in targets:
-            fan_in, fan_out = shapes[proj]
-            prefix = f"base_model.model.model.layers.{layer}.{_module_path(proj)}"
+            fan_in, fan_out = shape.projection_shape(proj)
+            block = "self_attn" if proj in ATTENTION_PROJECTIONS else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{proj}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * scale / fan_in**0.5
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * scale
     save_file(tensors, str(out / "adapter_model.safetensors"))
@@ -275,7 +172,7 @@ def build_direft(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hidden = json.loads((Path(model_dir) / "config.json").read_text())["hidden_size"]
+    hidden = ModelShape.from_model_dir(model_dir).hidden_size
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in layers:

@@ -136,7 +136,7 @@ def preft_wrapper_class(base: type) -> type:
     if base not in _CLASSES:
         if issubclass(base, compat.punica_cpu_cls()):
             mixin = _CpuOps
-        elif base.__name__ == "PunicaWrapperGPU":
+        elif issubclass(base, compat.punica_gpu_cls()):
             mixin = _GpuMetadata
         else:
             raise compat.UnsupportedVllmError(f"PreFT does not support the punica wrapper {base.__name__}")

@@ -8,7 +8,6 @@ slot, the token-to-slot map changes every step, their addresses never change.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,13 +16,6 @@ from preft.adapters import ModelShape
 
 _ids = itertools.count(1)
 STATES: dict[int, PreftSlotState] = {}
-
-
-@dataclass(frozen=True)
-class SlotContents:
-    lora_id: int
-    has_lora: bool
-    direft_layers: tuple[int, ...]
 
 
 class PreftSlotState:
@@ -59,7 +51,7 @@ class PreftSlotState:
         self.step_direft_row_slots = torch.zeros(0, dtype=torch.long)
 
     # --- slots -------------------------------------------------------------------------------------------
-    def load_slot(self, slot: int, lora_id: int, *, has_lora: bool, direft: dict | None) -> SlotContents:
+    def load_slot(self, slot: int, lora_id: int, *, has_lora: bool, direft: dict | None) -> None:
         """Record what adapter `lora_id` brings into `slot`; copy its DiReFT tensors (zeros elsewhere)."""
         self.slot_has_lora[slot] = has_lora
         (self.lora_ids_with_lora.add if has_lora else self.lora_ids_with_lora.discard)(lora_id)
@@ -73,7 +65,6 @@ class PreftSlotState:
             self.direft_bias[layer, slot, :r].copy_(bias)
         self.slot_has_direft[slot] = bool(direft)
         (self.lora_ids_with_direft.add if direft else self.lora_ids_with_direft.discard)(lora_id)
-        return SlotContents(lora_id, has_lora, tuple(sorted(direft or {})))
 
     # --- steps -------------------------------------------------------------------------------------------
     def count_lora_adapters(self, active_lora_ids: np.ndarray) -> int:

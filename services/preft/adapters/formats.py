@@ -17,6 +17,7 @@ import hashlib
 import json
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -27,6 +28,7 @@ from preft.adapters.errors import AdapterError
 LORA_CONFIG = "adapter_config.json"
 DIREFT_CONFIG = "preft_config.json"
 WEIGHTS = "adapter_model.safetensors"
+ADAPTER_FILES = (LORA_CONFIG, DIREFT_CONFIG, WEIGHTS)  # the files the engine reads
 PICKLE_WEIGHTS = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "pytorch_model.bin")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
@@ -180,14 +182,14 @@ def detect_method(adapter_dir: str | Path) -> AdapterMethod:
         return AdapterMethod.DIREFT
     if (d / LORA_CONFIG).exists():
         return AdapterMethod.LORA
-    raise AdapterError(f"neither {LORA_CONFIG} (PEFT LoRA) nor {DIREFT_CONFIG} (DiReFT) found in {str(d)!r}")
+    raise AdapterError(f"neither {LORA_CONFIG} (PEFT LoRA) nor {DIREFT_CONFIG} (DiReFT) is in the adapter")
 
 
 def _positive_rank(value: Any, file: str, max_rank: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise AdapterError(f"rank must be a positive integer, got {value!r}", file=file)
     if value > max_rank:
-        raise AdapterError(f"rank {value} is over this engine's limit of {max_rank}", file=file)
+        raise AdapterError(f"rank {value} is over the limit of {max_rank}", file=file)
     return value
 
 
@@ -297,37 +299,70 @@ def _inspect_direft(d: Path, shape: ModelShape, max_rank: int) -> tuple[int, tup
     return rank, tuple(sorted(layers))
 
 
-def adapter_digest(adapter_dir: str | Path) -> str:
-    """sha256 over the adapter's config and weight files (names and contents): its content identity."""
-    d = Path(adapter_dir)
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
     h = hashlib.sha256()
-    for name in sorted((LORA_CONFIG, DIREFT_CONFIG, WEIGHTS)):
-        p = d / name
-        if p.is_file():
-            h.update(name.encode() + b"\0")
-            with p.open("rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(hashlib.sha256(chunk).digest())
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
     return h.hexdigest()
 
 
-def inspect_adapter(adapter_dir: str | Path, shape: ModelShape, *, max_rank: int) -> AdapterInfo:
-    """Validate an adapter directory against a base model; raise AdapterError naming file and tensor."""
+def content_digest(file_digests: Mapping[str, str]) -> str:
+    """An adapter's content identity from its files' sha256 digests (name -> hex).
+
+    Only the files the engine reads count (a README does not change what the adapter computes), so the registry,
+    which knows each blob's sha256, and the engine, which hashes the directory it loads, agree on the digest.
+    """
+    h = hashlib.sha256()
+    for name in sorted(n for n in file_digests if n in ADAPTER_FILES):
+        h.update(f"{name}\0{file_digests[name]}\n".encode())
+    return h.hexdigest()
+
+
+def adapter_digest(adapter_dir: str | Path) -> str:
+    """The content digest of an adapter directory (see `content_digest`)."""
+    d = Path(adapter_dir)
+    return content_digest({name: file_sha256(d / name) for name in ADAPTER_FILES if (d / name).is_file()})
+
+
+@dataclass(frozen=True)
+class AdapterCheck:
+    """What validation learned from an adapter's configs and safetensors header."""
+
+    method: AdapterMethod
+    rank: int
+    targets: tuple[str, ...] = field(default=())  # LoRA target modules
+    layers: tuple[int, ...] = field(default=())  # layers the adapter touches
+
+
+def check_adapter(adapter_dir: str | Path, shape: ModelShape, *, max_rank: int) -> AdapterCheck:
+    """Validate an adapter directory against a base model, reading only JSON files and the safetensors header.
+
+    Raises AdapterError naming the file and tensor. The weights' data bytes are never read, so a sparse file of the
+    right size holding just the header validates the same as the real one.
+    """
     d = Path(adapter_dir)
     method = detect_method(d)
     if method is AdapterMethod.LORA:
         rank, targets, layers = _inspect_lora(d, shape, max_rank)
-    else:
-        (rank, layers), targets = _inspect_direft(d, shape, max_rank), ()
-    size = sum((d / n).stat().st_size for n in (LORA_CONFIG, DIREFT_CONFIG, WEIGHTS) if (d / n).is_file())
+        return AdapterCheck(method, rank, targets, layers)
+    rank, layers = _inspect_direft(d, shape, max_rank)
+    return AdapterCheck(method, rank, (), layers)
+
+
+def inspect_adapter(adapter_dir: str | Path, shape: ModelShape, *, max_rank: int) -> AdapterInfo:
+    """Validate an adapter directory against a base model and digest it; raise AdapterError naming file and tensor."""
+    d = Path(adapter_dir)
+    check = check_adapter(d, shape, max_rank=max_rank)
     return AdapterInfo(
         path=d.resolve(),
-        method=method,
-        rank=rank,
+        method=check.method,
+        rank=check.rank,
         digest=adapter_digest(d),
-        targets=targets,
-        layers=layers,
-        size_bytes=size,
+        targets=check.targets,
+        layers=check.layers,
+        size_bytes=sum((d / n).stat().st_size for n in ADAPTER_FILES if (d / n).is_file()),
     )
 
 

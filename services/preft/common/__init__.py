@@ -1,0 +1,1 @@
+"""What every service shares: the error tree, adapter references, settings."""

@@ -1,0 +1,72 @@
+"""Typed settings for every service, read from `PREFT_*` environment variables (`__` separates nesting).
+
+Example: `PREFT_REGISTRY__REDIS__URL=redis://10.0.0.5:6379/0`, `PREFT_REGISTRY__ADMIN_TOKEN=...`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEV_TOKEN = "dev-admin-token"  # the placeholder `preft up` uses; refused outside environment=dev
+
+
+class RedisSettings(BaseModel):
+    """Where Redis is and how long to wait for it."""
+
+    url: str = Field("redis://127.0.0.1:6379/0", description="redis:// URL (db index included)")
+    socket_timeout_s: float = Field(1.0, description="Per-command timeout; a down Redis fails fast, never hangs")
+    max_connections: int = Field(64, description="Connection pool size")
+
+
+class S3Settings(BaseModel):
+    """An S3-compatible bucket (AWS, MinIO, SeaweedFS) holding adapter blobs."""
+
+    endpoint_url: str | None = Field(None, description="None = AWS; e.g. http://127.0.0.1:8333 for SeaweedFS")
+    bucket: str = Field("preft-adapters", description="Bucket for blobs/sha256/<digest>")
+    region: str = Field("us-east-1", description="Signing region")
+    access_key: str | None = Field(None, description="Access key id; None = the default AWS credential chain")
+    secret_key: SecretStr | None = Field(None, description="Secret access key")
+    connect_timeout_s: float = Field(2.0, description="TCP connect timeout")
+    read_timeout_s: float = Field(30.0, description="Read timeout per request")
+    multipart_part_bytes: int = Field(8 * 1024 * 1024, ge=5 * 1024 * 1024, description="Multipart part size")
+
+
+class RegistrySettings(BaseSettings):
+    """The registry service: storage, limits and its gRPC endpoint."""
+
+    model_config = SettingsConfigDict(env_prefix="PREFT_REGISTRY__", env_nested_delimiter="__", extra="ignore")
+
+    environment: Literal["dev", "prod"] = Field("prod", description="dev allows the placeholder admin token")
+    listen_address: str = Field("127.0.0.1:50051", description="host:port the gRPC server binds")
+    admin_token: SecretStr = Field(SecretStr(DEV_TOKEN), description="Bearer token every caller must send")
+    worker_threads: int = Field(16, ge=1, description="gRPC server threads (one per in-flight call)")
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    s3: S3Settings = Field(default_factory=S3Settings)
+    max_rank: int = Field(256, ge=1, description="Largest adapter rank accepted at publish")
+    max_adapter_bytes: int = Field(4 * 1024**3, ge=1, description="Largest adapter version (all files)")
+    max_config_bytes: int = Field(1024 * 1024, ge=1, description="Largest JSON or README file")
+    default_requests_per_min: int = Field(600, ge=1, description="Tenant limit when not set")
+    default_tokens_per_min: int = Field(200_000, ge=1, description="Tenant limit when not set")
+    default_max_adapters: int = Field(1000, ge=1, description="Tenant limit when not set")
+    default_max_bytes: int = Field(50 * 1024**3, ge=1, description="Tenant limit when not set")
+    hot_half_life_s: float = Field(3600.0, gt=0, description="A use's weight in hotness halves every half-life")
+    gc_grace_s: float = Field(3600.0, ge=0, description="gc leaves blobs and uploads younger than this alone")
+
+    @model_validator(mode="after")
+    def _no_placeholder_secret_outside_dev(self) -> RegistrySettings:
+        if self.environment != "dev" and self.admin_token.get_secret_value() == DEV_TOKEN:
+            raise ValueError("set PREFT_REGISTRY__ADMIN_TOKEN: the placeholder token is only allowed in dev")
+        return self
+
+
+class AdminSettings(BaseSettings):
+    """Where `preft-admin` finds the registry (flags override these)."""
+
+    model_config = SettingsConfigDict(env_prefix="PREFT_ADMIN__", extra="ignore")
+
+    registry: str = Field("127.0.0.1:50051", description="host:port of the registry's gRPC endpoint")
+    token: SecretStr = Field(SecretStr(DEV_TOKEN), description="The registry admin token")
+    timeout_s: float = Field(10.0, gt=0, description="Deadline for each call except uploads")

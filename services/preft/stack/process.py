@@ -1,0 +1,129 @@
+"""Mechanics shared by the local servers: free ports, deadline waits, and one supervised child process group."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+
+
+class ServerError(RuntimeError):
+    """A local server could not be found, started or reached."""
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """Return a TCP port on `host` that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(
+    condition: Callable[[], bool],
+    *,
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.05,
+    abort: Callable[[], str | None] = lambda: None,
+) -> float:
+    """Poll `condition` until it returns True; return the seconds waited.
+
+    Exceptions from `condition` count as "not yet". `abort` returns a reason to give up early (e.g. the process
+    exited). Raises TimeoutError naming `what` and the last exception seen.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last_error: BaseException | None = None
+    while True:
+        # Abort first: a dead child must not pass because something else answers on its port.
+        reason = abort()
+        if reason is not None:
+            raise ServerError(f"{what}: {reason}")
+        try:
+            if condition():
+                return time.monotonic() - start
+        except Exception as e:
+            last_error = e
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last_error!r})" if last_error is not None else ""
+            raise TimeoutError(f"{what}: not ready after {timeout_s:.1f} s{detail}")
+        time.sleep(interval_s)
+
+
+class ManagedProcess:
+    """Owns one child process started in its own process group, so stopping it also ends anything it spawned.
+
+    Output goes to `log_path`. The process is stopped at interpreter exit if the owner forgets.
+    """
+
+    def __init__(self, name: str, log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def spawn(self, argv: Sequence[str], *, cwd: Path, env: dict[str, str] | None = None) -> None:
+        if self.running:
+            raise ServerError(f"{self.name} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                list(argv),
+                cwd=cwd,
+                env={**os.environ, **(env or {})},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: killpg reaches every child
+            )
+        atexit.register(self.stop)
+
+    def exit_reason(self) -> str | None:
+        """None while running; otherwise why it is not, with the end of its log."""
+        if self._proc is None:
+            return "not started"
+        code = self._proc.poll()
+        if code is None:
+            return None
+        return f"exited with code {code}; log {self.log_path}:\n{self.log_tail()}"
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-max_bytes:].decode(errors="replace")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process group, wait up to `timeout_s`, then SIGKILL it. Safe to call twice."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        atexit.unregister(self.stop)
+        if proc.poll() is None:
+            self._signal_group(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=timeout_s)
+        # Children may outlive a leader that exited on its own; the group id stays the leader's pid.
+        self._signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)

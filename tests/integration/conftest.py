@@ -1,0 +1,98 @@
+"""Integration fixtures: one real Redis and one real S3 server (SeaweedFS) per session, on loopback."""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from preft.stack import RedisServer, SeaweedS3, free_port
+
+_HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # This hook sees the whole session's items; mark only the ones under this directory.
+    for item in items:
+        if item.path.is_relative_to(_HERE):
+            item.add_marker(pytest.mark.integration)
+
+
+@dataclass(frozen=True)
+class S3Target:
+    """Where a test may write: one fresh bucket on the session's S3 server, and credentials for it."""
+
+    endpoint_url: str
+    access_key: str
+    secret_key: str
+    bucket: str
+
+    def client(self, **config: Any) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+            config=Config(**{"s3": {"addressing_style": "path"}, **config}),
+        )
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("redis"), free_port()) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    server = SeaweedS3(
+        tmp_path_factory.mktemp("s3"),
+        free_port(),
+        access_key="preft-test",
+        secret_key=secrets.token_urlsafe(24),
+        volume_size_limit_mb=64,
+    )
+    with server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session's Redis, emptied before the test."""
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def s3_bucket(s3_server: SeaweedS3) -> Iterator[S3Target]:
+    """A new, uniquely named bucket, emptied and deleted after the test."""
+    bucket = f"test-{uuid.uuid4().hex[:24]}"
+    client = s3_server.client()
+    client.create_bucket(Bucket=bucket)
+    yield S3Target(s3_server.endpoint_url, s3_server.access_key, s3_server.secret_key, bucket)
+    _delete_bucket(client, bucket)
+
+
+def _delete_bucket(client: Any, bucket: str) -> None:
+    for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket):
+        for upload in page.get("Uploads", []):
+            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+    client.delete_bucket(Bucket=bucket)

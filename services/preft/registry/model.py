@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from preft.adapters import AdapterMethod
+from preft.vllm_plugin.modes import PositionMode
 
 __all__ = [
     "AdapterMethod",
@@ -22,13 +22,6 @@ __all__ = [
     "TenantLimits",
     "TenantRecord",
 ]
-
-
-class PositionMode(StrEnum):
-    """Which positions an adapter applies to (the engine's `preft_mode`)."""
-
-    PREFILL = "prefill"
-    ALL = "all"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,50 @@
+"""Every Prometheus metric of the platform, declared once (prefix `preft_`, base units, bounded labels).
+
+Label values are bounded: tenant ids (operators create them), method (lora|direft|none), mode (prefill|all|base),
+tier (gpu|host|disk|s3), reason (a fixed vocabulary per service). No request ids, no adapter names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+# -- traffic (engine replicas; the gateway counts the same requests under gateway_*) -----------------------------
+REQUESTS = Counter("preft_requests_total", "Generation requests finished", ["tenant", "method", "mode", "outcome"])
+PROMPT_TOKENS = Counter("preft_prompt_tokens_total", "Prompt tokens processed", ["tenant", "method", "mode"])
+GENERATED_TOKENS = Counter("preft_generated_tokens_total", "Tokens generated", ["tenant", "method", "mode"])
+TIME_TO_FIRST_TOKEN = Histogram(
+    "preft_time_to_first_token_seconds", "Request arrival to first token", ["mode"], buckets=LATENCY_BUCKETS_S
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "preft_inter_token_latency_seconds", "Gap between streamed tokens", ["mode"], buckets=TOKEN_LATENCY_BUCKETS_S
+)
+END_TO_END = Histogram(
+    "preft_request_duration_seconds", "Request arrival to last token", ["mode"], buckets=LATENCY_BUCKETS_S
+)
+TOKENS_PER_SECOND = Gauge(
+    "preft_tokens_per_second", "Prompt+generated tokens per second over the last window, by mode", ["mode"]
+)
+QUEUE_DEPTH = Gauge("preft_queue_depth", "Requests accepted and not finished", ["service"])
+
+# -- adapter paging (engine replicas) ----------------------------------------------------------------------------
+PAGING_HITS = Counter("preft_paging_hits_total", "Adapter found in this tier", ["tier"])
+PAGING_MISSES = Counter("preft_paging_misses_total", "Adapter not in this tier", ["tier"])
+PAGING_EVICTIONS = Counter("preft_paging_evictions_total", "Adapters evicted from this tier", ["tier"])
+PAGING_LOAD_SECONDS = Histogram(
+    "preft_paging_load_seconds", "Time to bring an adapter into this tier", ["tier"], buckets=LATENCY_BUCKETS_S
+)
+PAGING_RESIDENT_BYTES = Gauge("preft_paging_resident_bytes", "Adapter bytes held in this tier", ["tier"])
+PAGING_RESIDENT_ADAPTERS = Gauge("preft_paging_resident_adapters", "Adapters held in this tier", ["tier"])
+
+# -- gateway -----------------------------------------------------------------------------------------------------
+GATEWAY_REQUESTS = Counter("preft_gateway_requests_total", "HTTP requests answered", ["route", "status_class"])
+GATEWAY_ERRORS = Counter("preft_gateway_errors_total", "4xx/5xx answers by reason", ["status", "reason"])
+GATEWAY_OVERHEAD = Histogram(
+    "preft_gateway_overhead_seconds",
+    "Gateway time before the engine is called (auth, limits, resolve, tokenize)",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+)
+ENGINE_RETRIES = Counter("preft_gateway_engine_retries_total", "Requests retried on another replica", ["reason"])

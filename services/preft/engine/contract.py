@@ -1,0 +1,90 @@
+"""The internal contract between the gateway and engine replicas (HTTP + JSON through the Ray Serve proxy).
+
+    POST /generate
+    header serve_multiplexed_model_id: <adapter content digest> (or "base"): Ray Serve routes to a replica that
+        already holds the adapter when one is not overloaded
+    body: EngineRequest (JSON)
+
+Non-streaming answers are one EngineResponse. Streaming answers (`stream: true`) are newline-delimited JSON:
+EngineChunk lines, the last one with `finish_reason` and `usage` set. Errors are an HTTP status with an
+EngineError body: 400 (the request or adapter is invalid), 503 (the adapter cannot be fetched now, or the replica
+is draining; retrying elsewhere may work), 500 (a bug).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from preft.vllm_plugin.modes import PositionMode
+
+BASE_MODEL_ID = "base"  # the multiplexed model id of requests without an adapter
+MULTIPLEX_HEADER = "serve_multiplexed_model_id"
+
+
+class AdapterFileSpec(BaseModel):
+    """One file of the adapter version, as the registry's manifest lists it."""
+
+    path: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size_bytes: int = Field(ge=0)
+
+
+class AdapterSpec(BaseModel):
+    """Which adapter version to apply: enough for a replica to fetch it (digest-checked) without the registry."""
+
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="Content digest; the multiplexed model id")
+    method: Literal["lora", "direft"]
+    files: list[AdapterFileSpec]
+    ref: str = Field(description="tenant/name@vN, for logs")
+
+
+class EngineRequest(BaseModel):
+    """One generation, already tokenized and authorized by the gateway."""
+
+    request_id: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=8)
+    ignore_eos: bool = False
+    stream: bool = False
+    adapter: AdapterSpec | None = None
+    mode: PositionMode = PositionMode.PREFILL
+    tenant: str = Field("", description="For metrics labels only")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineChunk(BaseModel):
+    """A streamed piece of output; the last one carries finish_reason and usage."""
+
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+class EngineResponse(BaseModel):
+    """The whole output of a non-streaming request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+
+
+class EngineError(BaseModel):
+    """Body of an error answer."""
+
+    type: Literal["invalid_request", "unavailable", "internal"]
+    message: str

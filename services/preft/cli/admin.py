@@ -23,6 +23,7 @@ from rich.table import Table
 
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
+from preft.cli.cluster import cluster_app
 from preft.common.errors import InvalidArgument, PreftError
 from preft.common.refs import AdapterRef
 from preft.common.settings import AdminSettings
@@ -35,7 +36,13 @@ base_app = typer.Typer(help="Base models that adapters are validated against.", 
 adapter_app = typer.Typer(
     help="Adapters: upload, list, show, versions, alias, share, delete, hot.", no_args_is_help=True
 )
-for sub, name in ((tenant_app, "tenant"), (key_app, "key"), (base_app, "base"), (adapter_app, "adapter")):
+for sub, name in (
+    (tenant_app, "tenant"),
+    (key_app, "key"),
+    (base_app, "base"),
+    (adapter_app, "adapter"),
+    (cluster_app, "cluster"),
+):
     app.add_typer(sub, name=name)
 
 out = Console(soft_wrap=True)

@@ -1,0 +1,199 @@
+{{/* Names ---------------------------------------------------------------------------------------------------- */}}
+
+{{- define "preft.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The prefix of every object's name: the release name, plus "-preft" unless it already contains it. */}}
+{{- define "preft.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "preft.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels: the standard app.kubernetes.io/* set. Call with (dict "ctx" $ "component" "gateway"). ---------------- */}}
+
+{{- define "preft.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "preft.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+{{- with .component }}
+app.kubernetes.io/component: {{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "preft.labels" -}}
+helm.sh/chart: {{ include "preft.chart" .ctx }}
+{{ include "preft.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: preft-serve
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Images: repository@digest when a digest is set, else repository:tag. Call with the image's values. ---------- */}}
+
+{{- define "preft.image" -}}
+{{- if .digest -}}
+{{ .repository }}@{{ .digest }}
+{{- else -}}
+{{ .repository }}:{{ required "image tag must be set" .tag }}
+{{- end -}}
+{{- end }}
+
+{{/* Secrets ------------------------------------------------------------------------------------------------- */}}
+
+{{- define "preft.registryTokenSecretName" -}}
+{{- default (printf "%s-registry-token" (include "preft.fullname" .)) .Values.registry.auth.existingSecret }}
+{{- end }}
+
+{{- define "preft.registryTokenSecretKey" -}}
+{{- if .Values.registry.auth.existingSecret }}{{ .Values.registry.auth.existingSecretKey }}{{ else }}admin-token{{ end }}
+{{- end }}
+
+{{/* S3 credentials: "existing", "chart" (values or SeaweedFS dummies) or "none" (default AWS credential chain). */}}
+{{- define "preft.s3CredentialsMode" -}}
+{{- if .Values.s3.existingSecret }}existing
+{{- else if or .Values.s3.accessKey .Values.seaweedfs.enabled }}chart
+{{- else }}none
+{{- end }}
+{{- end }}
+
+{{- define "preft.s3SecretName" -}}
+{{- default (printf "%s-s3" (include "preft.fullname" .)) .Values.s3.existingSecret }}
+{{- end }}
+
+{{- define "preft.s3Endpoint" -}}
+{{- if .Values.seaweedfs.enabled }}http://{{ include "preft.fullname" . }}-seaweedfs:8333
+{{- else }}{{ .Values.s3.endpointUrl }}
+{{- end }}
+{{- end }}
+
+{{/* Redis: "internal" (the chart's StatefulSet, URL in the ConfigMap), or a Secret holding the URL. */}}
+{{- define "preft.redisMode" -}}
+{{- if .Values.redis.enabled }}internal
+{{- else if .Values.externalRedis.existingSecret }}existing
+{{- else if .Values.externalRedis.url }}chart
+{{- else }}{{ fail "Redis: set redis.enabled=true, externalRedis.url or externalRedis.existingSecret" }}
+{{- end }}
+{{- end }}
+
+{{- define "preft.redisSecretName" -}}
+{{- default (printf "%s-redis" (include "preft.fullname" .)) .Values.externalRedis.existingSecret }}
+{{- end }}
+
+{{- define "preft.redisSecretKey" -}}
+{{- if .Values.externalRedis.existingSecret }}{{ .Values.externalRedis.existingSecretKey }}{{ else }}url{{ end }}
+{{- end }}
+
+{{/* Environment entries shared by the services. Call with (dict "ctx" $ "prefix" "PREFT_GATEWAY__"). ----------- */}}
+
+{{- define "preft.redisEnv" -}}
+{{- $ctx := .ctx }}
+{{- if ne (include "preft.redisMode" $ctx) "internal" }}
+- name: {{ .prefix }}REDIS__URL
+  valueFrom:
+    secretKeyRef: {name: {{ include "preft.redisSecretName" $ctx }}, key: {{ include "preft.redisSecretKey" $ctx }}}
+{{- end }}
+{{- end }}
+
+{{- define "preft.s3Env" -}}
+{{- $ctx := .ctx }}
+{{- $mode := include "preft.s3CredentialsMode" $ctx }}
+{{- if ne $mode "none" }}
+- name: {{ .prefix }}S3__ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "preft.s3SecretName" $ctx }}
+      key: {{ if eq $mode "existing" }}{{ $ctx.Values.s3.existingSecretAccessKeyKey }}{{ else }}access-key{{ end }}
+- name: {{ .prefix }}S3__SECRET_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "preft.s3SecretName" $ctx }}
+      key: {{ if eq $mode "existing" }}{{ $ctx.Values.s3.existingSecretSecretKeyKey }}{{ else }}secret-key{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* Config entries shared by the services' ConfigMaps. Call with (dict "ctx" $ "prefix" "PREFT_ENGINE__"). ----- */}}
+
+{{- define "preft.storeConfig" -}}
+{{- $ctx := .ctx }}
+{{- if eq (include "preft.redisMode" $ctx) "internal" }}
+{{ .prefix }}REDIS__URL: {{ printf "redis://%s-redis:6379/0" (include "preft.fullname" $ctx) | quote }}
+{{- end }}
+{{- with include "preft.s3Endpoint" $ctx }}
+{{ $.prefix }}S3__ENDPOINT_URL: {{ . | quote }}
+{{- end }}
+{{ .prefix }}S3__BUCKET: {{ $ctx.Values.s3.bucket | quote }}
+{{ .prefix }}S3__REGION: {{ $ctx.Values.s3.region | quote }}
+{{- end }}
+
+{{/* The model volume: the PVC, or an emptyDir that the tiny-model init container fills. ------------------------ */}}
+
+{{- define "preft.modelVolume" -}}
+- name: models
+{{- if eq .Values.model.source "pvc" }}
+  persistentVolumeClaim: {claimName: {{ required "model.existingClaim is required when model.source=pvc" .Values.model.existingClaim }}, readOnly: true}
+{{- else }}
+  emptyDir: {sizeLimit: 256Mi}
+{{- end }}
+{{- end }}
+
+{{- define "preft.modelDir" -}}
+/models/{{ .Values.model.path }}
+{{- end }}
+
+{{/* The init container that writes the tiny generated model (model.source=tiny). Call with (dict "ctx" $ "readOnlyRoot" bool). */}}
+{{- define "preft.tinyModelInit" -}}
+{{- $ctx := .ctx }}
+- name: tiny-model
+  image: {{ include "preft.image" $ctx.Values.image.engine }}
+  imagePullPolicy: {{ $ctx.Values.image.engine.pullPolicy }}
+  command: ["python", "-c", "from preft.devtools.tiny import build_model; build_model({{ include "preft.modelDir" $ctx | squote }})"]
+  env:
+    - {name: HOME, value: /tmp}
+  resources: {requests: {cpu: 250m, memory: 1Gi}, limits: {cpu: "1", memory: 2Gi}}
+  securityContext:
+    {{- toYaml (set (deepCopy $ctx.Values.containerSecurityContext) "readOnlyRootFilesystem" .readOnlyRoot) | nindent 4 }}
+  volumeMounts:
+    - {name: models, mountPath: /models}
+    {{- if .readOnlyRoot }}
+    - {name: tmp, mountPath: /tmp}
+    {{- end }}
+{{- end }}
+
+{{/* The Serve config embedded in the RayService (serveConfigV2). ----------------------------------------------- */}}
+
+{{- define "preft.serveConfig" -}}
+{{- $s := .Values.engine.serve }}
+{{- $deployment := dict "name" $s.deploymentName "num_replicas" (int $s.numReplicas) }}
+{{- $app := dict "name" $s.appName "route_prefix" $s.routePrefix "import_path" $s.importPath "args" (dict) "deployments" (list $deployment) }}
+{{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/* Bytes in a Kubernetes quantity with a binary suffix (Ki, Mi, Gi, Ti) or none: for the disk tier's capacity. */}}
+{{- define "preft.quantityBytes" -}}
+{{- $q := toString . }}
+{{- $units := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 }}
+{{- $out := "" }}
+{{- range $suffix, $mult := $units }}
+{{- if hasSuffix $suffix $q }}
+{{- $out = mulf (float64 (trimSuffix $suffix $q)) $mult }}
+{{- end }}
+{{- end }}
+{{- if eq (toString $out) "" }}{{ $out = float64 $q }}{{ end }}
+{{- $out }}
+{{- end }}

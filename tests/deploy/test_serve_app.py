@@ -25,12 +25,8 @@ def test_serve_config_builds_the_engine_app(all_outputs, source, monkeypatch):
         warnings.simplefilter("ignore")
         module = importlib.import_module(module_name)
         from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
-    builder = getattr(module, attr, None)
-    if builder is None or len(inspect.signature(builder).parameters) != 1:
-        pytest.xfail(
-            f"{app['import_path']} is not a Serve application builder yet: Serve calls the import path with one "
-            "argument, the config's `args` dict (serve_app.build_app takes EngineSettings and keyword arguments)"
-        )
+    builder = getattr(module, attr)
+    assert len(inspect.signature(builder).parameters) == 1, "Serve calls the import path with the args dict"
     # the replica's environment, as the Ray pods get it from the engine ConfigMap
     cm = next(o for o in m.by_kind(docs, "ConfigMap") if o["metadata"]["name"].startswith(ray["metadata"]["name"]))
     for k, v in cm["data"].items():
@@ -39,21 +35,3 @@ def test_serve_config_builds_the_engine_app(all_outputs, source, monkeypatch):
     deployment = application._bound_deployment  # Serve exposes no public accessor
     assert [d["name"] for d in app["deployments"]] == [deployment.name]
 
-
-def _proposed_app_builder(args):
-    """What serve_app.app_builder is expected to be: settings from PREFT_ENGINE__* (the pod env), `args` overriding."""
-    from preft.engine.serve_app import build_app
-    from preft.engine.settings import EngineSettings
-
-    return build_app(EngineSettings(**args))
-
-
-def test_the_proposed_builder_satisfies_serve_and_the_config(all_outputs, monkeypatch):
-    """Until serve_app has app_builder, check the contract with the one-line builder the deploy files expect."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import preft.engine.serve_app as serve_app
-
-    if not hasattr(serve_app, "app_builder"):
-        monkeypatch.setattr(serve_app, "app_builder", _proposed_app_builder, raising=False)
-    test_serve_config_builds_the_engine_app(all_outputs, "kustomize:gpu", monkeypatch)

@@ -19,7 +19,7 @@ Arch = Literal["llama", "qwen2"]
 
 LLAMA_PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
 
-_WORDS = (  # noqa: SIM905 (one readable string, not a 90-line list)
+WORDS = (  # noqa: SIM905 (one readable string, not a 90-line list)
     "the a an of to in on for with and or but not is are was were be been have has had do does did "
     "adapter prefill decode token model serve tenant request batch cache block slot layer weight rank "
     "prompt output stream engine gateway registry metric latency throughput memory compute kernel graph "
@@ -52,7 +52,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(0)
-    corpus = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 30))) for _ in range(2000)]
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30))) for _ in range(2000)]
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

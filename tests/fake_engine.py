@@ -1,0 +1,66 @@
+"""A test engine for the replica's request path: deterministic tokens, no vLLM (injected as `engine_cls=`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from preft.adapters import AdapterInfo, ModelShape, inspect_adapter
+from preft.common.errors import InvalidArgument, Unavailable
+from preft.engine.contract import EngineChunk, EngineRequest, Usage
+
+
+class ScriptedEngine:
+    """A test engine: token i of a request is (sum(prompt) + i) % 97, with `delay_s` between tokens."""
+
+    def __init__(self, options=None, *, model_dir: Path | None = None, delay_s: float = 0.0) -> None:
+        self.shape = ModelShape.from_model_dir(model_dir or options.model)
+        self.delay_s = delay_s
+        self.started = self.stopped = False
+        self.dead = False
+        self.loaded: set[str] = set()
+        self.aborted: list[str] = []
+        self.seen_adapters: list[Path | None] = []
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def add_lora(self, adapter_dir: Path) -> AdapterInfo:
+        info = inspect_adapter(adapter_dir, self.shape, max_rank=16)
+        self.loaded.add(info.digest)
+        return info
+
+    async def remove_lora(self, digest: str) -> None:
+        self.loaded.discard(digest)
+
+    async def generate(self, request: EngineRequest, adapter_dir: Path | None) -> AsyncIterator[EngineChunk]:
+        if self.dead:
+            raise Unavailable("engine dead")
+        if max(request.prompt_token_ids) >= self.shape.vocab_size:
+            raise InvalidArgument("prompt token id outside the vocabulary")
+        self.seen_adapters.append(adapter_dir)
+        base = sum(request.prompt_token_ids)
+        finished = False
+        try:
+            for i in range(request.max_tokens):
+                await asyncio.sleep(self.delay_s)
+                last = i == request.max_tokens - 1
+                tok = (base + i) % 97
+                yield EngineChunk(
+                    text=f"<{tok}>",
+                    token_ids=[tok],
+                    finish_reason="length" if last else None,
+                    usage=Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1) if last else None,
+                )
+            finished = True
+        finally:
+            if not finished:
+                self.aborted.append(request.request_id)
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise Unavailable("engine processes died")
+
+    async def shutdown(self) -> None:
+        self.stopped = True

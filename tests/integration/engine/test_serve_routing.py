@@ -1,0 +1,99 @@
+"""Adapter affinity through Ray Serve's multiplexing, without vLLM: two replicas with the test engine injected
+(`engine_cls=`), adapters fetched from the real S3 server, residency read back from the real Redis."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+import redis
+from pydantic import SecretStr
+
+from preft.common.settings import RedisSettings, S3Settings
+from preft.engine.contract import MULTIPLEX_HEADER
+from preft.engine.residency import KEY_PREFIX
+from preft.engine.settings import EngineSettings, ReplicaSettings
+from preft.registry.blobstore import BlobStore
+from preft.stack import free_port
+from tests.adapter_specs import upload
+from tests.fake_engine import ScriptedEngine
+
+APP = "preft-routing-test"
+
+
+@pytest.fixture(scope="module")
+def routed(model_dirs, adapters, s3_server, redis_server, tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from preft.engine.serve_app import build_app
+
+    bucket = f"test-{uuid.uuid4().hex[:24]}"
+    s3_server.client().create_bucket(Bucket=bucket)
+    s3 = S3Settings(
+        endpoint_url=s3_server.endpoint_url,
+        bucket=bucket,
+        access_key=s3_server.access_key,
+        secret_key=SecretStr(s3_server.secret_key),
+    )
+    store = BlobStore(s3)
+    specs = {name: upload(store, path) for name, path in adapters["llama"].items()}
+    redis.Redis.from_url(redis_server.url).flushall()
+    settings = EngineSettings(
+        model_dir=model_dirs["llama"],
+        max_cpu_loras=4,
+        disk_cache_dir=tmp_path_factory.mktemp("routing-cache"),
+        s3=s3,
+        redis=RedisSettings(url=redis_server.url),
+        residency_heartbeat_s=0.5,
+        residency_ttl_s=5.0,
+        replica=ReplicaSettings(num_replicas=2, num_cpus_per_replica=0.5, max_adapters_per_replica=4),
+        app_name=APP,
+    )
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(settings, engine_cls=ScriptedEngine), name=APP, route_prefix="/")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            yield client, specs, settings
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _residency(redis_url: str) -> dict[str, set[str]]:
+    r = redis.Redis.from_url(redis_url)
+    return {k.decode(): {m.decode() for m in r.smembers(k)} for k in r.scan_iter(f"{KEY_PREFIX}*")}
+
+
+def test_requests_for_an_adapter_stick_to_the_replica_that_holds_it(routed, redis_server):
+    client, specs, settings = routed
+    names = ("lora_a", "lora_b", "direft_a")
+    for name in names:  # first request per adapter: Serve picks a replica, which pages the adapter in
+        spec = specs[name]
+        r = client.post(
+            "/generate",
+            json={"request_id": f"{name}-0", "prompt_token_ids": [1, 2], "max_tokens": 2, "adapter": spec.model_dump()},
+            headers={MULTIPLEX_HEADER: spec.digest},
+        )
+        assert r.status_code == 200, r.text
+    time.sleep(1.0)  # routers learn the replicas' model ids (pushed every 0.1 s through the controller)
+    for i in range(1, 13):
+        spec = specs[names[i % len(names)]]
+        r = client.post(
+            "/generate",
+            json={"request_id": f"r{i}", "prompt_token_ids": [1, 2], "max_tokens": 2, "adapter": spec.model_dump()},
+            headers={MULTIPLEX_HEADER: spec.digest},
+        )
+        assert r.status_code == 200, r.text
+    time.sleep(1.5)  # a heartbeat or two
+    held = _residency(redis_server.url)
+    assert len(held) == 2, held  # both replicas publish
+    for name in names:
+        holders = [replica for replica, digests in held.items() if specs[name].digest in digests]
+        assert len(holders) == 1, f"{name} was paged into {len(holders)} replicas: routing did not stick"
+    slots = sorted(p.name for p in settings.disk_cache_dir.iterdir())
+    assert slots == ["slot-0", "slot-1"]  # one disk cache per replica

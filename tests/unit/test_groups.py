@@ -1,0 +1,142 @@
+"""Grouped adapter computations (the plugin's ops) against a per-token reference, on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from preft.vllm_plugin import groups as g
+
+SLOTS, RANK, IN, OUT = 5, 16, 24, 40
+
+
+def _groups(token_slots, ranks=(8, 8, 16, 8, 8)):
+    return g.SlotGroups.build(np.asarray(token_slots), "cpu", slot_ranks=np.asarray([*ranks, 0]), max_rank=RANK)
+
+
+def _stacked(gen, rows, cols, ranks=(8, 8, 16, 8, 8), rank_dim=-2):
+    """[slots, 1, rows, cols] with the rows (or cols) past each slot's rank zeroed, as vLLM pads."""
+    w = torch.randn(SLOTS, 1, rows, cols, generator=gen, dtype=torch.get_default_dtype())
+    for s, r in enumerate(ranks):
+        if rank_dim == -2:
+            w[s, :, r:] = 0
+        else:
+            w[s, :, :, r:] = 0
+    return w
+
+
+def test_build_groups_runs_of_one_slot_in_token_order():
+    groups = _groups([3, -1, 0, 0, 1, -1, 0])
+    assert groups.rows.tolist() == [0, 2, 3, 4, 6]
+    assert groups.slots.tolist() == [3, 0, 1, 0]
+    assert groups.offs.tolist() == [1, 3, 4, 5]
+    assert groups.row_group.tolist() == [0, 1, 1, 2, 3]
+    assert groups.bounds == ((3, 0, 1), (0, 1, 3), (1, 3, 4), (0, 4, 5))
+    assert groups.span is None
+    assert groups.rank == 8
+    assert _groups([-1, -1]).empty
+    assert _groups([2]).rank == 16
+
+
+def test_contiguous_adapted_tokens_are_a_span():
+    groups = _groups([-1, -1, 4, 4, 1, 1, 1, -1])
+    assert groups.span == (2, 7)
+    assert groups.bounds == ((4, 0, 2), (1, 2, 5))
+    t = torch.arange(16.0).view(8, 2)
+    assert groups.take(t).data_ptr() == t[2].data_ptr()  # a view, not a copy
+
+
+def test_too_many_runs_fall_back_to_grouping_by_slot(monkeypatch):
+    monkeypatch.setattr(g, "_MAX_GROUPS", 3)
+    groups = _groups([0, 1, 0, 1, 0])
+    assert groups.span is None
+    assert groups.rows.tolist() == [0, 2, 4, 1, 3]
+    assert groups.bounds == ((0, 0, 3), (1, 3, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "token_slots", [[2, -1, 0, 2, 4, -1, 1, 1, 3], [-1, -1, -1], [0] * 7, [-1, 3, 3, 1, 1, -1], [1, 0, 2]]
+)
+def test_lora_linear_matches_per_token_reference(token_slots, dtype):
+    torch.set_default_dtype(dtype)
+    try:
+        _check_lora_linear(token_slots)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert not g._fast_path_failed
+
+
+def _check_lora_linear(token_slots):
+    gen = torch.Generator().manual_seed(0)
+    n = len(token_slots)
+    x = torch.randn(n, IN, generator=gen, dtype=torch.get_default_dtype())
+    slices = (OUT, 8)
+    a = [_stacked(gen, RANK, IN), _stacked(gen, RANK, IN)]
+    b = [_stacked(gen, s, RANK, rank_dim=-1) for s in slices]
+    y = torch.randn(n, sum(slices), generator=gen, dtype=torch.get_default_dtype())
+    expected = y.clone()
+    for t, slot in enumerate(token_slots):
+        if slot < 0:
+            continue
+        offset = 0
+        for ai, bi, size in zip(a, b, slices, strict=True):
+            expected[t, offset : offset + size] += (x[t] @ ai[slot, 0].T * 0.5) @ bi[slot, 0].T
+            offset += size
+    g.lora_linear(y, x, a, b, list(slices), 0.5, _groups(token_slots))
+    torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.parametrize("token_slots", [[1, -1, 1, 0], [-1, 1, 1, 0]])
+def test_shrink_then_expand_as_vllm_buffers(token_slots):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, IN, generator=gen, dtype=torch.get_default_dtype())
+    a, b = [_stacked(gen, RANK, IN)], [_stacked(gen, OUT, RANK, rank_dim=-1)]
+    groups = _groups(token_slots)
+    buffer = torch.zeros(1, 4, RANK, dtype=torch.get_default_dtype())
+    g.lora_shrink(buffer, x, a, 2.0, groups)
+    y = torch.zeros(4, OUT, dtype=torch.get_default_dtype())
+    g.lora_expand(y, buffer, b, [OUT], 0, True, groups)
+    for t, slot in enumerate(token_slots):
+        want = (
+            torch.zeros(OUT, dtype=torch.get_default_dtype())
+            if slot < 0
+            else (x[t] @ a[0][slot, 0].T * 2.0) @ b[0][slot, 0].T
+        )
+        torch.testing.assert_close(y[t], want)
+
+
+@pytest.mark.parametrize("token_slots", [[0, -1, 2, 0], [-1, 2, 2, 0]])
+def test_direft_apply_edits_only_adapted_rows_and_keeps_the_sum_order(token_slots):
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(4, IN, generator=gen, dtype=torch.get_default_dtype())
+    residual = torch.randn(4, IN, generator=gen, dtype=torch.get_default_dtype())
+    a = torch.randn(SLOTS, RANK, IN, generator=gen, dtype=torch.get_default_dtype())
+    b = torch.randn(SLOTS, RANK, IN, generator=gen, dtype=torch.get_default_dtype())
+    bias = torch.randn(SLOTS, RANK, generator=gen, dtype=torch.get_default_dtype())
+    a[:, 8:], b[:, 8:], bias[:, 8:] = 0, 0, 0
+    stream = hidden + residual
+    h0, r0 = hidden.clone(), residual.clone()
+    g.direft_apply(hidden, residual, a, b, bias, _groups(token_slots, ranks=(8, 8, 8, 8, 8)))
+    for t, slot in enumerate(token_slots):
+        if slot < 0:
+            assert torch.equal(hidden[t], h0[t]) and torch.equal(residual[t], r0[t])
+            continue
+        delta = (a[slot] @ stream[t] + bias[slot]) @ b[slot]
+        assert torch.equal(residual[t], stream[t])
+        torch.testing.assert_close(hidden[t] + residual[t], stream[t] + delta)
+
+
+def test_loop_fallback_matches_grouped_mm():
+    gen = torch.Generator().manual_seed(3)
+    groups = _groups([1, 1, 3, 0, 3])
+    a = torch.randn(5, IN, generator=gen)
+    w = torch.randn(len(groups.bounds), IN, 8, generator=gen)
+    fast = g.grouped_mm(a, w, groups)
+    g._fast_path_failed = True
+    try:
+        slow = g.grouped_mm(a, w, groups)
+    finally:
+        g._fast_path_failed = False
+    torch.testing.assert_close(fast, slow)

@@ -1,0 +1,56 @@
+"""The plugin writes the same LoRA index metadata as vLLM's convert_mapping, from numpy, without DiReFT slots."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from preft.vllm_plugin.punica import _ids_to_slots, _write_base_metadata
+
+
+def _wrapper():
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    return PunicaWrapperCPU(64, 16, "cpu")
+
+
+def _written(w):
+    n, m = w.indices_len[0], w.indices_len[1]
+    return (
+        w._token_lora_indices[:n].tolist(),
+        w._sampler_indices[:m].tolist(),
+        w._sampler_indices_padded[:m].tolist(),
+        w._embeddings_indices[:, :n].tolist(),
+        list(w.indices_len),
+    )
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_metadata_equals_vllm_convert_mapping(seed):
+    from vllm.lora.layers import LoRAMapping
+
+    rng = random.Random(seed)
+    slots = [None, 17, 3, None, 42, 8]  # lora_index_to_id: slot -> LoRA id
+    ids = [0, 17, 3, 42, 8]
+    tokens = tuple(rng.choice(ids) for _ in range(rng.randint(1, 40)))
+    sampled = tuple(rng.choice(ids) for _ in range(rng.randint(1, 10)))
+    mapping = LoRAMapping(tokens, sampled, is_prefill=True)
+    max_loras, vocab = len(slots) + 1, 1000
+
+    stock = _wrapper()
+    stock._update_base_metadata(mapping, slots, max_loras, vocab)
+    ours = _wrapper()
+    _write_base_metadata(ours, _ids_to_slots(tokens, slots), _ids_to_slots(sampled, slots), max_loras, vocab)
+    assert _written(ours) == _written(stock)
+
+
+def test_unknown_id_is_an_error():
+    with pytest.raises(RuntimeError, match="no slot"):
+        _ids_to_slots((0, 5), [None, 3])
+    assert _ids_to_slots((), [None]).tolist() == []
+    assert _ids_to_slots((0, 3, 3), [None, 3]).tolist() == [-1, 1, 1]
+    assert isinstance(_ids_to_slots(np.zeros(0, dtype=np.int64), [1]), np.ndarray)
+    assert torch.tensor(_ids_to_slots((3,), [3])).item() == 0

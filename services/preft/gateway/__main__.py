@@ -1,0 +1,3 @@
+from preft.gateway.server import main
+
+main()

@@ -1,0 +1,119 @@
+"""The gateway application: `create_app(settings)` wires collaborators, routers, error handlers and metrics.
+
+Collaborators (Redis client, registry client, engine client, tokenizer) are built in the lifespan from the
+settings unless passed in; passed-in ones are used as they are and left open (their owner closes them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+
+from preft.gateway import redis_client
+from preft.gateway.auth import KeyAuthenticator
+from preft.gateway.engine_client import EngineClient
+from preft.gateway.errors import install_error_handlers
+from preft.gateway.generation import GenerationService
+from preft.gateway.limits import RateLimiter
+from preft.gateway.observability import RequestMetricsMiddleware
+from preft.gateway.registry import AsyncRegistry
+from preft.gateway.resolution import AdapterResolver
+from preft.gateway.routes import chat, completions, health, metrics, models
+from preft.gateway.settings import GatewaySettings
+from preft.gateway.tokenization import PromptTokenizer
+from preft.gateway.usage import UsageRecorder
+
+
+def create_app(
+    settings: GatewaySettings,
+    *,
+    engine_client: EngineClient | None = None,
+    registry: AsyncRegistry | None = None,
+    redis: aioredis.Redis | None = None,
+    tokenizer: PromptTokenizer | None = None,
+) -> FastAPI:
+    """The gateway app; keyword arguments replace the collaborators the lifespan would build from `settings`."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            tok = tokenizer or _load_tokenizer(settings)
+            r = redis
+            if r is None:
+                r = redis_client.connect(settings.redis, settings.redis_timeout_s)
+                stack.push_async_callback(r.aclose)
+            reg = registry
+            if reg is None:
+                reg = AsyncRegistry(
+                    settings.registry_address,
+                    settings.registry_token.get_secret_value(),
+                    timeout_s=settings.registry_timeout_s,
+                )
+                stack.push_async_callback(reg.close)
+            engine = engine_client
+            if engine is None:
+                engine = EngineClient(
+                    settings.engine_url,
+                    connect_timeout_s=settings.engine_connect_timeout_s,
+                    read_timeout_s=settings.engine_read_timeout_s,
+                    max_connections=settings.engine_max_connections,
+                )
+                stack.push_async_callback(engine.aclose)
+            usage = UsageRecorder(reg, interval_s=settings.usage_flush_interval_s)
+            usage_task = asyncio.create_task(usage.run(), name="preft-usage-recorder")
+            stack.push_async_callback(_cancel, usage_task)
+            resolver = AdapterResolver(
+                reg,
+                usage,
+                base_model_name=settings.served_model_name,
+                ttl_s=settings.resolve_cache_ttl_s,
+                max_entries=settings.resolve_cache_max_entries,
+                allow_mode_override=settings.allow_mode_override,
+            )
+            app.state.redis = r
+            app.state.registry = reg
+            app.state.tokenizer = tok
+            app.state.resolver = resolver
+            app.state.authenticator = KeyAuthenticator(
+                r,
+                ttl_s=settings.key_cache_ttl_s,
+                max_entries=settings.key_cache_max_entries,
+                redis_timeout_s=settings.redis_timeout_s,
+            )
+            app.state.generation = GenerationService(
+                settings,
+                limiter=RateLimiter(r, redis_timeout_s=settings.redis_timeout_s),
+                resolver=resolver,
+                engine=engine,
+            )
+            yield
+
+    app = FastAPI(
+        title="preft-serve gateway",
+        summary="OpenAI-compatible API over per-tenant adapters",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.add_middleware(RequestMetricsMiddleware)  # outermost: also counts the 500s of the error middleware
+    for module in (completions, chat, models, health, metrics):
+        app.include_router(module.router)
+    return app
+
+
+def _load_tokenizer(settings: GatewaySettings) -> PromptTokenizer:
+    path = settings.tokenizer_path
+    if path is None:
+        raise RuntimeError("set PREFT_GATEWAY__MODEL_DIR or PREFT_GATEWAY__TOKENIZER_DIR (the base model's tokenizer)")
+    return PromptTokenizer.load(path)
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -1,0 +1,90 @@
+"""FastAPI dependencies: the app's collaborators, the caller, and JSON bodies read with a size limit.
+
+Routes declare the caller before the body, so a request without a valid key gets 401 before its body is read.
+Every dependency is `async def`: FastAPI runs plain functions in a thread pool, a thread hop per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Annotated, TypeVar
+
+import redis.asyncio as aioredis
+from fastapi import Depends, Request
+from pydantic import BaseModel, ValidationError
+
+from preft.common.errors import InvalidArgument
+from preft.gateway.auth import Caller, KeyAuthenticator
+from preft.gateway.errors import PayloadTooLarge, validation_message
+from preft.gateway.generation import GenerationService
+from preft.gateway.registry import AsyncRegistry
+from preft.gateway.resolution import AdapterResolver
+from preft.gateway.schemas import ChatBody, CompletionBody
+from preft.gateway.settings import GatewaySettings
+from preft.gateway.tokenization import PromptTokenizer
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def get_settings(request: Request) -> GatewaySettings:
+    return request.app.state.settings
+
+
+async def get_generation(request: Request) -> GenerationService:
+    return request.app.state.generation
+
+
+async def get_tokenizer(request: Request) -> PromptTokenizer:
+    return request.app.state.tokenizer
+
+
+async def get_registry(request: Request) -> AsyncRegistry:
+    return request.app.state.registry
+
+
+async def get_resolver(request: Request) -> AdapterResolver:
+    return request.app.state.resolver
+
+
+async def get_redis(request: Request) -> aioredis.Redis:
+    return request.app.state.redis
+
+
+async def get_caller(request: Request) -> Caller:
+    authenticator: KeyAuthenticator = request.app.state.authenticator
+    return await authenticator.authenticate(request.headers.get("authorization"))
+
+
+def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
+    """A dependency reading the body (at most `max_request_bytes`, else 413) and validating it (else 400)."""
+
+    async def read(request: Request) -> M:
+        limit = request.app.state.settings.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+            parts.append(part)
+        if not size:
+            raise InvalidArgument("the request has no body; send a JSON object")
+        try:
+            return model.model_validate_json(b"".join(parts))
+        except ValidationError as e:
+            raise InvalidArgument(validation_message(e.errors(include_input=False))) from None
+
+    return read
+
+
+SettingsDep = Annotated[GatewaySettings, Depends(get_settings)]
+CallerDep = Annotated[Caller, Depends(get_caller)]
+GenerationDep = Annotated[GenerationService, Depends(get_generation)]
+TokenizerDep = Annotated[PromptTokenizer, Depends(get_tokenizer)]
+RegistryDep = Annotated[AsyncRegistry, Depends(get_registry)]
+ResolverDep = Annotated[AdapterResolver, Depends(get_resolver)]
+RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
+CompletionBodyDep = Annotated[CompletionBody, Depends(json_body(CompletionBody))]
+ChatBodyDep = Annotated[ChatBody, Depends(json_body(ChatBody))]

@@ -1,0 +1,217 @@
+"""The hop to the engine app (Ray Serve's HTTP proxy), speaking `preft.engine.contract`.
+
+Each request carries the adapter's content digest (or "base") in the multiplexing header, so Ray Serve routes it
+to a replica that already holds the adapter. A request is retried once, at once, when the engine could not be
+reached (connect errors, a pooled connection the engine had closed) or answered 503 (replica draining, queue
+full, adapter not fetchable there), as long as no token has reached the client: for a stream, until its first
+chunk has arrived. A second failure is a 503 to the client. Engine 400s become 400s with the engine's message;
+other engine failures become a 500 that says the engine failed. A stream that fails after its status was sent
+ends with an EngineError line, which raises the same errors.
+
+The client is aiohttp, not httpx: posting to the engine stub (`testing`) on a 2-core machine, httpx 0.28 /
+httpcore 1.0.9 went from ~1,000 requests/s with 1 request in flight to ~300 with 32, its CPU spent in the
+connection pool's bookkeeping, while aiohttp went from ~2,500 to ~6,000.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+from pydantic import ValidationError
+
+from preft.common.errors import InvalidArgument, PreftError, Unavailable
+from preft.common.metrics import ENGINE_RETRIES
+from preft.engine.contract import MULTIPLEX_HEADER, EngineChunk, EngineError, EngineRequest, EngineResponse
+
+GENERATE_PATH = "/generate"
+ERROR_STATUS = {"invalid_request": 400, "unavailable": 503, "internal": 500}  # EngineError.type -> its status
+# Below the engine's (uvicorn's, Ray Serve's) 5 s keep-alive, so we rarely reuse a connection it is closing.
+KEEPALIVE_S = 4.0
+# Failures after which no token can have reached the client: nothing was sent, or the pooled connection was dead.
+RETRYABLE_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ConnectionTimeoutError)
+
+
+class EngineFailed(PreftError):
+    """The engine answered with an internal error or something outside the contract."""
+
+
+class EngineClient:
+    """Owns the pooled HTTP connections to the engine app (opened lazily, in the running loop) and the retries."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 300.0,
+        max_connections: int = 1024,
+    ) -> None:
+        self._url = base_url.rstrip("/") + GENERATE_PATH
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _post(self, req: EngineRequest, model_id: str) -> aiohttp.ClientResponse:
+        return await self._open().post(
+            self._url,
+            data=req.model_dump_json(exclude_none=True).encode(),
+            headers={MULTIPLEX_HEADER: model_id, "content-type": "application/json"},
+        )
+
+    async def generate(self, req: EngineRequest, model_id: str) -> EngineResponse:
+        """The whole output of a non-streaming request."""
+        for attempt in (1, 2):
+            try:
+                async with await self._post(req, model_id) as resp:
+                    status, body = resp.status, await resp.read()
+            except RETRYABLE_ERRORS as e:
+                if attempt == 1:
+                    ENGINE_RETRIES.labels(reason="connect").inc()
+                    continue
+                raise Unavailable("the engine is unreachable; retry later") from e
+            except (aiohttp.ClientError, TimeoutError) as e:
+                raise _transport_error(e) from e
+            if status == 503 and attempt == 1:
+                ENGINE_RETRIES.labels(reason="unavailable").inc()
+                continue
+            if status != 200:
+                raise _error_from(status, body)
+            try:
+                return EngineResponse.model_validate_json(body)
+            except ValidationError as e:
+                raise EngineFailed("the engine's answer did not follow the contract") from e
+        raise AssertionError("unreachable")
+
+    async def stream(self, req: EngineRequest, model_id: str) -> EngineStream:
+        """A stream whose first chunk has already arrived (so errors before any token raise here, not later).
+
+        Iterate it to the end or `aclose()` it: closing early drops the connection, which tells the engine to
+        stop generating. Failures while iterating raise Unavailable (or the error the engine reported).
+        """
+        for attempt in (1, 2):
+            resp: aiohttp.ClientResponse | None = None
+            try:
+                resp = await self._post(req, model_id)
+                if resp.status == 503 and attempt == 1:
+                    _drop(resp)
+                    ENGINE_RETRIES.labels(reason="unavailable").inc()
+                    continue
+                if resp.status != 200:
+                    body = await resp.read()
+                    _drop(resp)
+                    raise _error_from(resp.status, body)
+                first = await _next_chunk(resp)
+            except Unavailable:
+                _drop(resp)
+                if attempt == 1:  # an error line before any chunk: nothing reached the client yet
+                    ENGINE_RETRIES.labels(reason="unavailable").inc()
+                    continue
+                raise
+            except RETRYABLE_ERRORS as e:
+                _drop(resp)
+                if attempt == 1:
+                    ENGINE_RETRIES.labels(reason="connect").inc()
+                    continue
+                raise Unavailable("the engine is unreachable; retry later") from e
+            except (aiohttp.ClientError, TimeoutError) as e:
+                _drop(resp)
+                raise _transport_error(e) from e
+            except BaseException:
+                _drop(resp)
+                raise
+            if first is None:
+                _drop(resp)
+                raise EngineFailed("the engine's stream ended without a chunk")
+            return EngineStream(resp, first)
+        raise AssertionError("unreachable")
+
+
+class EngineStream:
+    """An open engine stream: iterate its chunks; `aclose()` (idempotent) ends it early and frees the connection."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, first: EngineChunk) -> None:
+        self._resp: aiohttp.ClientResponse | None = resp
+        self._first: EngineChunk | None = first
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    async def __anext__(self) -> EngineChunk:
+        if self._first is not None:
+            chunk, self._first = self._first, None
+            return chunk
+        if self._resp is None:
+            raise StopAsyncIteration
+        try:
+            chunk = await _next_chunk(self._resp)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            await self.aclose()
+            raise Unavailable("the engine's stream broke off") from e
+        except BaseException:
+            await self.aclose()
+            raise
+        if chunk is None:
+            await self.aclose()
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        resp, self._resp = self._resp, None
+        _drop(resp)
+
+
+async def _next_chunk(resp: aiohttp.ClientResponse) -> EngineChunk | None:
+    """The next chunk; an EngineError line (the engine failed after the status was sent) raises its error."""
+    while line := await resp.content.readline():
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+            if isinstance(data, dict) and "message" in data and "type" in data:
+                raise _error_from(ERROR_STATUS.get(data["type"], 500), line)
+            return EngineChunk.model_validate(data)
+        except (ValueError, ValidationError) as e:
+            raise EngineFailed("the engine's stream did not follow the contract") from e
+    return None
+
+
+def _drop(resp: aiohttp.ClientResponse | None) -> None:
+    """Release a response: back to the pool when fully read, else its connection is closed (the engine sees the
+    client gone). Synchronous, so it also runs in a task that is being cancelled."""
+    if resp is not None:
+        with contextlib.suppress(Exception):
+            if resp.content.at_eof():
+                resp.release()
+            else:
+                resp.close()
+
+
+def _transport_error(e: BaseException) -> Unavailable:
+    if isinstance(e, TimeoutError | asyncio.TimeoutError):
+        return Unavailable("the engine did not answer in time")
+    return Unavailable("the connection to the engine broke")
+
+
+def _error_from(status: int, body: bytes) -> PreftError:
+    try:
+        message = EngineError.model_validate_json(body).message
+    except ValidationError:
+        message = ""
+    if status == 400:
+        return InvalidArgument(message or "the engine refused the request")
+    if status == 503:
+        return Unavailable(f"the engine is unavailable{': ' + message if message else ''}; retry later")
+    return EngineFailed(f"the engine failed (HTTP {status}); the error is in the engine's log")

@@ -1,0 +1,44 @@
+"""The gateway's async Redis connection: no client-side retries, and every operation under one short deadline.
+
+A Redis outage must turn into a 503 within about a second, not hang a request or retry with backoff; the pool
+reconnects by itself on the next operation once Redis is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from preft.common.errors import Unavailable
+from preft.common.settings import RedisSettings
+
+T = TypeVar("T")
+
+
+def connect(settings: RedisSettings, timeout_s: float) -> aioredis.Redis:
+    """A pooled client (connections open lazily) whose socket timeouts never exceed the operation deadline."""
+    socket_timeout_s = min(settings.socket_timeout_s, timeout_s)
+    return aioredis.Redis.from_url(
+        settings.url,
+        decode_responses=True,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
+        max_connections=settings.max_connections,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+async def guarded(operation: Awaitable[T], timeout_s: float) -> T:
+    """Await a Redis operation; a connection error or a missed deadline becomes Unavailable (503)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await operation
+    except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as e:
+        raise Unavailable("the gateway's metadata store (Redis) is unavailable; retry later") from e

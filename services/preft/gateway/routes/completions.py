@@ -1,0 +1,73 @@
+"""POST /v1/completions: a text (or token-id) prompt, continued by the base model or an adapter."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from preft.common.errors import InvalidArgument
+from preft.engine.contract import EngineChunk, Usage
+from preft.gateway.deps import CallerDep, CompletionBodyDep, GenerationDep, TokenizerDep
+from preft.gateway.observability import started_s
+from preft.gateway.sse import stream_response, usage_dict
+
+router = APIRouter(tags=["completions"])
+
+
+class CompletionChunks:
+    """Stream events of a text completion."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+        self.head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+        self.include_usage = include_usage
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def piece(self, chunk: EngineChunk) -> list[dict[str, Any]]:
+        if not chunk.text and chunk.finish_reason is None:
+            return []
+        choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
+        event = {**self.head, "choices": [choice]}
+        if self.include_usage:
+            event["usage"] = None
+        return [event]
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        return {**self.head, "choices": [], "usage": usage_dict(usage)}
+
+
+@router.post("/v1/completions")
+async def create_completion(
+    request: Request, caller: CallerDep, body: CompletionBodyDep, generation: GenerationDep, tokenizer: TokenizerDep
+) -> Response:
+    body.refuse_unsupported()
+    prompt = body.single_prompt()
+    if isinstance(prompt, str):
+        prompt_ids = await tokenizer.encode(prompt)
+    else:
+        if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
+            raise InvalidArgument(f"prompt: token ids must be in [0, {tokenizer.vocab_size})")
+        prompt_ids = list(prompt)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    job = await generation.admit(caller, body, prompt_ids, max_tokens=body.max_tokens, request_id=request_id)
+    headers = {"x-request-id": request_id, **job.admission.headers()}
+    if body.stream:
+        stream = await generation.open_stream(job, started_s=started_s(request))
+        render = CompletionChunks(request_id, body.model, body.include_usage)
+        return stream_response(generation, job, stream, render, include_usage=body.include_usage, headers=headers)
+    out = await generation.complete(job, started_s=started_s(request))
+    choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+    answer = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model,
+        "choices": [choice],
+        "usage": usage_dict(out.usage),
+    }
+    return JSONResponse(answer, headers=headers)

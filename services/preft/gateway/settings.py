@@ -1,0 +1,77 @@
+"""Typed settings of the gateway, read from `PREFT_GATEWAY__*` environment variables (`__` separates nesting).
+
+Example: `PREFT_GATEWAY__REDIS__URL=redis://10.0.0.5:6379/0`, `PREFT_GATEWAY__REGISTRY_TOKEN=...`,
+`PREFT_GATEWAY__ENGINE_URL=http://ray-head:8000`, `PREFT_GATEWAY__MODEL_DIR=/models/llama-3-8b`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from preft.common.settings import DEV_TOKEN, RedisSettings
+
+
+class GatewaySettings(BaseSettings):
+    """The gateway: where it listens, its collaborators (Redis, registry, engine), the model, caches and limits."""
+
+    model_config = SettingsConfigDict(env_prefix="PREFT_GATEWAY__", env_nested_delimiter="__", extra="ignore")
+
+    environment: Literal["dev", "prod"] = Field("prod", description="dev allows the placeholder registry token")
+    host: str = Field("127.0.0.1", description="Address uvicorn binds")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port uvicorn binds")
+    access_log: bool = Field(True, description="uvicorn access log (method, path, status; never headers or bodies)")
+
+    redis: RedisSettings = Field(default_factory=RedisSettings, description="Redis holding keys, tenants, buckets")
+    redis_timeout_s: float = Field(
+        0.5, gt=0, description="Deadline for one gateway Redis operation, connecting included (Redis down -> 503)"
+    )
+
+    registry_address: str = Field("127.0.0.1:50051", description="host:port of the registry's gRPC endpoint")
+    registry_token: SecretStr = Field(SecretStr(DEV_TOKEN), description="The registry admin token")
+    registry_timeout_s: float = Field(2.0, gt=0, description="Deadline for each registry call")
+
+    engine_url: str = Field("http://127.0.0.1:8000", description="Base URL of the engine app (the Ray Serve proxy)")
+    engine_connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect timeout to the engine")
+    engine_read_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait for the engine's answer (non-streaming) or its next streamed chunk"
+    )
+    engine_max_connections: int = Field(1024, ge=1, description="Connection pool size towards the engine")
+
+    model_dir: Path | None = Field(None, description="Base model directory; its tokenizer is used unless tokenizer_dir")
+    tokenizer_dir: Path | None = Field(None, description="Tokenizer directory (Hugging Face format, chat template)")
+    served_model_name: str = Field("base", min_length=1, description="The `model` value that means the base model")
+    max_model_len: int = Field(8192, ge=2, description="Prompt + generated tokens the engine can hold per request")
+    max_prompt_tokens: int = Field(8191, ge=1, description="Longest prompt accepted, in tokens (longer: 413)")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request sets none (capped by length)")
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body (larger: 413)")
+
+    key_cache_ttl_s: float = Field(
+        2.0, ge=0, description="How long an API key lookup is reused; revocation takes effect within this time"
+    )
+    key_cache_max_entries: int = Field(100_000, ge=1, description="API key lookups kept in memory")
+    resolve_cache_ttl_s: float = Field(
+        10.0, ge=0, description="How long an adapter resolution is reused (also while the registry is down)"
+    )
+    resolve_cache_max_entries: int = Field(100_000, ge=1, description="Adapter resolutions kept in memory")
+    allow_mode_override: bool = Field(
+        False, description="Let requests pick the position mode (`preft_mode` in the body); else 400 when they try"
+    )
+    usage_flush_interval_s: float = Field(
+        1.0, gt=0, description="How often adapter uses are sent to the registry (RecordUse, batched)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewaySettings:
+        if self.environment != "dev" and self.registry_token.get_secret_value() == DEV_TOKEN:
+            raise ValueError("set PREFT_GATEWAY__REGISTRY_TOKEN: the placeholder token is only allowed in dev")
+        if self.max_prompt_tokens >= self.max_model_len:
+            raise ValueError("max_prompt_tokens must be below max_model_len (one token is left to generate)")
+        return self
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        return self.tokenizer_dir or self.model_dir

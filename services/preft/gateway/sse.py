@@ -1,0 +1,116 @@
+"""Server-sent events in OpenAI's streaming format: `data: {json}\\n\\n` per chunk, then `data: [DONE]\\n\\n`.
+
+A stream that fails after its first byte cannot change its status any more; it ends with one
+`data: {"error": {...}}` event instead of [DONE], which OpenAI's clients raise as an APIError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from preft.common.errors import Unavailable
+from preft.engine.contract import EngineChunk, Usage
+from preft.gateway.engine_client import EngineFailed, EngineStream
+from preft.gateway.errors import sse_error
+from preft.gateway.generation import GenerationService, Job
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage_dict(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+class ChunkRenderer(Protocol):
+    """Formats one route's stream events (completions and chat differ only here)."""
+
+    def opening(self) -> list[dict[str, Any]]: ...
+
+    def piece(self, chunk: EngineChunk) -> list[dict[str, Any]]: ...
+
+    def usage(self, usage: Usage) -> dict[str, Any]: ...
+
+
+async def events(
+    generation: GenerationService, job: Job, stream: EngineStream, render: ChunkRenderer, *, include_usage: bool
+) -> AsyncGenerator[bytes, None]:
+    """The SSE bytes for an opened engine stream; always closes the stream and finishes the job."""
+    try:
+        for event in render.opening():
+            yield sse(event)
+        usage: Usage | None = None
+        async for chunk in stream:
+            job.generated_tokens += len(chunk.token_ids)
+            if chunk.finish_reason == "abort":
+                raise Unavailable("the engine aborted the generation; retry later")
+            for event in render.piece(chunk):
+                yield sse(event)
+            if chunk.finish_reason is not None:
+                usage = chunk.usage
+                break
+        else:
+            raise EngineFailed("the engine's stream ended without a finish reason")
+        if usage is not None:
+            job.generated_tokens = usage.completion_tokens
+            if include_usage:
+                yield sse(render.usage(usage))
+        yield DONE
+    except Exception as e:
+        yield sse_error(e)
+    finally:
+        await stream.aclose()
+        generation.finish(job)
+
+
+class EventStreamResponse(StreamingResponse):
+    """A text/event-stream response that runs `on_close` however it ends, even if it never started streaming."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], *, on_close: Callable[[], Awaitable[None]], headers: dict[str, str]
+    ) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_close()
+
+
+def stream_response(
+    generation: GenerationService,
+    job: Job,
+    stream: EngineStream,
+    render: ChunkRenderer,
+    *,
+    include_usage: bool,
+    headers: dict[str, str],
+) -> EventStreamResponse:
+    body = events(generation, job, stream, render, include_usage=include_usage)
+
+    async def close() -> None:
+        # Normally the generator has finished the job already; this covers a client gone before or mid-stream.
+        with contextlib.suppress(RuntimeError):
+            await body.aclose()
+        await stream.aclose()
+        generation.finish(job)
+
+    return EventStreamResponse(body, on_close=close, headers=headers)

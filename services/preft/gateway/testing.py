@@ -1,0 +1,169 @@
+"""Test doubles for the gateway: a stub engine that speaks `preft.engine.contract`, and uvicorn in a thread.
+
+Used by tests/integration/gateway and loadtest/bench_gateway.py; not part of a deployment. The stub has no
+model: it answers `max_tokens` deterministic fake tokens (` w<id>` each), optionally `token_delay_s` apart,
+records what it received, and can be told to fail its next requests with a given status (before any byte)
+or to break a stream after some chunks. It refuses requests whose multiplexing header does not match the
+adapter's digest, so tests catch a gateway that routes wrongly. Serve it with
+`uvicorn --factory preft.gateway.testing:create_stub_engine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import uvicorn
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from preft.engine.contract import (
+    BASE_MODEL_ID,
+    MULTIPLEX_HEADER,
+    EngineChunk,
+    EngineError,
+    EngineRequest,
+    EngineResponse,
+    Usage,
+)
+from preft.stack.process import LOOPBACK, free_port, wait_until
+
+
+@dataclass
+class Failure:
+    """How the next request(s) fail: an HTTP status before any byte; or, for streams, after `after_chunks`
+    chunks, a dropped connection (status None) or an EngineError line of that status (as the engine does)."""
+
+    status: int | None = 503
+    times: int = 1
+    after_chunks: int | None = None
+
+
+@dataclass
+class StubEngine:
+    """Owns the stub's behaviour (delay, failures) and what it has received: (multiplexed model id, request)."""
+
+    token_delay_s: float = 0.0
+    vocab_size: int = 384
+    record: bool = True
+    received: list[tuple[str, EngineRequest]] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+
+    def fail_next(self, status: int | None = 503, times: int = 1, *, after_chunks: int | None = None) -> None:
+        self.failures.append(Failure(status, times, after_chunks))
+
+    def _take_failure(self) -> Failure | None:
+        if not self.failures:
+            return None
+        failure = self.failures[0]
+        failure.times -= 1
+        if failure.times <= 0:
+            self.failures.pop(0)
+        return failure
+
+    def tokens(self, req: EngineRequest) -> list[int]:
+        start = (sum(req.prompt_token_ids) + (req.seed or 0)) % self.vocab_size
+        return [(start + 7 * i) % self.vocab_size for i in range(req.max_tokens)]
+
+    async def generate(self, request: Request) -> Response:
+        try:
+            req = EngineRequest.model_validate_json(await request.body())
+        except ValidationError as e:
+            return _error(400, "invalid_request", f"bad request: {e.error_count()} errors")
+        model_id = request.headers.get(MULTIPLEX_HEADER, "")
+        expected = req.adapter.digest if req.adapter else BASE_MODEL_ID
+        if model_id != expected:
+            return _error(400, "invalid_request", f"{MULTIPLEX_HEADER} {model_id!r} does not match {expected!r}")
+        if self.record:
+            self.received.append((model_id, req))
+        failure = self._take_failure()
+        if failure is not None and failure.after_chunks is None:
+            status = failure.status or 503
+            return _error(status, _KINDS.get(status, "internal"), "injected failure")
+        ids = self.tokens(req)
+        if not req.stream:
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s * len(ids))
+            usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids))
+            out = EngineResponse(text=_text(ids), token_ids=ids, finish_reason="length", usage=usage)
+            return Response(out.model_dump_json(), media_type="application/json")
+        return StreamingResponse(self._stream(req, ids, failure), media_type="application/x-ndjson")
+
+    async def _stream(self, req: EngineRequest, ids: list[int], failure: Failure | None):
+        for i, t in enumerate(ids):
+            if failure is not None and i >= (failure.after_chunks or 0):
+                if failure.status is None:
+                    raise ConnectionAbortedError("injected stream failure")  # uvicorn drops the connection
+                kind = _KINDS.get(failure.status, "internal")
+                yield EngineError(type=kind, message="injected failure").model_dump_json().encode() + b"\n"  # type: ignore[arg-type]
+                return
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            yield EngineChunk(text=_text([t]), token_ids=[t]).model_dump_json().encode() + b"\n"
+        usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids))
+        yield EngineChunk(finish_reason="length", usage=usage).model_dump_json().encode() + b"\n"
+
+
+_KINDS = {400: "invalid_request", 503: "unavailable", 500: "internal"}
+
+
+def _text(ids: list[int]) -> str:
+    return "".join(f" w{t}" for t in ids)
+
+
+def _error(status: int, kind: str, message: str) -> Response:
+    return JSONResponse(EngineError(type=kind, message=message).model_dump(), status_code=status)  # type: ignore[arg-type]
+
+
+def create_stub_engine(stub: StubEngine | None = None) -> Starlette:
+    """The stub as an ASGI app (POST /generate); `app.state.stub` is its StubEngine."""
+    stub = stub or StubEngine(record=False)
+    app = Starlette(routes=[Route("/generate", stub.generate, methods=["POST"])])
+    app.state.stub = stub
+    return app
+
+
+class ThreadedServer:
+    """Owns a uvicorn server for an ASGI app on 127.0.0.1, run in a daemon thread with its own event loop."""
+
+    def __init__(self, app: object, port: int | None = None) -> None:
+        self.port = port or free_port()
+        config = uvicorn.Config(
+            app,  # type: ignore[arg-type]
+            host=LOOPBACK,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=1,
+        )
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> ThreadedServer:
+        self._thread.start()
+        wait_until(
+            lambda: self.server.started,
+            timeout_s=timeout_s,
+            what=f"uvicorn on port {self.port}",
+            abort=lambda: None if self._thread.is_alive() else "the server thread exited (see the log above)",
+        )
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> ThreadedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

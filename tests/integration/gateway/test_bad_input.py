@@ -1,0 +1,80 @@
+"""Bad requests get a 4xx with an OpenAI-shaped JSON error body, never FastAPI's 422 or an HTML page, and never
+reach the engine."""
+
+from __future__ import annotations
+
+from .conftest import BASE, error_of
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER_HI = [{"role": "user", "content": "hi"}]
+
+BAD_BODIES = [
+    (COMPLETIONS, b"{not json", "Invalid JSON"),
+    (COMPLETIONS, b"[1, 2]", "should be an object"),
+    (COMPLETIONS, b'{"prompt": "hi"}', "model"),
+    (COMPLETIONS, b'{"model": "tiny-llama"}', "prompt"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": "lots"}', "max_tokens"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 0}', "max_tokens"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "temperature": -1}', "temperature"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "stream": "yes please"}', "stream"),
+    (COMPLETIONS, b'{"model": 7, "prompt": "hi"}', "model"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": ""}', "prompt is empty"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": [1, 99999]}', "token ids"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": ["a", "b"]}', "one prompt"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "n": 2}', "n is not supported"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "logprobs": 2}', "logprobs"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 600}', "maximum context length"),
+    (CHAT, b'{"model": "tiny-llama", "messages": []}', "messages"),
+    (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "wizard", "content": "hi"}]}', "role"),
+    (CHAT, b'{"model": "tiny-llama", "messages": "hi"}', "messages"),
+    (
+        CHAT,
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+        "only text",
+    ),
+    (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}', "tools"),
+]
+
+
+def test_malformed_bodies_are_400_with_a_json_error(gateway, registry, stub):
+    http = gateway.http(registry.tenant("acme"))
+    for path, raw, says in BAD_BODIES:  # one gateway for all cases: each case's request names it on failure
+        answer = http.post(path, content=raw, headers={"content-type": "application/json"})
+        assert answer.status_code == 400, (raw, answer.text)
+        error = error_of(answer)
+        assert error["type"] == "invalid_request_error", raw
+        assert says in error["message"], (raw, error["message"])
+    assert stub.received == []
+
+
+def test_too_long_prompts_and_bodies_are_413(make_gateway, registry, stub):
+    gateway = make_gateway(max_prompt_tokens=16, max_request_bytes=64 * 1024)
+    http = gateway.http(registry.tenant("acme"))
+    long_prompt = "hello world " * 40
+    for path, body in [
+        (COMPLETIONS, {"model": BASE, "prompt": long_prompt}),
+        (COMPLETIONS, {"model": BASE, "prompt": list(range(3, 20))}),
+        (CHAT, {"model": BASE, "messages": [{"role": "user", "content": long_prompt}]}),
+    ]:
+        answer = http.post(path, json=body)
+        assert answer.status_code == 413, answer.text
+        assert "at most 16" in error_of(answer)["message"]
+    huge = http.post(COMPLETIONS, json={"model": BASE, "prompt": "x" * 100_000})
+    assert huge.status_code == 413 and "larger than 65536 bytes" in error_of(huge)["message"]
+    assert stub.received == []
+    # at the limit is fine
+    assert http.post(COMPLETIONS, json={"model": BASE, "prompt": list(range(3, 19))}).status_code == 200
+
+
+def test_missing_key_unknown_route_and_wrong_method_are_json_errors(gateway):
+    http = gateway.http()
+    no_key = http.post(COMPLETIONS, json={"model": BASE, "prompt": "hi"})
+    assert no_key.status_code == 401 and "didn't provide an API key" in error_of(no_key)["message"]
+    # the key is checked before the body is even read
+    assert http.post(COMPLETIONS, content=b"{broken").status_code == 401
+    assert http.get("/v1/models").status_code == 401
+    for answer, status in [(http.get("/v1/nothing"), 404), (http.get(COMPLETIONS), 405)]:
+        assert answer.status_code == status
+        assert error_of(answer)["code"] == f"http_{status}"

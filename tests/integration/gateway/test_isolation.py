@@ -1,0 +1,80 @@
+"""Tenants cannot see each other's adapters on any route: a hidden adapter answers exactly like a missing one
+(status, headers that matter, body), and sharing makes it usable."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+ROUTES = {
+    "completions": lambda http, model: http.post("/v1/completions", json={"model": model, "prompt": "hi"}),
+    "completions-stream": lambda http, model: http.post(
+        "/v1/completions", json={"model": model, "prompt": "hi", "stream": True}
+    ),
+    "chat": lambda http, model: http.post(
+        "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    ),
+    "chat-stream": lambda http, model: http.post(
+        "/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    ),
+    "models-retrieve": lambda http, model: http.get(f"/v1/models/{model}"),
+}
+
+
+def _answer(response):
+    return response.status_code, response.headers["content-type"], response.json()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_hidden_adapter_is_indistinguishable_from_a_missing_one(route, make_gateway, registry, stub, tiny_models):
+    call = ROUTES[route]
+    acme, beta = registry.tenant("acme"), registry.tenant("beta")
+    gateway = make_gateway(resolve_cache_ttl_s=0)  # every request asks the registry: no stale answers
+    http_acme = gateway.http(acme)
+
+    # beta/secret does not exist yet, then exists unshared: acme gets the same answer both times
+    missing = _answer(call(http_acme, "beta/secret"))
+    registry.publish("beta", "secret", tiny_models["lora"], alias="prod")
+    for ref in ("beta/secret", "beta/secret@v1", "beta/secret:prod", "beta/secret:latest"):
+        hidden = call(http_acme, ref)
+        assert _answer(hidden)[:2] == missing[:2] == (404, "application/json")
+        assert hidden.json() == _expected_404(ref), ref
+    assert missing[2] == _expected_404("beta/secret")
+    # a bare name is always the caller's own adapter, never another tenant's
+    assert call(http_acme, "secret").json() == _expected_404("secret")
+    assert stub.received == []
+
+    # beta itself uses it; once shared, acme can too (under owner/name)
+    assert call(gateway.http(beta), "secret").status_code == 200
+    registry.share("beta", "secret", add=("acme",))
+    assert call(http_acme, "beta/secret:prod").status_code == 200
+    assert call(http_acme, "secret").status_code == 404
+    registry.share("beta", "secret", remove=("acme",))
+    assert call(http_acme, "beta/secret").json() == _expected_404("beta/secret")
+
+
+def _expected_404(model: str) -> dict:
+    message = f"The model {model!r} does not exist or you do not have access to it."
+    return {"error": {"message": message, "type": "not_found_error", "code": "model_not_found", "param": None}}
+
+
+def test_models_list_and_openai_errors_respect_tenants(make_gateway, registry, tiny_models):
+    acme, beta = registry.tenant("acme"), registry.tenant("beta")
+    registry.publish("beta", "secret", tiny_models["lora"])
+    gateway = make_gateway(resolve_cache_ttl_s=0)
+    client = gateway.openai(acme)
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+    with pytest.raises(openai.NotFoundError) as hidden:
+        client.completions.create(model="beta/secret", prompt="hi")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="beta/nothing", prompt="hi")
+    assert hidden.value.code == missing.value.code == "model_not_found"
+    assert str(hidden.value).replace("secret", "X") == str(missing.value).replace("nothing", "X")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="beta/secret", messages=[{"role": "user", "content": "hi"}])
+
+    registry.share("beta", "secret", add=("acme",))
+    assert [m.id for m in client.models.list().data] == ["tiny-llama", "beta/secret"]
+    assert client.completions.create(model="beta/secret", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    assert [m.id for m in gateway.openai(beta).models.list().data] == ["tiny-llama", "secret"]

@@ -1,0 +1,119 @@
+"""The official `openai` client against the gateway over real HTTP: completions, chat, streaming, models."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from preft.api.v1 import registry_pb2 as pb
+from preft.engine.contract import BASE_MODEL_ID
+from preft.vllm_plugin.modes import PositionMode
+
+from .conftest import BASE
+
+
+def fake_text(stub, req) -> str:
+    return "".join(f" w{t}" for t in stub.tokens(req))
+
+
+def test_completions_chat_and_streams_with_the_openai_client(make_gateway, registry, stub, tokenizer, tiny_models):
+    key = registry.tenant("acme")
+    manifest = registry.publish("acme", "chat", tiny_models["lora"], mode="all")
+    gateway = make_gateway(inject_tokenizer=False)  # the app loads the tokenizer itself, as in production
+    client = gateway.openai(key)
+
+    # completion with an adapter: the prompt is tokenized by the gateway, the adapter's digest routes the request
+    out = client.completions.create(model="chat", prompt="hello world", max_tokens=5, temperature=0, seed=3)
+    model_id, req = stub.received[-1]
+    assert model_id == manifest.digest == req.adapter.digest
+    assert req.prompt_token_ids == tokenizer._tok.encode("hello world")
+    assert (req.max_tokens, req.temperature, req.seed, req.mode, req.tenant) == (5, 0.0, 3, PositionMode.ALL, "acme")
+    assert req.adapter.method == "lora" and req.adapter.ref == "acme/chat@v1"
+    assert {f.path for f in req.adapter.files} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert out.object == "text_completion" and out.model == "chat" and out.id.startswith("cmpl-")
+    assert out.choices[0].text == fake_text(stub, req) and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(req.prompt_token_ids), 5)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 5
+
+    # the base model by its served name: no adapter, multiplexed as "base"; default max_tokens from settings
+    out = client.completions.create(model=BASE, prompt=[5, 6, 7])
+    model_id, req = stub.received[-1]
+    assert model_id == BASE_MODEL_ID and req.adapter is None and req.prompt_token_ids == [5, 6, 7]
+    assert req.max_tokens == gateway.settings.default_max_tokens and req.temperature == 1.0
+
+    # chat: the model's own chat template renders the conversation
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model="chat", messages=messages, max_completion_tokens=4, stop=["w9"])
+    _, req = stub.received[-1]
+    rendered = tokenizer._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == "system: be brief\nuser: hello\nassistant:"
+    assert req.prompt_token_ids == tokenizer._tok.encode(rendered, add_special_tokens=False)
+    assert req.max_tokens == 4 and req.stop == ["w9"]
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content == fake_text(stub, req)
+    assert chat.usage.completion_tokens == 4
+
+    # streaming completion, with usage at the end
+    stream = client.completions.create(
+        model="chat", prompt="hello", max_tokens=6, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    _, req = stub.received[-1]
+    assert req.stream
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == fake_text(stub, req)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+    # streaming chat: role first, then content deltas, then the finish reason (no usage unless asked)
+    chunks = list(client.chat.completions.create(model="chat", messages=messages, max_tokens=3, stream=True))
+    _, req = stub.received[-1]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == fake_text(stub, req)
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
+    assert all(c.object == "chat.completion.chunk" and c.model == "chat" for c in chunks)
+
+    # every use was counted towards the adapter's hotness (batched RecordUse)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        hot = registry.client.call("Hot", pb.HotRequest(limit=5)).entries
+        if hot and hot[0].score > 3.5:
+            break
+        time.sleep(0.1)
+    assert [(e.manifest.name, e.manifest.version) for e in hot] == [("chat", 1)]
+    assert hot[0].score == pytest.approx(4, rel=0.01)  # four adapter requests, none for the base model
+
+
+def test_models_lists_the_tenants_adapters_and_the_base_model(gateway, registry, tiny_models):
+    acme, beta = registry.tenant("acme"), registry.tenant("beta")
+    registry.publish("acme", "chat", tiny_models["lora"])
+    registry.publish("acme", "style", tiny_models["direft"])
+    registry.publish("beta", "mine", tiny_models["lora"])
+    registry.publish("beta", "shared", tiny_models["direft"])
+    registry.share("beta", "shared", add=("acme",))
+
+    listed = gateway.openai(acme).models.list()
+    assert [(m.id, m.owned_by) for m in listed.data] == [
+        (BASE, "preft"),
+        ("chat", "acme"),
+        ("style", "acme"),
+        ("beta/shared", "beta"),
+    ]
+    assert [m.id for m in gateway.openai(beta).models.list().data] == [BASE, "mine", "shared"]
+    assert gateway.openai(acme).models.retrieve("beta/shared").owned_by == "beta"
+    assert gateway.openai(acme).models.retrieve(BASE).owned_by == "preft"
+
+
+def test_metrics_and_probes(gateway, registry):
+    key = registry.tenant("acme")
+    http = gateway.http(key)
+    assert http.post("/v1/completions", json={"model": BASE, "prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert http.get("/healthz").json() == {"status": "ok"}
+    ready = http.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"] == {"redis": "ok", "registry": "ok"}
+    metrics = http.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    assert 'preft_gateway_requests_total{route="/v1/completions",status_class="2xx"}' in text
+    assert "preft_gateway_overhead_seconds_count" in text

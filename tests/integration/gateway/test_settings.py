@@ -1,0 +1,32 @@
+"""Gateway settings: environment variables, the placeholder-secret guard, and a served OpenAPI schema."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from preft.common.settings import DEV_TOKEN
+from preft.gateway.settings import GatewaySettings
+
+
+def test_settings_from_environment_and_the_placeholder_guard(monkeypatch, tmp_path):
+    monkeypatch.setenv("PREFT_GATEWAY__REDIS__URL", "redis://10.0.0.5:6379/2")
+    monkeypatch.setenv("PREFT_GATEWAY__REGISTRY_TOKEN", "a-real-token")
+    monkeypatch.setenv("PREFT_GATEWAY__MODEL_DIR", str(tmp_path))
+    monkeypatch.setenv("PREFT_GATEWAY__ALLOW_MODE_OVERRIDE", "true")
+    s = GatewaySettings()
+    assert s.redis.url == "redis://10.0.0.5:6379/2" and s.registry_token.get_secret_value() == "a-real-token"
+    assert s.tokenizer_path == tmp_path and s.allow_mode_override and s.environment == "prod"
+    assert "a-real-token" not in repr(s)
+
+    monkeypatch.delenv("PREFT_GATEWAY__REGISTRY_TOKEN")
+    with pytest.raises(ValidationError, match="placeholder token is only allowed in dev"):
+        GatewaySettings()
+    assert GatewaySettings(environment="dev").registry_token.get_secret_value() == DEV_TOKEN
+    with pytest.raises(ValidationError, match="max_prompt_tokens must be below max_model_len"):
+        GatewaySettings(environment="dev", max_model_len=100, max_prompt_tokens=100)
+
+
+def test_openapi_schema_lists_the_routes(gateway):
+    paths = gateway.http().get("/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz", "/readyz", "/metrics"} <= set(paths)

@@ -117,6 +117,55 @@ def generate(
     raise typer.Exit(1 if bad else 0)
 
 
+StateDirOpt = Annotated[Path, typer.Option("--state-dir", help="Where the local stack keeps its state and logs.")]
+
+
+@app.command()
+def up(state_dir: StateDirOpt = Path(".preft/stack")) -> None:
+    """Start the local platform (Redis, S3, registry, Ray Serve engine, gateway) and print how to call it."""
+    from preft.stack import control
+    from preft.stack.process import ServerError
+
+    err.print(f"starting the local stack in {state_dir} (first start: ~1-2 min) ...")
+    try:
+        info = control.start(state_dir)
+    except ServerError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
+    demo_info = json.loads((state_dir / "demo.json").read_text())
+    key, url = demo_info["api_key"], info.gateway_url
+    sys.stdout.write(
+        f"""preft-serve is up: gateway {url}, registry {info.registry_address}, engine {info.engine_url}
+demo tenant {demo_info["tenant"]!r}, adapters {", ".join(demo_info["adapters"])}; stop with `preft down`.
+
+curl {url}/v1/completions -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
+  -d '{{"model": "demo-lora", "prompt": "the adapter serves a prompt", "max_tokens": 16}}'
+
+curl -N {url}/v1/chat/completions -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
+  -d '{{"model": "demo-direft", "messages": [{{"role": "user", "content": "hello world"}}], "stream": true}}'
+
+python - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="{url}/v1", api_key="{key}")
+print(client.completions.create(model="demo-lora", prompt="the adapter serves a prompt", max_tokens=16).choices[0].text)
+chat = client.chat.completions.create(model="demo-direft", messages=[{{"role": "user", "content": "hello"}}])
+print(chat.choices[0].message.content)
+PY
+"""
+    )
+
+
+@app.command()
+def down(state_dir: StateDirOpt = Path(".preft/stack")) -> None:
+    """Stop the local platform; its state (adapters, tenants, keys) stays for the next `preft up`."""
+    from preft.stack import control
+
+    if control.stop(state_dir):
+        err.print("stopped")
+    else:
+        err.print("no local stack is running")
+
+
 @app.command()
 def demo(
     workdir: Annotated[Path, typer.Option("--workdir", help="Where the generated model and adapters go.")] = Path(

@@ -50,6 +50,10 @@ class LocalServer:
         return self._process.running
 
     @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
     def log_path(self) -> Path:
         return self._process.log_path
 

@@ -1,0 +1,48 @@
+"""The whole local platform (`preft up`'s stack) on free loopback ports, once per session."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from preft.stack import control
+from preft.stack.local import LocalStack, StackInfo, StackPorts
+from preft.stack.process import free_port
+
+_HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(_HERE):
+            item.add_marker(pytest.mark.e2e)
+
+
+@dataclass(frozen=True)
+class Stack:
+    state_dir: Path
+    info: StackInfo
+    demo_key: str
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.info.gateway_url}/v1"
+
+    def local(self) -> LocalStack:
+        return LocalStack(self.state_dir, self.info.ports)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    state_dir = tmp_path_factory.mktemp("stack")
+    ports = StackPorts(gateway=free_port(), registry=free_port(), redis=free_port(), s3=free_port(), serve=free_port())
+    info = control.start(state_dir, ports, timeout_s=400)
+    try:
+        demo = json.loads((state_dir / "demo.json").read_text())
+        yield Stack(state_dir, info, demo["api_key"])
+    finally:
+        control.stop(state_dir)

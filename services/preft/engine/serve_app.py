@@ -25,7 +25,7 @@ from preft.engine.contract import BASE_MODEL_ID, AdapterSpec
 from preft.engine.http import create_app
 from preft.engine.paging.disk import claim_slot
 from preft.engine.paging.downloader import BlobSource
-from preft.engine.paging.hot import HotSource, RedisHotSource
+from preft.engine.paging.hot import HotSource, RedisHotSource, RegistryHotSource
 from preft.engine.paging.pager import Pager
 from preft.engine.protocol import EngineFactory
 from preft.engine.residency import ResidencyPublisher, redis_client
@@ -87,7 +87,11 @@ class EngineDeployment:
             ttl_s=settings.residency_ttl_s,
         )
         if hot_source is None and settings.prefetch_adapters > 0:
-            hot_source = RedisHotSource(redis, settings.hot_specs_redis_key)
+            if settings.registry_address and settings.registry_token:
+                token = settings.registry_token.get_secret_value()
+                hot_source = RegistryHotSource(settings.registry_address, token)
+            else:
+                hot_source = RedisHotSource(redis, settings.hot_specs_redis_key)
         self._service = EngineService(
             engine=engine,
             pager=pager,

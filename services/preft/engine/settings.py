@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from preft.common.settings import RedisSettings, S3Settings
@@ -82,8 +82,12 @@ class EngineSettings(BaseSettings):
     disk_cache_max_bytes: int = Field(10 * 1024**3, ge=1, description="Disk tier capacity in bytes (LRU)")
     download_timeout_s: float = Field(300.0, gt=0, description="Longest fetch of one adapter's files from S3")
     prefetch_adapters: int = Field(
-        0, ge=0, description="Hot adapters loaded into host memory at start (0: none); read from hot_specs_redis_key"
+        0, ge=0, description="Hot adapters loaded into host memory at start (0: none), from the registry or Redis"
     )
+    registry_address: str | None = Field(
+        None, description="host:port of the registry: prefetch ranks adapters by its Hot RPC (else hot_specs_redis_key)"
+    )
+    registry_token: SecretStr | None = Field(None, description="The registry admin token (with registry_address)")
     hot_specs_redis_key: str = Field(
         "preft:hot:specs", description="Redis key holding a JSON list of AdapterSpec, hottest first (prefetch source)"
     )

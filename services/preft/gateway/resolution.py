@@ -15,15 +15,13 @@ from dataclasses import dataclass
 from preft.api.v1 import adapter_pb2 as apb
 from preft.common.errors import InvalidArgument, NotFound
 from preft.common.refs import AdapterRef
-from preft.engine.contract import BASE_MODEL_ID, AdapterFileSpec, AdapterSpec
+from preft.engine.contract import BASE_MODEL_ID, AdapterSpec
 from preft.gateway.cache import TTLCache
 from preft.gateway.errors import ModelNotFound
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.usage import UsageRecorder
+from preft.registry.specs import adapter_spec, default_mode
 from preft.vllm_plugin.modes import PositionMode
-
-METHODS = {apb.ADAPTER_METHOD_LORA: "lora", apb.ADAPTER_METHOD_DIREFT: "direft"}
-MODES = {apb.POSITION_MODE_PREFILL: PositionMode.PREFILL, apb.POSITION_MODE_ALL: PositionMode.ALL}
 
 
 @dataclass(frozen=True)
@@ -39,14 +37,7 @@ class AdapterVersion:
 
     @classmethod
     def from_manifest(cls, m: apb.AdapterManifest) -> AdapterVersion:
-        spec = AdapterSpec(
-            digest=m.digest,
-            method=METHODS[m.method],
-            files=[AdapterFileSpec(path=f.path, sha256=f.sha256, size_bytes=f.size_bytes) for f in m.files],
-            ref=f"{m.tenant}/{m.name}@v{m.version}",
-        )
-        mode = MODES.get(m.default_mode, PositionMode.PREFILL)
-        return cls(spec, mode, m.tenant, m.name, m.version, m.created_unix_ms)
+        return cls(adapter_spec(m), default_mode(m), m.tenant, m.name, m.version, m.created_unix_ms)
 
 
 @dataclass(frozen=True)

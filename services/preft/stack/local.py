@@ -282,6 +282,9 @@ class LocalStack:
                 bucket="preft-adapters",
             ),
             redis=RedisSettings(url=self.redis.url),
+            prefetch_adapters=8,
+            registry_address=f"{LOOPBACK}:{self.ports.registry}",
+            registry_token=self.admin_token,
             replica=ReplicaSettings(num_replicas=1, num_cpus_per_replica=1, max_adapters_per_replica=16),
         )
         serve.run(build_app(settings), name=settings.app_name, route_prefix=settings.route_prefix)

@@ -1,11 +1,12 @@
 """Where a replica learns which adapters are hot, to prefetch them into host memory at start.
 
-The source is injected: a Redis key holding a JSON list of AdapterSpec (written by whoever ranks hotness, e.g. a job
-over the registry's Hot RPC), or a fixed list (tests, a pinned set of adapters).
+The source is injected: the registry's Hot RPC (time-decayed use counts), a Redis key holding a JSON list of
+AdapterSpec (a ranking computed elsewhere), or a fixed list (tests, a pinned set of adapters).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Sequence
@@ -66,3 +67,27 @@ class RedisHotSource:
             if len(specs) >= limit:
                 break
         return specs
+
+
+class RegistryHotSource:
+    """The registry's hotness ranking (its Hot RPC), as specs; best effort like the others."""
+
+    def __init__(self, registry_address: str, token: str, *, timeout_s: float = 5.0) -> None:
+        self.registry_address, self._token, self._timeout_s = registry_address, token, timeout_s
+
+    async def hot_specs(self, limit: int) -> list[AdapterSpec]:
+        return await asyncio.to_thread(self._fetch, limit)
+
+    def _fetch(self, limit: int) -> list[AdapterSpec]:
+        from preft.api.v1 import registry_pb2 as pb
+        from preft.common.errors import PreftError
+        from preft.registry.client import RegistryClient
+        from preft.registry.specs import adapter_spec
+
+        try:
+            with RegistryClient(self.registry_address, self._token, timeout_s=self._timeout_s) as client:
+                entries = client.call("Hot", pb.HotRequest(limit=limit)).entries
+        except PreftError as e:
+            logger.warning("asking the registry for hot adapters failed, prefetching none: %s", e)
+            return []
+        return [adapter_spec(e.manifest) for e in entries]

@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 import redis
+from pydantic import SecretStr
 
+from preft.common.settings import RedisSettings, RegistrySettings, S3Settings
 from preft.stack import RedisServer, SeaweedS3, free_port
+from preft.stack.servers import s3_client
 
 _HERE = Path(__file__).parent
 
@@ -34,17 +37,7 @@ class S3Target:
     bucket: str
 
     def client(self, **config: Any) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
-            region_name="us-east-1",
-            config=Config(**{"s3": {"addressing_style": "path"}, **config}),
-        )
+        return s3_client(self.endpoint_url, self.access_key, self.secret_key, **config)
 
 
 @pytest.fixture(scope="session")
@@ -96,3 +89,22 @@ def _delete_bucket(client: Any, bucket: str) -> None:
         if keys:
             client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
     client.delete_bucket(Bucket=bucket)
+
+
+def make_registry_settings(redis_url: str, s3: S3Target, token: str, **overrides: Any) -> RegistrySettings:
+    """Registry settings on the session's Redis and a test's bucket (loopback, port chosen by the OS)."""
+    fields: dict[str, Any] = {
+        "environment": "prod",
+        "listen_address": "127.0.0.1:0",
+        "admin_token": SecretStr(token),
+        "worker_threads": 8,
+        "redis": RedisSettings(url=redis_url),
+        "s3": S3Settings(
+            endpoint_url=s3.endpoint_url,
+            bucket=s3.bucket,
+            access_key=s3.access_key,
+            secret_key=SecretStr(s3.secret_key),
+        ),
+        "max_rank": 16,
+    }
+    return RegistrySettings(**{**fields, **overrides})

@@ -94,6 +94,21 @@ class LocalServer:
         self.stop()
 
 
+def s3_client(endpoint_url: str, access_key: str, secret_key: str, **config: Any) -> BaseClient:
+    """A boto3 S3 client for an S3-compatible endpoint (path-style addressing); `config` goes to botocore's Config."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
+        region_name="us-east-1",
+        config=Config(**{"s3": {"addressing_style": "path"}, **config}),
+    )
+
+
 def _redis_quote(value: str) -> str:
     if any(c in value for c in '"\\\n\r'):
         raise ServerError(f"path not usable in a redis config: {value!r}")
@@ -186,17 +201,7 @@ class SeaweedS3(LocalServer):
 
     def client(self, **config: Any) -> BaseClient:
         """A boto3 S3 client signed with this server's credentials; `config` goes to botocore's Config."""
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
-            region_name="us-east-1",
-            config=Config(**{"s3": {"addressing_style": "path"}, **config}),
-        )
+        return s3_client(self.endpoint_url, self.access_key, self.secret_key, **config)
 
     def identities(self) -> dict[str, Any]:
         return {

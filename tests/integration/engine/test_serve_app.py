@@ -91,8 +91,10 @@ def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs):
         deploy_s = time.perf_counter() - started
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
             health = client.get("/healthz").json()
-            print(f"\nserve.run until ready: {deploy_s:.1f} s; engine start inside the replica: "
-                  f"{health['engine_start_s']:.1f} s")
+            print(
+                f"\nserve.run until ready: {deploy_s:.1f} s; engine start inside the replica: "
+                f"{health['engine_start_s']:.1f} s"
+            )
             yield client, settings
     finally:
         started = time.perf_counter()

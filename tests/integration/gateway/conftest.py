@@ -16,7 +16,7 @@ from pydantic import SecretStr
 
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
-from preft.common.settings import RedisSettings, RegistrySettings, S3Settings
+from preft.common.settings import RedisSettings, RegistrySettings
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
 from preft.gateway.app import create_app
 from preft.gateway.settings import GatewaySettings
@@ -24,7 +24,7 @@ from preft.gateway.testing import StubEngine, ThreadedServer, create_stub_engine
 from preft.gateway.tokenization import PromptTokenizer
 from preft.registry.client import RegistryClient, scan_adapter_dir
 from preft.registry.server import build_server, build_service
-from tests.integration.conftest import S3Target
+from tests.integration.conftest import S3Target, make_registry_settings
 
 REGISTRY_TOKEN = "gateway-test-registry-token"
 BASE = "tiny-llama"
@@ -77,20 +77,7 @@ class Registry:
 
 
 def start_registry(redis_url: str, s3: S3Target, base_config: str) -> Registry:
-    settings = RegistrySettings(
-        environment="prod",
-        listen_address="127.0.0.1:0",
-        admin_token=SecretStr(REGISTRY_TOKEN),
-        worker_threads=8,
-        redis=RedisSettings(url=redis_url),
-        s3=S3Settings(
-            endpoint_url=s3.endpoint_url,
-            bucket=s3.bucket,
-            access_key=s3.access_key,
-            secret_key=SecretStr(s3.secret_key),
-        ),
-        max_rank=16,
-    )
+    settings = make_registry_settings(redis_url, s3, REGISTRY_TOKEN)
     service = build_service(settings)
     server, port = build_server(settings, service)
     address = f"127.0.0.1:{port}"

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import redis as redis_lib
-from pydantic import SecretStr
 
-from preft.common.settings import RedisSettings, RegistrySettings, S3Settings
+from preft.common.settings import RegistrySettings
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
 from preft.registry.client import RegistryClient
 from preft.registry.server import build_server, build_service
 from preft.registry.service import RegistryService
+from tests.integration.conftest import make_registry_settings
 
 TOKEN = "test-admin-token"
 MAX_RANK = 16
@@ -22,18 +22,10 @@ MAX_RANK = 16
 
 @pytest.fixture
 def registry_settings(redis_url, s3_bucket) -> RegistrySettings:
-    return RegistrySettings(
-        environment="prod",
-        listen_address="127.0.0.1:0",
-        admin_token=SecretStr(TOKEN),
-        worker_threads=8,
-        redis=RedisSettings(url=redis_url),
-        s3=S3Settings(
-            endpoint_url=s3_bucket.endpoint_url,
-            bucket=s3_bucket.bucket,
-            access_key=s3_bucket.access_key,
-            secret_key=SecretStr(s3_bucket.secret_key),
-        ),
+    return make_registry_settings(
+        redis_url,
+        s3_bucket,
+        TOKEN,
         max_rank=MAX_RANK,
         max_adapter_bytes=64 * 1024 * 1024,
         max_config_bytes=64 * 1024,

@@ -34,4 +34,3 @@ def test_serve_config_builds_the_engine_app(all_outputs, source, monkeypatch):
     application = call_user_app_builder_with_args_if_necessary(builder, app.get("args") or {})
     deployment = application._bound_deployment  # Serve exposes no public accessor
     assert [d["name"] for d in app["deployments"]] == [deployment.name]
-

@@ -24,7 +24,9 @@ class TouchPoint:
 TOUCH_POINTS = (
     TouchPoint(
         "vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.set_active_loras",
-        "replaced: per-token adapter mapping from each request's position mode",
+        "replaced: per-token adapter mapping from each request's position mode; adapters already in a slot are "
+        "only touched in LoRAModelManager._active_adapters/_registered_adapters (LRU caches), the rest go "
+        "through _set_active_loras",
         "worker_patch",
     ),
     TouchPoint(
@@ -40,8 +42,13 @@ TOUCH_POINTS = (
     ),
     TouchPoint(
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._determine_batch_execution_and_padding",
-        "wrapped: force_has_lora/force_num_active_loras count only adapters with LoRA weights and "
-        "tokens in the step, so decode-only PreFT steps replay the no-LoRA CUDA graph",
+        "wrapped: force_has_lora=False and force_num_active_loras=0, plus force_eager when the step has "
+        "adapted tokens: such steps run without CUDA graphs, every other step replays a no-LoRA graph",
+        "worker_patch",
+    ),
+    TouchPoint(
+        "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher._get_lora_cases",
+        "wrapped: [0] with LoRA enabled, so only no-LoRA graphs are captured (adapter steps run eagerly)",
         "worker_patch",
     ),
     TouchPoint(
@@ -66,20 +73,27 @@ TOUCH_POINTS = (
         "punica",
     ),
     TouchPoint(
-        "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase._update_base_metadata",
-        "called in update_metadata; _token_lora_indices/_sampler_indices/indices_len are then split "
-        "per method (LoRA kernels never see DiReFT-only slots)",
+        "vllm.lora.punica_wrapper.utils:convert_mapping",
+        "not called: what it and PunicaWrapperBase._update_base_metadata write (_token_lora_indices, "
+        "_sampler_indices, _sampler_indices_padded, _embeddings_indices, indices_len) is written from numpy "
+        "slot arrays, DiReFT-only slots as -1 (tests/unit/test_punica_metadata.py compares the two)",
         "punica",
     ),
     TouchPoint(
         "vllm.lora.punica_wrapper.punica_gpu:PunicaWrapperGPU.update_metadata",
-        "overridden with the same body plus the split (token_mapping_meta/prompt_mapping_meta)",
+        "overridden (also PunicaWrapperCPU's): the step's tokens grouped by slot for our ops; no Triton "
+        "kernel metadata (token_mapping_meta) is prepared",
+        "punica",
+    ),
+    TouchPoint(
+        "vllm.lora.punica_wrapper.punica_gpu:PunicaWrapperGPU.add_lora_linear",
+        "overridden, with add_lora_logits/add_shrink/add_expand/add_lora_embedding, on GPU and CPU: the "
+        "torch.ops.preft ops over the step's grouped rows (Triton kernels and CPU torch ops unused)",
         "punica",
     ),
     TouchPoint(
         "vllm.lora.punica_wrapper.punica_cpu:PunicaWrapperCPU.add_lora_linear",
-        "overridden with add_shrink/add_expand/add_lora_logits/add_lora_embedding: -1 means no adapter "
-        "(stock torch ops index slot -1 = the last slot) and such tokens are skipped",
+        "as PunicaWrapperGPU.add_lora_linear",
         "punica",
     ),
     TouchPoint(
@@ -94,8 +108,8 @@ TOUCH_POINTS = (
     ),
     TouchPoint(
         "vllm.lora.model_manager:LoRAModelManager.activate_adapter",
-        "wrapped: a slot's DiReFT tensors are copied when an adapter takes it (reads lora_index_to_id, "
-        "_registered_adapters)",
+        "wrapped: when an adapter takes a slot, its kind and rank are recorded and its DiReFT tensors copied "
+        "(reads lora_index_to_id, _registered_adapters, LoRAModel.rank/.loras)",
         "direft",
     ),
     TouchPoint(
@@ -105,8 +119,8 @@ TOUCH_POINTS = (
     ),
     TouchPoint(
         "vllm.model_executor.models.llama:LlamaDecoderLayer.forward",
-        "layer class swapped for a subclass whose forward(positions, hidden_states, residual) returns "
-        "(delta, h) with h the residual stream; also Qwen2DecoderLayer",
+        "layer class swapped for a subclass whose forward(positions, hidden_states, residual) ends with "
+        "preft::direft_apply (in place at the step's DiReFT rows); also Qwen2DecoderLayer",
         "direft",
     ),
     TouchPoint(
@@ -162,6 +176,12 @@ def gpu_model_runner_cls():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     return GPUModelRunner
+
+
+def cudagraph_dispatcher_cls():
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    return CudagraphDispatcher
 
 
 def scheduler_cls():

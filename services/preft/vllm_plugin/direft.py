@@ -1,15 +1,12 @@
-"""DiReFT inside vLLM: adapter loading into slots, the batched residual-stream op, and its layer hook.
+"""DiReFT inside vLLM: adapter loading into slots, and the decoder-layer hook that applies it.
 
 A DiReFT adapter travels through vLLM's LoRA machinery (one LoRA id, one slot, one token->slot map, one
 scheduler limit), as a LoRAModel with no LoRA weights that carries its DiReFT tensors. When it takes a slot
-its tensors are copied into static per-slot buffers. Each decoder layer is given a subclass whose forward
-ends with ``preft::direft_delta``: for every token whose slot holds a DiReFT adapter with this layer,
-delta = Bᵀ(A·h + b) at the residual stream h after the layer. The layer then returns (delta, h), which the
-next layer's fused add-norm (or the final norm) sums to h + delta, exactly as in the reference.
-
-The op is opaque to torch.compile and batched over all adapters of the step (no per-adapter loop): one
-computation over all slots with one-hot slot masks. On GPU it runs over every token with static shapes, so
-CUDA graphs can capture it; on CPU (eager) it runs over the adapted tokens only.
+its tensors are copied into per-slot buffers (``PreftSlotState``). Each decoder layer is given a subclass
+whose forward ends with ``preft::direft_apply``: for every token of the step whose slot holds a DiReFT
+adapter with this layer, the residual stream h after the layer becomes h + Bᵀ(A·h + b), computed over those
+tokens only, grouped by slot (``groups.direft_apply``); other tokens, and every step without DiReFT tokens,
+run exactly the base layer.
 """
 
 from __future__ import annotations
@@ -20,45 +17,9 @@ import torch
 
 from preft.adapters import AdapterMethod, ModelShape, load_direft_tensors
 from preft.adapters.formats import detect_method
-from preft.vllm_plugin import compat
+from preft.vllm_plugin import compat, ops  # noqa: F401  (ops registers torch.ops.preft.direft_apply)
 from preft.vllm_plugin.patching import wrap_method
-from preft.vllm_plugin.state import STATES, PreftSlotState
-
-# --- the op ------------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("preft::direft_delta", mutates_args=())
-def direft_delta(h: torch.Tensor, layer: int, state_id: int) -> torch.Tensor:
-    """Bᵀ(A·h + b) for each token's DiReFT slot at `layer`; zero for tokens without one."""
-    state = STATES[state_id]
-    if not state.eager:
-        return _delta(state, h, state.direft_token_slots[: h.shape[0]], layer)
-    rows, slots = state.step_direft_rows, state.step_direft_row_slots
-    out = torch.zeros_like(h)
-    if rows.numel():
-        out.index_copy_(0, rows, _delta(state, h.index_select(0, rows), slots, layer))
-    return out
-
-
-@direft_delta.register_fake
-def _(h: torch.Tensor, layer: int, state_id: int) -> torch.Tensor:
-    return torch.empty_like(h)
-
-
-def _delta(state: PreftSlotState, h: torch.Tensor, slots: torch.Tensor, layer: int) -> torch.Tensor:
-    """All slots at once: z = A_all·h + b masked to each token's own slot (-1: none), then Bᵀz.
-
-    Shape-static and free of host syncs (CUDA-graph safe); its cost grows with slots × rank, which PreFT keeps
-    small because only requests still in their prompt hold a slot.
-    """
-    n = h.shape[0]
-    a, b, bias = state.direft_a[layer], state.direft_b[layer], state.direft_bias[layer]  # [S,r,H],[S,r,H],[S,r]
-    s, r, hidden = a.shape
-    onehot = (slots.unsqueeze(1) == torch.arange(s, device=h.device)).to(h.dtype)  # [n, S]
-    z = (h @ a.reshape(s * r, hidden).T).view(n, s, r) + bias
-    z = z * onehot.unsqueeze(2)
-    return z.reshape(n, s * r) @ b.reshape(s * r, hidden)
-
+from preft.vllm_plugin.state import PreftSlotState
 
 # --- the layer hook ------------------------------------------------------------------------------------------
 
@@ -71,9 +32,8 @@ def _direft_layer_class(base: type) -> type:
 
         def forward(self, positions, hidden_states, residual, *args: Any, **kwargs: Any):
             hidden_states, residual = base_forward(self, positions, hidden_states, residual, *args, **kwargs)
-            stream = hidden_states + residual
-            delta = torch.ops.preft.direft_delta(stream, self.preft_layer_index, self.preft_state_id)
-            return delta, stream
+            torch.ops.preft.direft_apply(hidden_states, residual, self.preft_layer_index, self.preft_state_id)
+            return hidden_states, residual
 
         _LAYER_CLASSES[base] = type(f"Direft{base.__name__}", (base,), {"forward": forward})
     return _LAYER_CLASSES[base]
@@ -147,7 +107,9 @@ def _activate_adapter(original):
             lora_model = self._registered_adapters[lora_id]
             slot = self.lora_index_to_id.index(lora_id)
             state.load_slot(
-                slot, lora_id, has_lora=bool(lora_model.loras), direft=getattr(lora_model, "preft_direft", None)
+                slot,
+                lora_rank=lora_model.rank if lora_model.loras else None,
+                direft=getattr(lora_model, "preft_direft", None),
             )
         return activated
 

@@ -1,35 +1,279 @@
-"""Group a step's tokens by adapter slot, once per step, for the eager (CPU) kernels.
+"""A step's adapted tokens grouped by slot, built once per step on the host, and the grouped matmuls over them.
 
-``rows`` lists the tokens that have a slot (>= 0), ordered by slot; ``segments`` gives each slot's run in
-``rows``. Tokens with slot -1 ("no adapter") are not in ``rows``: the kernels never touch them.
+``SlotGroups.build`` takes the step's token -> slot map as a numpy array (-1: no adapter; known on the host,
+so nothing waits on the device) and orders the adapted tokens by slot. Every adapter computation of the step
+then runs over those rows only, one grouped matmul per weight (``torch._grouped_mm``: one kernel for all
+groups on Hopper in bf16), never over tokens without an adapter and never over idle slots. Its cost follows
+the adapted tokens, not the number of slots or adapters.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class TokenGroups:
-    rows: torch.Tensor  # int64 [n_adapted]
-    segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) into rows
+RANK_ALIGNMENT = 8  # ranks are rounded up to this: grouped-matmul operands need 16-byte strides in bf16
+_MAX_GROUPS = 1023  # torch._grouped_mm's limit
+
+
+@dataclass(frozen=True, eq=False)
+class SlotGroups:
+    """The adapted tokens of a step, as groups of rows with one slot each.
+
+    A group is a run of consecutive tokens with the same slot (a request's prompt chunk, or its decode
+    token), so rows stay in token order. When the adapted tokens form one contiguous range (every prefill
+    step of prefill-only adapters, every step where all requests have adapters) ``span`` says so and the
+    computations read and write that range in place: no gather, no scatter.
+    """
+
+    rows: torch.Tensor  # int64 [n]: the adapted token rows, in group order
+    slots: torch.Tensor  # int64 [G]: the slot of each group
+    offs: torch.Tensor  # int32 [G]: cumulative end of each group in rows (grouped-matmul offsets)
+    row_group: torch.Tensor  # int64 [n]: the group of each row
+    bounds: tuple[tuple[int, int, int], ...]  # host copy: (slot, start, end) per group
+    rank: int  # weight rows in use: the largest rank among these slots, rounded up (0 when empty)
+    span: tuple[int, int] | None = None  # rows == range(*span)
 
     @property
     def empty(self) -> bool:
-        return not self.segments
+        return not self.bounds
+
+    @property
+    def num_rows(self) -> int:
+        return self.bounds[-1][2] if self.bounds else 0
 
     @classmethod
-    def from_slots(cls, slots: torch.Tensor) -> TokenGroups:
-        valid = torch.nonzero(slots >= 0).squeeze(1)
-        if valid.numel() == 0:
-            return EMPTY_GROUPS
-        sorted_slots, order = torch.sort(slots[valid], stable=True)
-        ids, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
-        ends = torch.cumsum(counts, 0).tolist()
-        starts = [0, *ends[:-1]]
-        return cls(rows=valid[order], segments=tuple(zip(ids.tolist(), starts, ends, strict=True)))
+    def build(
+        cls, token_slots: np.ndarray, device: torch.device | str, *, slot_ranks: np.ndarray, max_rank: int
+    ) -> SlotGroups:
+        """Group the tokens whose slot is >= 0; `slot_ranks[s]` is the rank of what slot s holds."""
+        token_slots = np.asarray(token_slots, dtype=np.int64)
+        rows = np.flatnonzero(token_slots >= 0)
+        if rows.size == 0:
+            return empty_groups(device)
+        slots_of_rows = token_slots[rows]
+        breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(slots_of_rows) != 0)) + 1
+        span = (int(rows[0]), int(rows[-1]) + 1) if rows[-1] - rows[0] + 1 == rows.size else None
+        if breaks.size + 1 > _MAX_GROUPS:  # too many runs for one grouped matmul: group by slot instead
+            order = np.argsort(slots_of_rows, kind="stable")
+            rows, slots_of_rows, span = rows[order], slots_of_rows[order], None
+            breaks = np.flatnonzero(np.diff(slots_of_rows) != 0) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [rows.size]))
+        slots = slots_of_rows[starts]
+        rank = int(slot_ranks[slots].max())
+        rank = min(max_rank, -(-max(rank, 1) // RANK_ALIGNMENT) * RANK_ALIGNMENT)
+        row_group = np.repeat(np.arange(slots.size, dtype=np.int64), ends - starts)
+        dev = torch.device(device)
+
+        def put(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+            return t.to(dev, non_blocking=True) if dev.type != "cpu" else t
+
+        return cls(
+            rows=put(rows, torch.long),
+            slots=put(slots, torch.long),
+            offs=put(ends, torch.int32),
+            row_group=put(row_group, torch.long),
+            bounds=tuple(zip(slots.tolist(), starts.tolist(), ends.tolist(), strict=True)),
+            rank=rank,
+            span=span,
+        )
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows of a 2-D tensor: a view for a span, else a gathered copy."""
+        if self.span is not None:
+            return t[self.span[0] : self.span[1]]
+        return t.index_select(0, self.rows)
+
+    def put_back(self, t: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write rows obtained from `take` back into t (a no-op for a span: they were a view)."""
+        if self.span is None:
+            t.index_copy_(0, self.rows, rows)
 
 
-EMPTY_GROUPS = TokenGroups(rows=torch.zeros(0, dtype=torch.long), segments=())
+_EMPTY: dict[str, SlotGroups] = {}
+
+
+def empty_groups(device: torch.device | str = "cpu") -> SlotGroups:
+    key = str(device)
+    if key not in _EMPTY:
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        _EMPTY[key] = SlotGroups(z, z, z.to(torch.int32), z, (), 0)
+    return _EMPTY[key]
+
+
+# --- grouped matmul ------------------------------------------------------------------------------------------
+
+_fast_path_failed = False
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """torch._grouped_mm's layout rule: one unit stride in the last two dims, the other 16-byte aligned."""
+    align = 16 // t.element_size()
+    s0, s1 = t.stride(-2), t.stride(-1)
+    if s1 == 1:
+        return s0 % align == 0 and s0 >= t.shape[-1]
+    if s0 == 1:
+        return s1 % align == 0 and s1 >= t.shape[-2]
+    return False
+
+
+def _use_fast_path(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if _fast_path_failed or not hasattr(torch, "_grouped_mm") or b.shape[0] > _MAX_GROUPS:
+        return False
+    if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if a.device.type == "cuda":  # the fused kernel is bf16 only (other dtypes fall back to a synchronizing loop)
+        if not (a.dtype == b.dtype == torch.bfloat16) or a.data_ptr() % 16 or b.data_ptr() % 16:
+            return False
+    elif a.device.type != "cpu":
+        return False
+    return _aligned(a) and _aligned(b)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: SlotGroups) -> torch.Tensor:
+    """out[rows of group g] = a[rows of group g] @ b[g], for a [n, K] ordered by group and b [G, K, N]."""
+    global _fast_path_failed
+    if _use_fast_path(a, b):
+        try:
+            return torch._grouped_mm(a, b, offs=groups.offs)
+        except RuntimeError as e:  # an unsupported shape or build: keep serving through the loop below
+            _fast_path_failed = True
+            logger.warning("torch._grouped_mm unavailable (%s); using a per-adapter loop", e)
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    for g, (_, start, end) in enumerate(groups.bounds):
+        torch.mm(a[start:end], b[g], out=out[start:end])
+    return out
+
+
+# --- adapter computations over the groups ---------------------------------------------------------------------
+
+
+def _as_slot_matrices(stacked: torch.Tensor) -> torch.Tensor:
+    """vLLM's stacked LoRA weights [slots, 1, rows, cols] (or [slots, rows, cols]) as [slots, rows, cols]."""
+    return stacked.squeeze(1) if stacked.dim() == 4 else stacked
+
+
+def shrink(xs: torch.Tensor, a_stacked: torch.Tensor, groups: SlotGroups, scale: float = 1.0) -> torch.Tensor:
+    """[n, rank]: each row times its slot's A (stacked [slots, (1,) R, in]) transposed, times scale."""
+    a = _as_slot_matrices(a_stacked).index_select(0, groups.slots)[:, : groups.rank]  # [G, r, in]
+    z = grouped_mm(xs.to(a.dtype), a.transpose(1, 2), groups)
+    return z.mul_(scale) if scale != 1.0 else z
+
+
+def expand(zs: torch.Tensor, b_stacked: torch.Tensor, groups: SlotGroups) -> torch.Tensor:
+    """[n, out]: each row's z times its slot's B (stacked [slots, (1,) out, R]) transposed."""
+    b = _as_slot_matrices(b_stacked).index_select(0, groups.slots)[:, :, : groups.rank]  # [G, out, r]
+    return grouped_mm(zs[:, : groups.rank].to(b.dtype).contiguous(), b.transpose(1, 2), groups)
+
+
+def lora_linear(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a_stacked: list[torch.Tensor],
+    b_stacked: list[torch.Tensor],
+    output_slices: list[int],
+    scale: float,
+    groups: SlotGroups,
+) -> None:
+    """y[rows, slice i] += (x[rows] @ A_i[slot]ᵀ · scale) @ B_i[slot]ᵀ for each output slice, in place.
+
+    One shrink for all slices (their A stacked), then one expand per slice, added into y's rows.
+    """
+    if groups.empty:
+        return
+    y2 = y.view(-1, y.shape[-1])
+    xs = groups.take(x.reshape(-1, x.shape[-1]))
+    r = groups.rank
+    if len(a_stacked) == 1:
+        z = shrink(xs, a_stacked[0], groups, scale)
+    else:
+        a = torch.cat([_as_slot_matrices(ai).index_select(0, groups.slots)[:, :r] for ai in a_stacked], dim=1)
+        z = grouped_mm(xs.to(a.dtype), a.transpose(1, 2), groups)
+        z = z.mul_(scale) if scale != 1.0 else z
+    target = groups.take(y2)
+    offset = 0
+    for i, (b, size) in enumerate(zip(b_stacked, output_slices, strict=True)):
+        delta = expand(z[:, i * r : (i + 1) * r], b, groups)
+        width = min(size, delta.shape[1], y2.shape[1] - offset)
+        target[:, offset : offset + width] += delta[:, :width].to(y2.dtype)
+        offset += size
+    groups.put_back(y2, target)
+
+
+def lora_shrink(
+    buffer: torch.Tensor, x: torch.Tensor, a_stacked: list[torch.Tensor], scale: float, groups: SlotGroups
+) -> None:
+    """buffer[i][rows, :r] += x[rows] @ A_i[slot]ᵀ · scale (vLLM's add_shrink)."""
+    if groups.empty:
+        return
+    xs = groups.take(x.reshape(-1, x.shape[-1]))
+    for i, a in enumerate(a_stacked):
+        z = shrink(xs, a, groups, scale)
+        bi = buffer[i].view(-1, buffer[i].shape[-1])
+        target = groups.take(bi)
+        target[:, : z.shape[1]] += z.to(bi.dtype)
+        groups.put_back(bi, target)
+
+
+def lora_expand(
+    y: torch.Tensor,
+    buffer: torch.Tensor,
+    b_stacked: list[torch.Tensor],
+    output_slices: list[int],
+    offset_start: int,
+    add_inputs: bool,
+    groups: SlotGroups,
+) -> None:
+    """y[rows, slice i] (+)= buffer[i][rows] @ B_i[slot]ᵀ (vLLM's add_expand and add_lora_embedding)."""
+    if groups.empty:
+        return
+    y2 = y.view(-1, y.shape[-1])
+    target = groups.take(y2)
+    offset = offset_start
+    for i, (b, size) in enumerate(zip(b_stacked, output_slices, strict=True)):
+        delta = expand(groups.take(buffer[i].reshape(-1, buffer[i].shape[-1])), b, groups)
+        width = min(size, delta.shape[1], y2.shape[1] - offset)
+        part = target[:, offset : offset + width]
+        if add_inputs:
+            part += delta[:, :width].to(y2.dtype)
+        else:
+            part.copy_(delta[:, :width])
+        offset += size
+    groups.put_back(y2, target)
+
+
+def direft_apply(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor,
+    groups: SlotGroups,
+) -> None:
+    """At the rows, the residual stream h = hidden + residual gets the DiReFT edit h + Bᵀ(A·h + b), in place.
+
+    The rows' residual becomes h and their hidden becomes the delta, so the next fused add (the next layer's
+    norm) computes delta + h, the same sum as the reference; other rows are not touched. a, b: [slots, R, H]
+    for this layer, bias [slots, R].
+    """
+    if groups.empty:
+        return
+    r = groups.rank
+    hs, rs = groups.take(hidden), groups.take(residual)
+    h = hs + rs
+    a_g = a.index_select(0, groups.slots)[:, :r]  # [G, r, H]
+    z = grouped_mm(h.to(a_g.dtype), a_g.transpose(1, 2), groups)
+    z = z + bias.index_select(0, groups.slots)[:, :r].index_select(0, groups.row_group)
+    b_g = b.index_select(0, groups.slots)[:, :r]  # [G, r, H]
+    delta = grouped_mm(z.to(b_g.dtype).contiguous(), b_g, groups)
+    rs.copy_(h)
+    hs.copy_(delta)
+    groups.put_back(residual, rs)
+    groups.put_back(hidden, hs)

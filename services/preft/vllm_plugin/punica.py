@@ -1,131 +1,121 @@
-"""Punica wrappers that know PreFT's slot kinds, and correct CPU LoRA ops.
+"""Our subclass of the platform's punica wrapper: per-step metadata from host arrays, LoRA ops over groups.
 
-``update_metadata`` runs once per step: after vLLM converts the step's LoRA-id mapping to slot indices, the
-map is split by method (tokens of DiReFT-only slots are hidden from the LoRA kernels; the DiReFT op gets its
-own map). On CPU the stock torch ops index the stacked weights with the slot index, so "no adapter" (-1)
-silently picks the last slot; ours group the step's tokens by slot once and touch only adapted tokens.
+``update_metadata`` runs when the step's adapter mapping changes. It converts the mapping to slots with
+numpy (vLLM's ``convert_mapping`` loops over tokens in Python), fills the index tensors vLLM's LoRA layers
+read (with DiReFT-only slots turned into "no adapter"), and hands the slot maps to the plugin state, which
+groups the adapted tokens by slot. No step-time device synchronization: everything is known on the host.
+
+Every LoRA op (linear, logits, embedding, shrink, expand) then goes through our custom ops (``ops``), which
+run over the grouped rows only. This replaces both vLLM's Triton kernels on GPU (whose launch grid spans every
+slot and every token, so their cost grows with ``max_loras``) and the CPU torch ops (which read slot -1,
+"no adapter", as the last slot).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
-from preft.vllm_plugin import compat
-from preft.vllm_plugin.groups import EMPTY_GROUPS, TokenGroups
+from preft.vllm_plugin import compat, ops  # noqa: F401  (ops registers the torch.ops.preft namespace)
 
 
-def _split_step_slots(wrapper, mapping, lora_index_to_id, max_loras, vocab_size) -> None:
-    wrapper.is_prefill = mapping.is_prefill
-    wrapper._update_base_metadata(mapping, lora_index_to_id, max_loras, vocab_size)
-    n_tokens, n_sampled = wrapper.indices_len[0], wrapper.indices_len[1]
-    state = wrapper.preft_state
-    tokens = wrapper._token_lora_indices[:n_tokens]
-    tokens.copy_(state.split_slots(tokens))
-    sampled = wrapper._sampler_indices[:n_sampled]
-    sampled.copy_(state.lora_slots(sampled))
+def _ids_to_slots(ids: Any, lora_index_to_id: list[int | None]) -> np.ndarray:
+    """LoRA id per row -> slot per row (-1 for id 0, "no adapter"); an id without a slot is an error, as in vLLM."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    slots = np.full(ids.shape, -1, dtype=np.int64)
+    adapted = ids > 0
+    if adapted.any():
+        unique, inverse = np.unique(ids[adapted], return_inverse=True)
+        lookup = {lora_id: slot for slot, lora_id in enumerate(lora_index_to_id) if lora_id is not None}
+        try:
+            slot_of = np.array([lookup[int(i)] for i in unique], dtype=np.int64)
+        except KeyError as e:
+            raise RuntimeError(f"preft: LoRA id {e.args[0]} has tokens in the step but no slot") from None
+        slots[adapted] = slot_of[inverse]
+    return slots
 
 
-class _CpuOps:
-    """LoRA ops on CPU over token groups: y[rows] += ((x[rows] @ A[slot]^T) * scale) @ B[slot]^T."""
+def _write_base_metadata(wrapper, token_slots: np.ndarray, sampled_slots: np.ndarray, max_loras: int, vocab: int):
+    """What vLLM's convert_mapping + _update_base_metadata write, from slot arrays (extra vocab is always 0)."""
+    n, m = token_slots.shape[0], sampled_slots.shape[0]
+    embeddings = np.zeros((2, n), dtype=np.int64)
+    embeddings[1] = np.where(token_slots >= 0, token_slots, 0) * vocab
+    padded = np.where(sampled_slots >= 0, sampled_slots, max_loras - 1)
+    padded = np.arange(m, dtype=np.int64) + padded * m
 
-    _token_groups: TokenGroups = EMPTY_GROUPS
-    _sampler_groups: TokenGroups = EMPTY_GROUPS
+    def put(dst: torch.Tensor, src: np.ndarray) -> None:
+        dst.copy_(torch.from_numpy(src), non_blocking=True)
+
+    put(wrapper._token_lora_indices[:n], token_slots)
+    put(wrapper._sampler_indices[:m], sampled_slots)
+    put(wrapper._sampler_indices_padded[:m], padded)
+    put(wrapper._embeddings_indices[:, :n], embeddings)
+    wrapper.indices_len[:] = [n, m, m, n]
+
+
+class _PreftOps:
+    """Mixed into the platform's punica wrapper (CPU or GPU); `preft_state` is set when the manager is built."""
+
+    preft_state = None
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs: Any) -> None:
-        _split_step_slots(self, mapping, lora_index_to_id, max_loras, vocab_size)
-        self._token_groups = TokenGroups.from_slots(self.token_lora_indices)
-        self._sampler_groups = TokenGroups.from_slots(self.sampler_indices)
-
-    @staticmethod
-    def _shrink(xs: torch.Tensor, a_stacked: torch.Tensor, groups: TokenGroups, scale: float) -> torch.Tensor:
-        """[n_adapted, r] float32 (the precision of vLLM's shrink buffers)."""
-        out = torch.empty(xs.shape[0], a_stacked.shape[-2], dtype=torch.float32)
-        for slot, s, e in groups.segments:
-            out[s:e] = (xs[s:e].float() @ a_stacked[slot, 0].float().T) * scale
-        return out
-
-    @staticmethod
-    def _expand(zs: torch.Tensor, b_stacked: torch.Tensor, groups: TokenGroups, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(zs.shape[0], b_stacked.shape[-2], dtype=dtype)
-        for slot, s, e in groups.segments:
-            out[s:e] = zs[s:e].to(dtype) @ b_stacked[slot, 0].to(dtype).T
-        return out
+        self.is_prefill = mapping.is_prefill
+        token_slots = _ids_to_slots(mapping.index_mapping, lora_index_to_id)
+        sampled_slots = _ids_to_slots(mapping.prompt_mapping, lora_index_to_id)
+        lora_tokens, lora_sampled = self.preft_state.set_step(token_slots, sampled_slots)
+        _write_base_metadata(self, lora_tokens, lora_sampled, max_loras, vocab_size)
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kw):
-        groups = self._token_groups
-        if groups.empty:
-            return None
-        x = x.view(-1, x.shape[-1])
-        y2 = y.view(-1, y.shape[-1])
-        xs = x.index_select(0, groups.rows)
-        offset = 0
-        for a, b, size in zip(lora_a_stacked, lora_b_stacked, output_slices, strict=True):
-            delta = self._expand(self._shrink(xs, a, groups, scale), b, groups, y2.dtype)
-            y2[:, offset : offset + size].index_add_(0, groups.rows, delta[:, :size])
-            offset += size
-        return None
-
-    def add_shrink(self, y, x, lora_a_stacked, scale, **kwargs):
-        groups = self._token_groups
-        if groups.empty:
-            return None
-        x = x.view(-1, x.shape[-1])
-        xs = x.index_select(0, groups.rows)
-        for i, a in enumerate(lora_a_stacked):
-            yi = y[i].view(-1, y[i].shape[-1])
-            yi.index_add_(0, groups.rows, self._shrink(xs, a, groups, scale).to(yi.dtype))
-        return None
-
-    def add_expand(self, y, x, lora_b_stacked, output_slices, offset_start=0, add_inputs=True, **kwargs):
-        groups = self._token_groups
-        if groups.empty:
-            return None
-        y2 = y.view(-1, y.shape[-1])
-        offset = offset_start
-        for i, (b, size) in enumerate(zip(lora_b_stacked, output_slices, strict=True)):
-            xi = x[i].view(-1, x[i].shape[-1]).index_select(0, groups.rows)
-            delta = self._expand(xi, b, groups, y2.dtype)[:, :size]
-            target = y2[:, offset : offset + size]
-            if add_inputs:
-                target.index_add_(0, groups.rows, delta)
-            else:
-                target.index_copy_(0, groups.rows, delta)
-            offset += size
-        return None
-
-    def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs=True, **kwargs):
-        groups = self._token_groups
-        if groups.empty:
-            return None
-        xs = x.view(-1, x.shape[-1]).index_select(0, groups.rows)
-        delta = self._expand(xs, lora_b_stacked, groups, y.dtype)
-        y2 = y.view(-1, y.shape[-1])[:, : delta.shape[1]]
-        (y2.index_add_ if add_inputs else y2.index_copy_)(0, groups.rows, delta[:, : y2.shape[1]])
+        # add_inputs=False (vLLM's dual-stream path) hands a zeroed y: adding into it is the same.
+        torch.ops.preft.lora_linear(
+            y,
+            x,
+            list(lora_a_stacked),
+            list(lora_b_stacked),
+            list(output_slices),
+            float(scale),
+            self.preft_state.id,
+            False,
+        )
         return None
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs):
-        groups = self._sampler_groups
-        if groups.empty:
-            return None
-        y2 = y.view(-1, y.shape[-1])
-        xs = x.view(-1, x.shape[-1]).index_select(0, groups.rows)
-        a = lora_a_stacked if lora_a_stacked.dim() == 4 else lora_a_stacked.unsqueeze(1)
-        b = lora_b_stacked if lora_b_stacked.dim() == 4 else lora_b_stacked.unsqueeze(1)
-        delta = self._expand(self._shrink(xs, a, groups, scale), b, groups, y2.dtype)
-        width = min(delta.shape[1], y2.shape[1])
-        y2[:, :width].index_add_(0, groups.rows, delta[:, :width])
+        torch.ops.preft.lora_linear(
+            y,
+            x,
+            [lora_a_stacked],
+            [lora_b_stacked],
+            [lora_b_stacked.shape[-2]],
+            float(scale),
+            self.preft_state.id,
+            True,
+        )
         return None
 
+    def add_shrink(self, y, x, lora_a_stacked, scale, **kwargs):
+        torch.ops.preft.lora_shrink(y, x, list(lora_a_stacked), float(scale), self.preft_state.id)
+        return None
 
-class _GpuMetadata:
-    """On GPU vLLM's Triton kernels already skip -1; only the per-method split is added."""
+    def add_expand(self, y, x, lora_b_stacked, output_slices, offset_start=0, add_inputs=True, **kwargs):
+        buffer = x if isinstance(x, torch.Tensor) else torch.stack(tuple(x))
+        torch.ops.preft.lora_expand(
+            y,
+            buffer,
+            list(lora_b_stacked),
+            list(output_slices),
+            int(offset_start),
+            bool(add_inputs),
+            self.preft_state.id,
+        )
+        return None
 
-    def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs: Any) -> None:
-        _split_step_slots(self, mapping, lora_index_to_id, max_loras, vocab_size)
-        self.token_mapping_meta.prepare_tensors(self.token_lora_indices)
-        self.prompt_mapping_meta.prepare_tensors(self.sampler_indices)
+    def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs=True, **kwargs):
+        torch.ops.preft.lora_expand(
+            y, x.unsqueeze(0), [lora_b_stacked], [lora_b_stacked.shape[-2]], 0, bool(add_inputs), self.preft_state.id
+        )
+        return None
 
 
 _CLASSES: dict[type, type] = {}
@@ -134,13 +124,9 @@ _CLASSES: dict[type, type] = {}
 def preft_wrapper_class(base: type) -> type:
     """Our subclass of the platform's punica wrapper class."""
     if base not in _CLASSES:
-        if issubclass(base, compat.punica_cpu_cls()):
-            mixin = _CpuOps
-        elif issubclass(base, compat.punica_gpu_cls()):
-            mixin = _GpuMetadata
-        else:
+        if not (issubclass(base, compat.punica_cpu_cls()) or issubclass(base, compat.punica_gpu_cls())):
             raise compat.UnsupportedVllmError(f"PreFT does not support the punica wrapper {base.__name__}")
-        _CLASSES[base] = type(f"Preft{base.__name__}", (mixin, base), {"preft_state": None})
+        _CLASSES[base] = type(f"Preft{base.__name__}", (_PreftOps, base), {})
     return _CLASSES[base]
 
 

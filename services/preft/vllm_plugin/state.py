@@ -1,25 +1,41 @@
-"""Per-worker PreFT state: what each adapter slot holds and this step's token-to-slot maps.
+"""Per-worker PreFT state: what each adapter slot holds, and this step's adapted tokens grouped by slot.
 
 One instance per vLLM worker (attached to its LoRA managers and punica wrapper). It owns the DiReFT slot
-buffers, which are static so CUDA graphs can read them: a slot's contents change when an adapter takes the
-slot, the token-to-slot map changes every step, their addresses never change.
+buffers (a slot's contents change when an adapter takes the slot) and a host-side record of every slot's
+kind, rank and DiReFT layers, so each step's groups are built from numpy arrays without touching the device.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from preft.adapters import ModelShape
+from preft.vllm_plugin.groups import SlotGroups, empty_groups
 
 _ids = itertools.count(1)
 STATES: dict[int, PreftSlotState] = {}
 
 
+@dataclass(frozen=True)
+class StepGroups:
+    """One step's adapted tokens: LoRA tokens, LoRA sampled rows (logits), and DiReFT tokens per layer."""
+
+    lora_tokens: SlotGroups
+    lora_sampled: SlotGroups
+    direft_by_layer: tuple[SlotGroups, ...]
+    has_adapter_tokens: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        adapted = not (self.lora_tokens.empty and self.lora_sampled.empty)
+        object.__setattr__(self, "has_adapter_tokens", adapted or any(not g.empty for g in self.direft_by_layer))
+
+
 class PreftSlotState:
-    """Slot bookkeeping and DiReFT buffers for one worker."""
+    """Slot bookkeeping, DiReFT buffers and the current step's groups for one worker."""
 
     def __init__(
         self,
@@ -33,60 +49,69 @@ class PreftSlotState:
     ) -> None:
         self.id = next(_ids)
         STATES[self.id] = self
-        self.shape, self.max_slots, self.max_rank = shape, max_slots, max_rank
+        self.shape, self.max_slots, self.max_rank, self.max_tokens = shape, max_slots, max_rank, max_tokens
         self.device = torch.device(device)
-        self.eager = self.device.type == "cpu"
         layers, hidden = shape.num_layers, shape.hidden_size
         self.direft_a = torch.zeros(layers, max_slots, max_rank, hidden, dtype=dtype, device=device)
         self.direft_b = torch.zeros(layers, max_slots, max_rank, hidden, dtype=dtype, device=device)
         self.direft_bias = torch.zeros(layers, max_slots, max_rank, dtype=dtype, device=device)
-        self.slot_has_lora = torch.zeros(max_slots + 1, dtype=torch.bool, device=device)  # [-1] stays False
-        self.slot_has_direft = torch.zeros(max_slots + 1, dtype=torch.bool, device=device)
-        self.direft_token_slots = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
-        self.lora_ids_with_lora: set[int] = set()
-        self.lora_ids_with_direft: set[int] = set()
-        self.step_num_lora_adapters = 0
-        # Eager (CPU) path: the step's tokens that have a DiReFT slot, and those slots.
-        self.step_direft_rows = torch.zeros(0, dtype=torch.long)
-        self.step_direft_row_slots = torch.zeros(0, dtype=torch.long)
+        # Host-side: what each slot holds (index max_slots stands for "no slot" and stays empty).
+        self.slot_has_lora = np.zeros(max_slots + 1, dtype=bool)
+        self.slot_direft_layers = np.zeros((max_slots + 1, layers), dtype=bool)
+        self.slot_has_direft = np.zeros(max_slots + 1, dtype=bool)
+        self.slot_rank = np.zeros(max_slots + 1, dtype=np.int64)
+        empty = empty_groups(self.device)
+        self.step = StepGroups(empty, empty, tuple(empty for _ in range(layers)))
 
     # --- slots -------------------------------------------------------------------------------------------
-    def load_slot(self, slot: int, lora_id: int, *, has_lora: bool, direft: dict | None) -> None:
-        """Record what adapter `lora_id` brings into `slot`; copy its DiReFT tensors (zeros elsewhere)."""
-        self.slot_has_lora[slot] = has_lora
-        (self.lora_ids_with_lora.add if has_lora else self.lora_ids_with_lora.discard)(lora_id)
+    def load_slot(self, slot: int, *, lora_rank: int | None, direft: dict | None) -> None:
+        """Record what an adapter brings into `slot`: LoRA weights of `lora_rank`, or DiReFT tensors."""
+        self.slot_has_lora[slot] = lora_rank is not None
         self.direft_a[:, slot].zero_()
         self.direft_b[:, slot].zero_()
         self.direft_bias[:, slot].zero_()
+        self.slot_direft_layers[slot] = False
+        rank = lora_rank or 0
         for layer, (a, b, bias) in (direft or {}).items():
             r = a.shape[0]
+            rank = max(rank, r)
             self.direft_a[layer, slot, :r].copy_(a)
             self.direft_b[layer, slot, :r].copy_(b)
             self.direft_bias[layer, slot, :r].copy_(bias)
+            self.slot_direft_layers[slot, layer] = True
         self.slot_has_direft[slot] = bool(direft)
-        (self.lora_ids_with_direft.add if direft else self.lora_ids_with_direft.discard)(lora_id)
+        self.slot_rank[slot] = rank
 
     # --- steps -------------------------------------------------------------------------------------------
-    def count_lora_adapters(self, active_lora_ids: np.ndarray) -> int:
-        """Adapters with tokens in this step that carry LoRA weights (what graph dispatch must know)."""
-        self.step_num_lora_adapters = sum(int(i) in self.lora_ids_with_lora for i in active_lora_ids)
-        return self.step_num_lora_adapters
+    def set_step(self, token_slots: np.ndarray, sampled_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Group this step's tokens (slot per token, -1 none) by method, layer and slot.
 
-    def split_slots(self, token_slots: torch.Tensor) -> torch.Tensor:
-        """From the step's token->slot map, record the DiReFT map; return the map for the LoRA kernels."""
-        safe = self._indexable(token_slots)
-        n = token_slots.shape[0]
-        direft_slots = torch.where(self.slot_has_direft[safe], token_slots, -1)
-        self.direft_token_slots[:n].copy_(direft_slots)
-        if self.eager:
-            self.step_direft_rows = torch.nonzero(direft_slots >= 0).squeeze(1)
-            self.step_direft_row_slots = direft_slots[self.step_direft_rows]
-        return torch.where(self.slot_has_lora[safe], token_slots, -1)
-
-    def lora_slots(self, token_slots: torch.Tensor) -> torch.Tensor:
-        """The map with slots that hold no LoRA weights (DiReFT-only adapters) turned into -1."""
-        return torch.where(self.slot_has_lora[self._indexable(token_slots)], token_slots, -1)
-
-    def _indexable(self, token_slots: torch.Tensor) -> torch.Tensor:
-        """-1 ("no adapter") replaced by the extra always-False entry at index max_slots of the slot masks."""
-        return torch.where(token_slots >= 0, token_slots, self.max_slots)
+        Returns the token and sampled slot maps with DiReFT-only slots turned into -1: what vLLM's own LoRA
+        metadata should see.
+        """
+        token_slots = np.asarray(token_slots, dtype=np.int64)
+        sampled_slots = np.asarray(sampled_slots, dtype=np.int64)
+        safe_tokens = np.where(token_slots >= 0, token_slots, self.max_slots)
+        safe_sampled = np.where(sampled_slots >= 0, sampled_slots, self.max_slots)
+        lora_tokens = np.where(self.slot_has_lora[safe_tokens], token_slots, -1)
+        lora_sampled = np.where(self.slot_has_lora[safe_sampled], sampled_slots, -1)
+        build = dict(device=self.device, slot_ranks=self.slot_rank, max_rank=self.max_rank)
+        empty = empty_groups(self.device)
+        direft = [empty] * self.shape.num_layers
+        direft_slots = np.unique(token_slots[self.slot_has_direft[safe_tokens]])
+        if direft_slots.size:
+            by_slot_set: dict[bytes, SlotGroups] = {}  # layers adapted by the same slots share one grouping
+            for layer in range(self.shape.num_layers):
+                in_layer = direft_slots[self.slot_direft_layers[direft_slots, layer]]
+                if in_layer.size:
+                    key = in_layer.tobytes()
+                    if key not in by_slot_set:
+                        mask = np.isin(token_slots, in_layer)
+                        by_slot_set[key] = SlotGroups.build(np.where(mask, token_slots, -1), **build)
+                    direft[layer] = by_slot_set[key]
+        self.step = StepGroups(
+            lora_tokens=SlotGroups.build(lora_tokens, **build),
+            lora_sampled=SlotGroups.build(lora_sampled, **build),
+            direft_by_layer=tuple(direft),
+        )
+        return lora_tokens, lora_sampled

@@ -5,8 +5,11 @@
 - ``set_active_loras`` (patch #1) maps each scheduled token from its position: prompt positions of a
   prefill-mode request carry the adapter, generated positions map to "no adapter", and only adapters with
   tokens in the step are activated.
-- CUDA-graph dispatch (patch #3) counts only adapters whose LoRA weights have tokens in the step, so a
-  decode-only PreFT step replays the no-LoRA graph.
+- Only adapters not already in a slot go through vLLM's adapter loading; resident ones are only touched in
+  the LRU caches (vLLM's own path rebuilds the set of loaded adapters once per request per step).
+- CUDA-graph dispatch (patch #3): a step with adapted tokens runs eagerly (our ops group its tokens by slot
+  at run time); every other step replays the no-LoRA graph, the only graphs captured (patch #4), so
+  adapters loaded in slots never slow a step without adapted tokens.
 """
 
 from __future__ import annotations
@@ -53,28 +56,56 @@ def _set_active_loras(original):
             num_scheduled_tokens,
             num_sampled_tokens,
         )
-        requests = {input_batch.lora_id_to_lora_request[int(i)] for i in step.active_ids}
-        result = self._set_active_loras(
-            tuple(step.sampled_ids.tolist()), tuple(step.token_ids.tolist()), requests, *args, **kwargs
+        requests = [input_batch.lora_id_to_lora_request[int(i)] for i in step.active_ids]
+        return self._set_active_loras(
+            tuple(step.sampled_ids.tolist()),
+            tuple(step.token_ids.tolist()),
+            not_resident(self.lora_manager, requests),
+            *args,
+            **kwargs,
         )
-        # After activation every active adapter's kind (LoRA weights or DiReFT only) is known.
-        state = getattr(self.lora_manager, "preft_state", None)
-        if state is not None:
-            state.count_lora_adapters(step.active_ids)
-        return result
 
     return set_active_loras
+
+
+def not_resident(worker_manager, requests: list) -> set:
+    """The requests whose adapter is not in a slot; the resident ones are touched as vLLM's add_adapter would.
+
+    Touching them first keeps them from being the LRU victims when the others take slots.
+    """
+    manager = worker_manager._adapter_manager
+    active, registered = manager._active_adapters, manager._registered_adapters
+    missing = set()
+    for request in requests:
+        lora_id = request.lora_int_id
+        if lora_id in active and lora_id in registered:
+            registered.touch(lora_id)
+            active.touch(lora_id)
+        else:
+            missing.add(request)
+    return missing
 
 
 def _determine_batch_execution_and_padding(original):
     def determine(self, *args: Any, **kwargs: Any):
         state = getattr(getattr(self, "lora_manager", None), "preft_state", None)
         if state is not None and kwargs.get("force_has_lora") is None and kwargs.get("force_num_active_loras") is None:
-            kwargs["force_num_active_loras"] = state.step_num_lora_adapters
-            kwargs["force_has_lora"] = state.step_num_lora_adapters > 0
+            kwargs["force_num_active_loras"] = 0
+            kwargs["force_has_lora"] = False
+            if state.step.has_adapter_tokens:
+                kwargs["force_eager"] = True
         return original(self, *args, **kwargs)
 
     return determine
+
+
+def _get_lora_cases(original):
+    def get_lora_cases(self) -> list[int]:
+        if self.vllm_config.lora_config is None:
+            return original(self)
+        return [0]  # steps with adapted tokens never replay a graph (see _determine_batch_execution_and_padding)
+
+    return get_lora_cases
 
 
 def install() -> None:
@@ -84,3 +115,4 @@ def install() -> None:
     wrap_method(compat.lora_mixin(), "set_active_loras", _set_active_loras)
     runner = compat.gpu_model_runner_cls()
     wrap_method(runner, "_determine_batch_execution_and_padding", _determine_batch_execution_and_padding)
+    wrap_method(compat.cudagraph_dispatcher_cls(), "_get_lora_cases", _get_lora_cases)

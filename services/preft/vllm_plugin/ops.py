@@ -1,0 +1,96 @@
+"""The plugin's torch custom ops: every adapter computation of a forward pass goes through one of these.
+
+They are opaque to torch.compile, so the compiled model calls them on every forward pass and each call reads
+the current step's groups (``PreftSlotState.step``) at run time. A step with adapted tokens always runs
+without CUDA graphs (``worker_patch`` forces it), and graphs are captured with no adapter in the step, so
+these ops launch nothing inside any graph: a graph replays exactly the base model's kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from preft.vllm_plugin import groups as g
+from preft.vllm_plugin.state import STATES
+
+
+def _check_not_capturing(t: torch.Tensor) -> None:
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("preft: adapter tokens inside a CUDA graph capture (their steps must run eagerly)")
+
+
+@torch.library.custom_op("preft::lora_linear", mutates_args=("y",))
+def lora_linear(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    output_slices: list[int],
+    scale: float,
+    state_id: int,
+    sampled: bool,
+) -> None:
+    """y += LoRA(x) over this step's LoRA tokens (or, `sampled`, the rows the logits are computed for)."""
+    step = STATES[state_id].step
+    groups = step.lora_sampled if sampled else step.lora_tokens
+    if groups.empty:
+        return
+    _check_not_capturing(y)
+    g.lora_linear(y, x, a, b, output_slices, scale, groups)
+
+
+@lora_linear.register_fake
+def _(y, x, a, b, output_slices, scale, state_id, sampled) -> None:
+    return None
+
+
+@torch.library.custom_op("preft::lora_shrink", mutates_args=("buffer",))
+def lora_shrink(buffer: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], scale: float, state_id: int) -> None:
+    groups = STATES[state_id].step.lora_tokens
+    if groups.empty:
+        return
+    _check_not_capturing(buffer)
+    g.lora_shrink(buffer, x, a, scale, groups)
+
+
+@lora_shrink.register_fake
+def _(buffer, x, a, scale, state_id) -> None:
+    return None
+
+
+@torch.library.custom_op("preft::lora_expand", mutates_args=("y",))
+def lora_expand(
+    y: torch.Tensor,
+    buffer: torch.Tensor,
+    b: list[torch.Tensor],
+    output_slices: list[int],
+    offset_start: int,
+    add_inputs: bool,
+    state_id: int,
+) -> None:
+    groups = STATES[state_id].step.lora_tokens
+    if groups.empty:
+        return
+    _check_not_capturing(y)
+    g.lora_expand(y, buffer, b, output_slices, offset_start, add_inputs, groups)
+
+
+@lora_expand.register_fake
+def _(y, buffer, b, output_slices, offset_start, add_inputs, state_id) -> None:
+    return None
+
+
+@torch.library.custom_op("preft::direft_apply", mutates_args=("hidden", "residual"))
+def direft_apply(hidden: torch.Tensor, residual: torch.Tensor, layer: int, state_id: int) -> None:
+    """The DiReFT edit of decoder layer `layer` at this step's DiReFT tokens (see groups.direft_apply)."""
+    state = STATES[state_id]
+    groups = state.step.direft_by_layer[layer]
+    if groups.empty:
+        return
+    _check_not_capturing(hidden)
+    g.direft_apply(hidden, residual, state.direft_a[layer], state.direft_b[layer], state.direft_bias[layer], groups)
+
+
+@direft_apply.register_fake
+def _(hidden, residual, layer, state_id) -> None:
+    return None

@@ -36,7 +36,7 @@ class Stack:
         return LocalStack(self.state_dir, self.info.ports)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once tests/e2e is done: its engine holds memory other tests need
 def stack(tmp_path_factory) -> Iterator[Stack]:
     state_dir = tmp_path_factory.mktemp("stack")
     ports = StackPorts(gateway=free_port(), registry=free_port(), redis=free_port(), s3=free_port(), serve=free_port())

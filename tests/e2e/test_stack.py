@@ -26,7 +26,7 @@ def client(stack, key: str | None = None, **kw) -> OpenAI:
     return OpenAI(base_url=stack.base_url, api_key=key or stack.demo_key, max_retries=0, timeout=120, **kw)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tenants(stack, tmp_path_factory):
     """Two more tenants, each with a key and one adapter (acme's in `all` mode), plus a slow-limited tenant."""
     work = tmp_path_factory.mktemp("e2e-adapters")

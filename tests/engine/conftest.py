@@ -22,7 +22,7 @@ def start_engine(model_dir, **overrides) -> PreftEngine:
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_model_len=512,
         block_size=BLOCK_SIZE,
-        gpu_memory_utilization=0.3,  # two engines live at once in a module (on CPU: of one NUMA node)
+        gpu_memory_utilization=0.1,  # several engines may be alive at once (on CPU: a fraction of one NUMA node)
     )
     options.update(overrides)
     return PreftEngine(EngineOptions(**options))

@@ -43,7 +43,7 @@ def async_engine(model_dirs, loop):
             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
             max_model_len=512,
             block_size=BLOCK_SIZE,
-            gpu_memory_utilization=0.3,
+            gpu_memory_utilization=0.1,
         )
     )
     before = {c.pid for c in psutil.Process().children(recursive=True)}

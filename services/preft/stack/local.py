@@ -270,7 +270,7 @@ class LocalStack:
             max_cpu_loras=16,
             max_model_len=2048,
             max_num_batched_tokens=512,
-            gpu_memory_utilization=0.3,
+            gpu_memory_utilization=0.1,
             block_size=32,
             cpu_num_threads=2,
             disk_cache_dir=self.state_dir / "adapter-cache",

@@ -65,7 +65,7 @@ def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs):
         max_num_batched_tokens=64,
         max_model_len=512,
         block_size=32,
-        gpu_memory_utilization=0.3,
+        gpu_memory_utilization=0.1,
         cpu_num_threads=1,
         cpu_omp_threads_bind="1",  # vLLM's worker computes on core 1; core 0 is left to Ray and the replica
         disk_cache_dir=disk,

@@ -235,6 +235,9 @@ class GuardInterceptor(grpc.ServerInterceptor):
             except PreftError as e:
                 code, message = getattr(grpc.StatusCode, e.grpc_code), e.message
             except Exception:
+                if not context.is_active():  # the caller went away (e.g. a killed upload): nothing to answer
+                    log.info("registry: %s cancelled by the caller", method)
+                    return None
                 log.exception("registry: %s failed", method)
                 code, message = grpc.StatusCode.INTERNAL, "internal registry error (logged by the registry)"
             context.abort(code, message)

@@ -126,8 +126,9 @@ class RegistryService:
     def missing_blobs(self, digests: Sequence[str]) -> list[str]:
         for d in digests:
             check_digest(d)
-        present = [d for d in digests if d not in (missing := self.blobs.missing(digests))]
-        self.index.touch_blobs(present)  # a publish is about to reference these: keep gc off them
+        missing = self.blobs.missing(digests)
+        # a publish is about to reference the present ones: keep gc off them
+        self.index.touch_blobs([d for d in digests if d not in missing])
         return missing
 
     def upload_blob(self, digest: str, size_bytes: int, chunks: Iterable[bytes]) -> FileEntry:

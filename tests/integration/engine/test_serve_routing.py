@@ -91,7 +91,9 @@ def test_requests_for_an_adapter_stick_to_the_replica_that_holds_it(routed, redi
         assert r.status_code == 200, r.text
     time.sleep(1.5)  # a heartbeat or two
     held = _residency(redis_server.url)
-    assert len(held) == 2, held  # both replicas publish
+    # Serve picks a replica for an adapter it has not seen by load, so one replica may hold all three (a replica
+    # holding nothing has no key: Redis drops empty sets).
+    assert 1 <= len(held) <= 2, held
     for name in names:
         holders = [replica for replica, digests in held.items() if specs[name].digest in digests]
         assert len(holders) == 1, f"{name} was paged into {len(holders)} replicas: routing did not stick"

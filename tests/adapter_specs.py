@@ -1,13 +1,14 @@
 """Turning a local adapter directory into what the gateway sends an engine replica (AdapterSpec) and what the
-registry would have put in S3 (one blob per file)."""
+registry would have put in S3 (one blob per file); the engine side of a pager for tests."""
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
 
-from preft.adapters import adapter_digest, file_sha256
+from preft.adapters import AdapterInfo, ModelShape, adapter_digest, file_sha256, inspect_adapter
 from preft.engine.contract import AdapterFileSpec, AdapterSpec
+from preft.engine.paging.pager import Pager
 
 
 def spec_for(adapter_dir: Path, ref: str = "t/adapter@v1", *, method: str | None = None) -> AdapterSpec:
@@ -51,3 +52,31 @@ class CountingBlobs:
     @property
     def total(self) -> int:
         return sum(self.calls.values())
+
+
+class RecordingHost:
+    """The engine side of the pager: validates like the real engine and records add/remove calls."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.shape = ModelShape.from_model_dir(model_dir)
+        self.loaded: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+
+    @property
+    def adds(self) -> int:
+        return sum(1 for kind, _ in self.calls if kind == "add")
+
+    async def add_lora(self, adapter_dir: Path) -> AdapterInfo:
+        info = inspect_adapter(adapter_dir, self.shape, max_rank=16)
+        self.calls.append(("add", info.digest))
+        self.loaded.add(info.digest)
+        return info
+
+    async def remove_lora(self, digest: str) -> None:
+        self.calls.append(("remove", digest))
+        self.loaded.discard(digest)
+
+
+def make_pager(**options) -> Pager:
+    """A pager with test-sized tiers (2 adapters in host memory, 1 GB of disk); `options` set or change any option."""
+    return Pager(**{"disk_max_bytes": 10**9, "host_max_adapters": 2, "download_timeout_s": 30.0, **options})

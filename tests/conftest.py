@@ -10,6 +10,15 @@ import pytest
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
 
 ARCHS = ("llama", "qwen2")
+MARKER_BY_DIRECTORY = {"integration": "integration", "e2e": "e2e"}  # tests/<dir>/... get the marker
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        parts = item.path.relative_to(here).parts if item.path.is_relative_to(here) else ()
+        if parts and parts[0] in MARKER_BY_DIRECTORY:
+            item.add_marker(getattr(pytest.mark, MARKER_BY_DIRECTORY[parts[0]]))
 
 
 @pytest.fixture(scope="session")

@@ -13,14 +13,6 @@ from preft.stack import control
 from preft.stack.local import LocalStack, StackInfo, StackPorts
 from preft.stack.process import free_port
 
-_HERE = Path(__file__).parent
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.is_relative_to(_HERE):
-            item.add_marker(pytest.mark.e2e)
-
 
 @dataclass(frozen=True)
 class Stack:

@@ -13,7 +13,8 @@ MAX_LORA_RANK = 8
 BLOCK_SIZE = 32
 
 
-def start_engine(model_dir, **overrides) -> PreftEngine:
+def engine_options(model_dir, **overrides) -> EngineOptions:
+    """The tests' engine: float32 (exact comparisons), few slots, small steps (chunked prefill)."""
     options = dict(
         model=str(model_dir),
         dtype="float32",
@@ -25,7 +26,11 @@ def start_engine(model_dir, **overrides) -> PreftEngine:
         gpu_memory_utilization=0.1,  # several engines may be alive at once (on CPU: a fraction of one NUMA node)
     )
     options.update(overrides)
-    return PreftEngine(EngineOptions(**options))
+    return EngineOptions(**options)
+
+
+def start_engine(model_dir, **overrides) -> PreftEngine:
+    return PreftEngine(engine_options(model_dir, **overrides))
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,8 @@ from preft.common.errors import InvalidArgument, Unavailable
 from preft.engine.async_engine import AsyncPreftEngine
 from preft.engine.contract import EngineRequest
 from preft.engine.requests import GenerationRequest
-from preft.engine.vllm_engine import EngineOptions
 from tests.conftest import random_prompt
-from tests.engine.conftest import BLOCK_SIZE, MAX_LORA_RANK, MAX_LORAS, MAX_NUM_BATCHED_TOKENS
+from tests.engine.conftest import engine_options
 
 pytestmark = pytest.mark.engine
 
@@ -34,18 +33,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def async_engine(model_dirs, loop):
-    engine = AsyncPreftEngine(
-        EngineOptions(
-            model=str(model_dirs["llama"]),
-            dtype="float32",
-            max_loras=MAX_LORAS,
-            max_lora_rank=MAX_LORA_RANK,
-            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-            max_model_len=512,
-            block_size=BLOCK_SIZE,
-            gpu_memory_utilization=0.1,
-        )
-    )
+    engine = AsyncPreftEngine(engine_options(model_dirs["llama"]))
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     started = time.perf_counter()
     loop.run_until_complete(engine.start())

@@ -6,7 +6,6 @@ import secrets
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,15 +15,6 @@ from pydantic import SecretStr
 from preft.common.settings import RedisSettings, RegistrySettings, S3Settings
 from preft.stack import RedisServer, SeaweedS3, free_port
 from preft.stack.servers import s3_client
-
-_HERE = Path(__file__).parent
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # This hook sees the whole session's items; mark only the ones under this directory.
-    for item in items:
-        if item.path.is_relative_to(_HERE):
-            item.add_marker(pytest.mark.integration)
 
 
 @dataclass(frozen=True)
@@ -38,6 +28,16 @@ class S3Target:
 
     def client(self, **config: Any) -> Any:
         return s3_client(self.endpoint_url, self.access_key, self.secret_key, **config)
+
+    def settings(self, **overrides: Any) -> S3Settings:
+        """The services' S3 settings for this bucket; `overrides` change any field."""
+        return S3Settings(
+            endpoint_url=self.endpoint_url,
+            bucket=self.bucket,
+            access_key=self.access_key,
+            secret_key=SecretStr(self.secret_key),
+            **overrides,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -99,12 +99,7 @@ def make_registry_settings(redis_url: str, s3: S3Target, token: str, **overrides
         "admin_token": SecretStr(token),
         "worker_threads": 8,
         "redis": RedisSettings(url=redis_url),
-        "s3": S3Settings(
-            endpoint_url=s3.endpoint_url,
-            bucket=s3.bucket,
-            access_key=s3.access_key,
-            secret_key=SecretStr(s3.secret_key),
-        ),
+        "s3": s3.settings(),
         "max_rank": 16,
     }
     return RegistrySettings(**{**fields, **overrides})

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from preft.adapters import AdapterInfo, ModelShape, inspect_adapter
 from preft.common.errors import InvalidArgument, NotFound, Unavailable
 from preft.engine.paging.pager import Pager
-from tests.adapter_specs import CountingBlobs, spec_for
+from tests.adapter_specs import CountingBlobs, RecordingHost, make_pager, spec_for
 
 ADAPTERS = ("lora_a", "lora_b", "lora_c", "direft_a", "direft_b")
 
@@ -39,25 +38,6 @@ class MemoryBlobs:
         dest.write_bytes(body)
 
 
-class RecordingHost:
-    """The engine side of the pager: validates like the real engine and records add/remove calls."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.shape = ModelShape.from_model_dir(model_dir)
-        self.loaded: set[str] = set()
-        self.calls: list[tuple[str, str]] = []
-
-    async def add_lora(self, adapter_dir: Path) -> AdapterInfo:
-        info = inspect_adapter(adapter_dir, self.shape, max_rank=16)
-        self.calls.append(("add", info.digest))
-        self.loaded.add(info.digest)
-        return info
-
-    async def remove_lora(self, digest: str) -> None:
-        self.calls.append(("remove", digest))
-        self.loaded.discard(digest)
-
-
 @pytest.fixture
 def setup(model_dirs, adapters, tmp_path):
     blobs = MemoryBlobs()
@@ -68,16 +48,7 @@ def setup(model_dirs, adapters, tmp_path):
     host = RecordingHost(model_dirs["llama"])
 
     def make(**kw) -> Pager:
-        options = dict(
-            host=host,
-            blobs=counting,
-            disk_dir=tmp_path / "disk",
-            disk_max_bytes=10**9,
-            host_max_adapters=2,
-            download_timeout_s=30.0,
-        )
-        options.update(kw)
-        return Pager(**options)
+        return make_pager(**{"host": host, "blobs": counting, "disk_dir": tmp_path / "disk", **kw})
 
     return make, specs, counting, host, blobs
 

@@ -7,47 +7,18 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from pydantic import SecretStr
 
-from preft.adapters import AdapterInfo, ModelShape, inspect_adapter
 from preft.common import metrics
 from preft.common.errors import Unavailable
-from preft.common.settings import S3Settings
 from preft.engine.paging.pager import Pager
 from preft.registry.blobstore import BlobStore
 from preft.stack import free_port
-from tests.adapter_specs import CountingBlobs, upload
-
-
-class RecordingHost:
-    def __init__(self, model_dir: Path) -> None:
-        self.shape = ModelShape.from_model_dir(model_dir)
-        self.loaded: set[str] = set()
-        self.adds = 0
-
-    async def add_lora(self, adapter_dir: Path) -> AdapterInfo:
-        info = inspect_adapter(adapter_dir, self.shape, max_rank=16)
-        self.loaded.add(info.digest)
-        self.adds += 1
-        return info
-
-    async def remove_lora(self, digest: str) -> None:
-        self.loaded.discard(digest)
-
-
-def s3_settings(target, **kw) -> S3Settings:
-    return S3Settings(
-        endpoint_url=target.endpoint_url,
-        bucket=target.bucket,
-        access_key=target.access_key,
-        secret_key=SecretStr(target.secret_key),
-        **kw,
-    )
+from tests.adapter_specs import CountingBlobs, RecordingHost, make_pager, upload
 
 
 @pytest.fixture
 def store(s3_bucket) -> BlobStore:
-    return BlobStore(s3_settings(s3_bucket))
+    return BlobStore(s3_bucket.settings())
 
 
 @pytest.fixture
@@ -61,16 +32,7 @@ def make(store, model_dirs, tmp_path):
     counting = CountingBlobs(store)
 
     def factory(**kw) -> Pager:
-        options = dict(
-            host=host,
-            blobs=counting,
-            disk_dir=tmp_path / "disk",
-            disk_max_bytes=10**9,
-            host_max_adapters=2,
-            download_timeout_s=30.0,
-        )
-        options.update(kw)
-        return Pager(**options)
+        return make_pager(**{"host": host, "blobs": counting, "disk_dir": tmp_path / "disk", **kw})
 
     factory.host, factory.blobs = host, counting
     return factory
@@ -164,7 +126,7 @@ def test_restart_rebuilds_the_disk_index(make, specs):
 
 def test_s3_down_keeps_resident_adapters_serving(make, specs, store, s3_bucket):
     bogus = BlobStore(
-        s3_settings(s3_bucket, connect_timeout_s=0.5, read_timeout_s=1.0).model_copy(
+        s3_bucket.settings(connect_timeout_s=0.5, read_timeout_s=1.0).model_copy(
             update={"endpoint_url": f"http://127.0.0.1:{free_port()}"}
         )
     )

@@ -18,19 +18,7 @@ from preft.gateway.cache import TTLCache
 from preft.gateway.errors import InvalidApiKey
 from preft.gateway.redis_client import guarded
 from preft.registry.index import key_hash
-
-# KEYS[1] = preft:key:<sha256>. Returns {} for an unknown key, else {key id, tenant, revoked ms, expires ms,
-# tenant state} where tenant state is 'ok', 'disabled' or 'missing'.
-AUTHENTICATE_LUA = """
-local key_id = redis.call('GET', KEYS[1])
-if not key_id then return {} end
-local k = redis.call('HMGET', 'preft:keyid:' .. key_id, 'tenant', 'revoked_unix_ms', 'expires_unix_ms')
-if not k[1] then return {} end
-local disabled = redis.call('HGET', 'preft:tenant:' .. k[1], 'disabled')
-local state = 'ok'
-if not disabled then state = 'missing' elseif disabled == '1' then state = 'disabled' end
-return {key_id, k[1], k[2] or '0', k[3] or '0', state}
-"""
+from preft.registry.lua import KEY_STATE
 
 
 @dataclass(frozen=True)
@@ -46,7 +34,7 @@ class KeyAuthenticator:
 
     def __init__(self, redis: aioredis.Redis, *, ttl_s: float, max_entries: int, redis_timeout_s: float) -> None:
         self._redis = redis
-        self._script = redis.register_script(AUTHENTICATE_LUA)
+        self._script = redis.register_script(KEY_STATE)
         self._cache: TTLCache[str, Caller | PreftError] = TTLCache(ttl_s, max_entries)
         self._timeout_s = redis_timeout_s
 

@@ -101,6 +101,7 @@ class RedisIndex:
                 "RECORD_USE",
                 "GC_CLAIM",
                 "GC_RELEASE",
+                "KEY_STATE",
             )
         }
 
@@ -187,18 +188,19 @@ class RedisIndex:
     @_guarded
     def authenticate(self, secret: str) -> TenantRecord:
         """The tenant a key belongs to; Unauthenticated for unknown, revoked or expired keys."""
-        key_id = self.redis.get(f"preft:key:{key_hash(secret)}")
-        if key_id is None:
+        found = self._scripts["KEY_STATE"](keys=[f"preft:key:{key_hash(secret)}"])
+        if not found:
             raise Unauthenticated("unknown or revoked API key")
-        key = self._key(key_id)
-        if key.revoked_unix_ms:
+        _key_id, tenant, revoked_ms, expires_ms, state = found
+        if int(revoked_ms):
             raise Unauthenticated("unknown or revoked API key")
-        if key.expires_unix_ms and key.expires_unix_ms <= now_ms():
+        if int(expires_ms) and int(expires_ms) <= now_ms():
             raise Unauthenticated("API key expired")
-        tenant = self.get_tenant(key.tenant)
-        if tenant.disabled:
-            raise PermissionDenied(f"tenant {tenant.id!r} is disabled")
-        return tenant
+        if state == "missing":
+            raise NotFound(f"tenant {tenant!r} does not exist")
+        if state == "disabled":
+            raise PermissionDenied(f"tenant {tenant!r} is disabled")
+        return self.get_tenant(tenant)
 
     def _key(self, key_id: str) -> ApiKeyRecord:
         d = self.redis.hgetall(f"preft:keyid:{key_id}")

@@ -206,3 +206,17 @@ redis.call('SREM', 'preft:gc:deleting', ARGV[1])
 redis.call('ZREM', 'preft:blobtouch', ARGV[1])
 return {'ok'}
 """
+
+# What an API key stands for, in one read (the registry's Authenticate RPC and the gateway both use it).
+# KEYS[1] = preft:key:<sha256>. Returns {} for an unknown key, else {key id, tenant, revoked ms, expires ms,
+# tenant state} where tenant state is 'ok', 'disabled' or 'missing'.
+KEY_STATE = """
+local key_id = redis.call('GET', KEYS[1])
+if not key_id then return {} end
+local k = redis.call('HMGET', 'preft:keyid:' .. key_id, 'tenant', 'revoked_unix_ms', 'expires_unix_ms')
+if not k[1] then return {} end
+local disabled = redis.call('HGET', 'preft:tenant:' .. k[1], 'disabled')
+local state = 'ok'
+if not disabled then state = 'missing' elseif disabled == '1' then state = 'disabled' end
+return {key_id, k[1], k[2] or '0', k[3] or '0', state}
+"""

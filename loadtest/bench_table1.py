@@ -47,6 +47,7 @@ CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 @dataclass
 class Row:
     config: str
+    model: str
     engine: str
     method: str | None
     mode: str | None
@@ -61,17 +62,29 @@ class Row:
     ttft_p50_s: float | None
     ttft_p95_s: float | None
     adapter_first_load_s: float | None = None  # per adapter: (load pass - same pass warm) / adapters
-    ratio_to_base: float | None = None
-    ratio_to_stock: float | None = None
+    ratio_to_base: float | None = None  # to the base engine, same model and workload
+    ratio_to_stock: float | None = None  # to stock multi-LoRA, same model, workload and rank
+    ratio_to_engine_base: float | None = None  # PreFT rows: to base requests on the same engine
     prompt_only_ratio_to_base: float | None = None
     notes: dict = field(default_factory=dict)
 
 
 class StepLog:
-    """Start time, host time and size of every model step (in-process engines), to tell step kinds apart."""
+    """Every model step's start, host time and size (in-process engines), and each request's first token.
+
+    A request's first token is sampled in the step that schedules the last of its prompt tokens: its time is
+    taken when that step's ``execute_model`` returns (within one step of the token), so stat logging, which
+    costs host time on every step of these host-bound engines, stays off as in vLLM's ``LLM`` default.
+    """
 
     def __init__(self) -> None:
         self.records: list[tuple[float, float, int, int, bool]] = []
+        self.prompt_len = 0  # > 0 while first tokens are tracked (every request of a pass has this length)
+        self.scheduled: dict[str, int] = {}
+        self.first_token: dict[str, float] = {}
+
+    def track_first_tokens(self, prompt_len: int) -> None:
+        self.prompt_len, self.scheduled, self.first_token = prompt_len, {}, {}
 
     def install(self) -> None:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -79,19 +92,31 @@ class StepLog:
         original = GPUModelRunner.execute_model
         if getattr(original, "_bench_step_log", False):
             return
-        records = self.records
+        log = self
 
         def execute_model(runner, scheduler_output, *args, **kwargs):
             t = time.perf_counter()
             out = original(runner, scheduler_output, *args, **kwargs)
+            end = time.perf_counter()
             state = getattr(getattr(runner, "lora_manager", None), "preft_state", None)
             adapted = bool(state is not None and state.step.has_adapter_tokens)
-            n_tokens = scheduler_output.total_num_scheduled_tokens
-            records.append((t, time.perf_counter() - t, n_tokens, len(scheduler_output.num_scheduled_tokens), adapted))
+            scheduled = scheduler_output.num_scheduled_tokens
+            log.records.append((t, end - t, scheduler_output.total_num_scheduled_tokens, len(scheduled), adapted))
+            if log.prompt_len:
+                for rid, n in scheduled.items():
+                    if rid not in log.first_token:
+                        done = log.scheduled.get(rid, 0) + n
+                        log.scheduled[rid] = done
+                        if done >= log.prompt_len:
+                            log.first_token[rid] = end
             return out
 
         execute_model._bench_step_log = True
         GPUModelRunner.execute_model = execute_model
+
+    def first_token_latencies(self, submitted: float) -> list[float]:
+        self.prompt_len = 0
+        return sorted(t - submitted for t in self.first_token.values())
 
     def summary(self, since: int) -> dict:
         """Steps since record `since`: how many of each kind, and the median period of pure-decode steps."""
@@ -169,8 +194,8 @@ def _write_copies(proto: dict, cfg_name: str, cfg: dict, root: Path, n: int) -> 
     return out
 
 
-def lora_adapters(model: Path, root: Path, n: int, rank: int) -> list[Path]:
-    """PEFT LoRAs of `rank` on all seven projections of every layer."""
+def lora_adapters(model: Path, root: Path, n: int, rank: int, dtype: str) -> list[Path]:
+    """PEFT LoRAs of `rank` on all seven projections of every layer, saved in the model's dtype."""
     import torch
 
     cfg = json.loads((model / "config.json").read_text())
@@ -180,8 +205,9 @@ def lora_adapters(model: Path, root: Path, n: int, rank: int) -> list[Path]:
         for proj, (fan_in, fan_out) in _shape(cfg).items():
             block = "self_attn" if proj in PROJECTIONS[:4] else "mlp"
             p = f"base_model.model.model.layers.{layer}.{block}.{proj}"
-            tensors[f"{p}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.3 / fan_in**0.5
-            tensors[f"{p}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.3
+            a = torch.randn(rank, fan_in, generator=g) * 0.3 / fan_in**0.5
+            tensors[f"{p}.lora_A.weight"] = a.to(getattr(torch, dtype))
+            tensors[f"{p}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * 0.3).to(getattr(torch, dtype))
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -227,12 +253,11 @@ def engine_kwargs(args, model: Path, dtype: str, real: bool, *, util: float, lor
         dtype=dtype,
         load_format="auto" if real else "dummy",
         skip_tokenizer_init=True,
-        max_model_len=args.prompt_len + args.output_len + 16,
+        max_model_len=max(p + o for p, o in args.workloads) + 16,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=False,
         enable_chunked_prefill=True,
         gpu_memory_utilization=util,
-        disable_log_stats=False,  # per-request first-token times
         seed=0,
     )
     if args.max_num_batched_tokens:
@@ -271,10 +296,9 @@ class Bench:
         return False
 
     # --- requests -----------------------------------------------------------------------------------------
-    def prompts(self, n: int, length: int | None = None):
+    def prompts(self, n: int, length: int):
         from vllm.inputs import TokensPrompt
 
-        length = length or self.args.prompt_len
         return [
             TokensPrompt(prompt_token_ids=[self.rng.randrange(10, self.vocab) for _ in range(length)]) for _ in range(n)
         ]
@@ -288,13 +312,18 @@ class Bench:
         p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args=extra)
         return [p] * n
 
-    def run(self, llm, n: int, max_tokens: int, loras: list | None, mode: str | None, length: int | None = None):
+    def run(self, llm, n: int, length: int, max_tokens: int, loras: list | None, mode: str | None, ttft=None):
+        """One pass of n fresh prompts, all submitted at once: (seconds, output tokens); `ttft` gets the
+        first-token latencies when given."""
         prompts, params = self.prompts(n, length), self.params(n, max_tokens, mode)
+        if ttft is not None:
+            self.steps.track_first_tokens(length)
         t = time.perf_counter()
         outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         seconds = time.perf_counter() - t
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        return seconds, n_out, outs
+        if ttft is not None:
+            ttft.extend(self.steps.first_token_latencies(t))
+        return seconds, sum(len(o.outputs[0].token_ids) for o in outs)
 
     def lora_requests(self, kind: str, dirs: list[Path]) -> list:
         from vllm.lora.request import LoRARequest
@@ -310,8 +339,9 @@ class Bench:
         """First loads: one prompt-only request per adapter, then the same again (done once per adapter list)."""
         key = id(adapters)
         if key not in self.loaded:
-            t_cold, _, _ = self.run(llm, len(adapters), 1, adapters, mode)
-            t_warm, _, _ = self.run(llm, len(adapters), 1, adapters, mode)
+            length = min(p for p, _ in self.args.workloads)
+            t_cold, _ = self.run(llm, len(adapters), length, 1, adapters, mode)
+            t_warm, _ = self.run(llm, len(adapters), length, 1, adapters, mode)
             per_adapter = round(max(t_cold - t_warm, 0.0) / len(adapters), 5)
             self.loaded[key] = (per_adapter, {"load_pass_s": round(t_cold, 3), "load_pass_warm_s": round(t_warm, 3)})
             print(f"[{self.elapsed():.0f}s] loaded {len(adapters)} adapters: {t_cold:.2f} s, again {t_warm:.2f} s")
@@ -319,50 +349,52 @@ class Bench:
         notes.update(load_notes)
         return per_adapter
 
-    def measure(self, llm, engine: str, config: str, *, method=None, mode=None, rank=None, adapters=None) -> Row:
+    def measure(
+        self, llm, engine: str, config: str, *, method=None, mode=None, rank=None, adapters=None, workloads=None
+    ) -> None:
+        """Each workload: a warm-up pass, a prompt-only pass and the full pass, each on fresh prompts."""
         a = self.args
-        notes: dict = {}
-        first_load = self.load(llm, adapters, mode, notes) if adapters else None
-        draw = (lambda: [self.rng.choice(adapters) for _ in range(a.requests)]) if adapters else (lambda: None)
-        t_wu, _, _ = self.run(llm, a.requests, a.warmup_tokens, draw(), mode)
-        notes["warmup_s"] = round(t_wu, 3)
-        t_po, _, _ = self.run(llm, a.requests, 1, draw(), mode)
-        mark = len(self.steps.records)
-        seconds, n_out, outs = self.run(llm, a.requests, a.output_len, draw(), mode)
-        notes.update(self.steps.summary(mark))
-        ttft = sorted(
-            m.first_token_latency
-            for o in outs
-            if (m := getattr(o, "metrics", None)) is not None and m.first_token_latency
-        )
-        n_prompt = a.requests * a.prompt_len
-        row = Row(
-            config=config,
-            engine=engine,
-            method=method,
-            mode=mode,
-            rank=rank,
-            requests=a.requests,
-            prompt_len=a.prompt_len,
-            output_len=a.output_len,
-            prompt_only_s=round(t_po, 3),
-            prompt_only_tokens_per_s=round((n_prompt + a.requests) / t_po, 1),
-            seconds=round(seconds, 3),
-            tokens_per_s=round((n_prompt + n_out) / seconds, 1),
-            ttft_p50_s=round(statistics.median(ttft), 4) if ttft else None,
-            ttft_p95_s=round(ttft[int(0.95 * (len(ttft) - 1))], 4) if ttft else None,
-            adapter_first_load_s=round(first_load, 5) if first_load is not None else None,
-            notes=notes,
-        )
-        self.rows.append(row)
-        print(
-            f"[{self.elapsed():.0f}s] {config:28s} {row.tokens_per_s:10.1f} tok/s"
-            f"  prompt-only {row.prompt_only_s:7.3f} s  TTFT p50 {row.ttft_p50_s} p95 {row.ttft_p95_s}"
-            f"  first load {row.adapter_first_load_s} s",
-            flush=True,
-        )
-        self.write()
-        return row
+        load_notes: dict = {}
+        first_load = self.load(llm, adapters, mode, load_notes) if adapters else None
+        for prompt_len, output_len in workloads or a.workloads:
+            if self.out_of_time(f"{config} {prompt_len}+{output_len}"):
+                return
+            draw = (lambda n: [self.rng.choice(adapters) for _ in range(n)]) if adapters else (lambda n: None)
+            notes = dict(load_notes)
+            warm = min(a.requests, a.warmup_requests)
+            notes["warmup_s"] = round(self.run(llm, warm, prompt_len, a.warmup_tokens, draw(warm), mode)[0], 3)
+            t_po, _ = self.run(llm, a.requests, prompt_len, 1, draw(a.requests), mode)
+            mark, ttft = len(self.steps.records), []
+            seconds, n_out = self.run(llm, a.requests, prompt_len, output_len, draw(a.requests), mode, ttft)
+            notes.update(self.steps.summary(mark))
+            n_prompt = a.requests * prompt_len
+            row = Row(
+                config=config,
+                model=a.preset,
+                engine=engine,
+                method=method,
+                mode=mode,
+                rank=rank,
+                requests=a.requests,
+                prompt_len=prompt_len,
+                output_len=output_len,
+                prompt_only_s=round(t_po, 3),
+                prompt_only_tokens_per_s=round((n_prompt + a.requests) / t_po, 1),
+                seconds=round(seconds, 3),
+                tokens_per_s=round((n_prompt + n_out) / seconds, 1),
+                ttft_p50_s=round(statistics.median(ttft), 4) if ttft else None,
+                ttft_p95_s=round(ttft[int(0.95 * (len(ttft) - 1))], 4) if ttft else None,
+                adapter_first_load_s=round(first_load, 5) if first_load is not None else None,
+                notes=notes,
+            )
+            self.rows.append(row)
+            print(
+                f"[{self.elapsed():.0f}s] {config:28s} {prompt_len}+{output_len} {row.tokens_per_s:10.1f} tok/s"
+                f"  prompt-only {row.prompt_only_s:7.3f} s  TTFT p50 {row.ttft_p50_s} p95 {row.ttft_p95_s}"
+                f"  first load {row.adapter_first_load_s} s",
+                flush=True,
+            )
+            self.write()
 
     # --- engines ------------------------------------------------------------------------------------------
     def start(self, name: str, util: float, lora: dict | None):
@@ -373,6 +405,7 @@ class Bench:
         llm = LLM(**kw)
         start_s = time.perf_counter() - t
         cfg = llm.llm_engine.vllm_config
+        name = f"{self.args.preset} {name}"
         self.engines[name] = {
             "kwargs": {k: v for k, v in kw.items() if k != "model"},
             "start_s": round(start_s, 1),
@@ -407,24 +440,26 @@ class Bench:
         self.measure(llm, "base", "base")
         self.stop(llm)
 
-    def stock_engine(self, loras: list[Path]) -> None:
-        if self.out_of_time("stock engine"):
-            return
+    def stock_engine(self, loras: dict[int, list[Path]]) -> None:
+        """One engine per rank in --stock-ranks (its max_lora_rank is that rank): every workload at the first."""
         a = self.args
-        slots = a.stock_max_loras or a.adapters
-        llm = self.start("stock", a.util_stock, self.lora_kwargs(slots, a.lora_rank, a.adapters))
-        self.measure(
-            llm,
-            "stock",
-            "stock multi-LoRA",
-            method="lora",
-            mode=None,
-            rank=a.lora_rank,
-            adapters=self.lora_requests("stock-lora", loras),
-        )
-        self.stop(llm)
+        for i, rank in enumerate(a.stock_ranks):
+            if self.out_of_time(f"stock engine r{rank}"):
+                return
+            slots = a.stock_max_loras or a.adapters
+            llm = self.start(f"stock r{rank}", a.util_stock, self.lora_kwargs(slots, rank, a.adapters))
+            reqs = self.lora_requests(f"stock-lora-r{rank}", loras[rank])
+            workloads = a.workloads if i == 0 else a.workloads[:1]
+            self.measure(
+                llm, "stock", f"stock multi-LoRA r{rank}", method="lora", rank=rank, adapters=reqs, workloads=workloads
+            )
+            self.stop(llm)
 
-    def preft_engine(self, loras: list[Path], direfts: dict[int, list[Path]]) -> None:
+    def preft_engine(self, loras: dict[int, list[Path]], direfts: dict[int, list[Path]]) -> None:
+        """Base requests, LoRAP at each rank, DiReFTP at each rank, LoRA `all`, base again: one engine.
+
+        The first LoRA rank and every DiReFT rank run every workload; other LoRA ranks, LoRA `all` and the
+        closing base pass run the first workload only."""
         if self.out_of_time("preft engine"):
             return
         from preft import vllm_plugin
@@ -433,63 +468,53 @@ class Bench:
         os.environ["VLLM_PLUGINS"] = "preft"  # ... and engine processes started from now on
         a = self.args
         slots = a.max_loras or a.adapters
-        max_rank = max([a.lora_rank, *direfts])
-        cpu_loras = a.adapters * (1 + len(direfts))
-        llm = self.start("preft", a.util_preft, self.lora_kwargs(slots, max_rank, cpu_loras))
+        cpu_loras = a.adapters * (len(loras) + len(direfts))
+        llm = self.start("preft", a.util_preft, self.lora_kwargs(slots, max([*loras, *direfts]), cpu_loras))
         base = "base (PreFT engine"
         self.measure(llm, "preft", f"{base}, before any adapter)")
         if a.profile_dir:
             self.profile(llm, "base-before-load", None, None)
-        lora_reqs = self.lora_requests("lora", loras)
-        direft_reqs = {r: self.lora_requests(f"direft{r}", d) for r, d in direfts.items()}
-        if a.diagnose:  # is a base step slower once adapters are loaded? (issue 6's open question)
-            self.load(llm, lora_reqs, "prefill", {})
-            self.measure(llm, "preft", f"{base}, LoRAs loaded)")
-            import gc
-
-            gc.collect()
-            gc.freeze()
-            self.measure(llm, "preft", f"{base}, LoRAs loaded, gc frozen)")
+        first, rest = a.workloads, a.workloads[:1]
+        lora_reqs = {r: self.lora_requests(f"lora-r{r}", d) for r, d in loras.items()}
+        first_rank = a.lora_ranks[0]
         plan = [
-            ("LoRAP", "lora", "prefill", a.lora_rank, lora_reqs),
-            *[(f"DiReFTP r{r}", "direft", "prefill", r, reqs) for r, reqs in direft_reqs.items()],
-            ("LoRA all", "lora", "all", a.lora_rank, lora_reqs),
+            *[(f"LoRAP r{r}", "lora", "prefill", r, lora_reqs[r], first if r == first_rank else rest) for r in loras],
+            *[
+                (f"DiReFTP r{r}", "direft", "prefill", r, self.lora_requests(f"direft-r{r}", d), first)
+                for r, d in direfts.items()
+            ],
         ]
-        if a.skip_all_mode:
-            plan = plan[:-1]
-        for name, method, mode, rank, reqs in plan:
+        if not a.skip_all_mode:
+            plan.append((f"LoRA all r{first_rank}", "lora", "all", first_rank, lora_reqs[first_rank], rest))
+        for name, method, mode, rank, reqs, workloads in plan:
             if self.out_of_time(name):
                 break
             if a.interleave_base:  # the host-bound decode drifts over a run: a base pass next to each config
                 self.load(llm, reqs, mode, {})
-                self.measure(llm, "preft", f"{base}, before {name})")
-            self.measure(llm, "preft", name, method=method, mode=mode, rank=rank, adapters=reqs)
-            if a.profile_dir and name == "LoRAP":
+                self.measure(llm, "preft", f"{base}, before {name})", workloads=rest)
+            self.measure(llm, "preft", name, method=method, mode=mode, rank=rank, adapters=reqs, workloads=workloads)
+            if a.profile_dir and name == f"LoRAP r{first_rank}":
                 self.profile(llm, "lorap", reqs, "prefill")
-        if not self.out_of_time("base after all"):
-            self.measure(llm, "preft", f"{base}, after all passes)")
-            if a.diagnose and not self.out_of_time("base after a pause"):
-                time.sleep(20)
-                self.measure(llm, "preft", f"{base}, after a 20 s pause)")
+        self.measure(llm, "preft", f"{base}, after all passes)", workloads=rest)
         if a.profile_dir and not self.out_of_time("profile base"):
             self.profile(llm, "base-after-all", None, None)
         self.stop(llm)
 
     def profile(self, llm, tag: str, adapters, mode) -> None:
-        """torch profiler over a short pass: kernel time by name, and the host time of each step phase."""
+        """torch profiler over a short pass of the first workload's prompts: kernel time by name."""
         import torch
         from torch.profiler import ProfilerActivity, profile
 
         a = self.args
-        n = min(a.requests, a.profile_requests)
+        n, prompt_len = min(a.requests, a.profile_requests), a.workloads[0][0]
         loras = [self.rng.choice(adapters) for _ in range(n)] if adapters else None
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with profile(activities=acts) as prof:
-            seconds, _, _ = self.run(llm, n, loras=loras, mode=mode, max_tokens=a.profile_output_len)
+            seconds, _ = self.run(llm, n, prompt_len, a.profile_output_len, loras, mode)
         a.profile_dir.mkdir(parents=True, exist_ok=True)
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         text = prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=90)
-        header = f"{tag}: {n} requests {a.prompt_len}+{a.profile_output_len}, {seconds:.3f} s under the profiler\n"
+        header = f"{tag}: {n} requests {prompt_len}+{a.profile_output_len}, {seconds:.3f} s under the profiler\n"
         (a.profile_dir / f"profile-{tag}.txt").write_text(header + text)
         print(header + text[:6000], flush=True)
 
@@ -508,17 +533,26 @@ class Bench:
         write_report(report, self.args.out)
 
 
+ENGINE_BASE = "base (PreFT engine, before any adapter)"
+
+
 def finish(report: dict) -> dict:
-    """Ratios to the base engine and to stock multi-LoRA (full pass), and prompt-only ratios to base."""
+    """Ratios of every row to the base engine and to stock multi-LoRA (same model and workload; stock also
+    same rank), and PreFT rows to the base requests of their own engine."""
     rows = report["results"]
-    base = next((r for r in rows if r["config"] == "base"), None)
-    stock = next((r for r in rows if r["config"] == "stock multi-LoRA"), None)
+    key = lambda r: (r["model"], r["prompt_len"], r["output_len"])  # noqa: E731
+    base = {key(r): r for r in rows if r["engine"] == "base"}
+    engine_base = {key(r): r for r in rows if r["config"] == ENGINE_BASE}
+    stock = {(*key(r), r["rank"]): r for r in rows if r["engine"] == "stock"}
+
+    def ratio(row: dict, ref: dict | None, field: str = "tokens_per_s") -> float | None:
+        return round(row[field] / ref[field], 3) if ref else None
+
     for r in rows:
-        r["ratio_to_base"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3) if base else None
-        r["ratio_to_stock"] = round(r["tokens_per_s"] / stock["tokens_per_s"], 3) if stock else None
-        r["prompt_only_ratio_to_base"] = (
-            round(r["prompt_only_tokens_per_s"] / base["prompt_only_tokens_per_s"], 3) if base else None
-        )
+        r["ratio_to_base"] = ratio(r, base.get(key(r)))
+        r["prompt_only_ratio_to_base"] = ratio(r, base.get(key(r)), "prompt_only_tokens_per_s")
+        r["ratio_to_stock"] = ratio(r, stock.get((*key(r), r["rank"]))) if r["method"] == "lora" else None
+        r["ratio_to_engine_base"] = ratio(r, engine_base.get(key(r))) if r["engine"] == "preft" else None
     return report
 
 
@@ -534,35 +568,37 @@ def write_report(report: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    names = [r["config"] for r in rows]
-    for ax, key, title in (
-        (axes[0], "ratio_to_base", "prompt + output tokens/s, full pass"),
-        (axes[1], "prompt_only_ratio_to_base", "prompt-only pass (max_tokens=1)"),
-    ):
-        values = [r[key] or 0.0 for r in rows]
-        ax.bar(range(len(rows)), values, color=["#888888" if r["engine"] != "preft" else "#4a7ebb" for r in rows])
-        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-        ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("÷ base model")
-        ax.set_title(title, fontsize=10)
-        for i, v in enumerate(values):
-            ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
-    s = report["settings"]
-    fig.suptitle(
-        f"{s['preset']} ({s.get('vllm')}): {s['requests']} requests, {s['prompt_len']}+{s['output_len']} tokens, "
-        f"{s['adapters']} adapters drawn uniformly",
-        fontsize=10,
-    )
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["prompt_len"], r["output_len"]), []).append(r)
+    fig, axes = plt.subplots(len(groups), 2, figsize=(14, 3.8 * len(groups)), squeeze=False)
+    for (model, p_len, o_len), (ax_full, ax_prompt) in zip(groups, axes, strict=True):
+        group = groups[(model, p_len, o_len)]
+        for ax, metric, what in (
+            (ax_full, "ratio_to_base", "prompt + output tokens/s"),
+            (ax_prompt, "prompt_only_ratio_to_base", "prompt-only pass (max_tokens=1)"),
+        ):
+            values = [r[metric] or 0.0 for r in group]
+            colors = ["#4a7ebb" if r["engine"] == "preft" else "#888888" for r in group]
+            ax.bar(range(len(group)), values, color=colors)
+            ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+            ax.set_xticks(range(len(group)), [r["config"] for r in group], rotation=25, ha="right", fontsize=7)
+            ax.set_ylabel("÷ base model")
+            ax.set_title(f"{model}, {group[0]['requests']} requests of {p_len}+{o_len}: {what}", fontsize=9)
+            for i, v in enumerate(values):
+                ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    s = report["settings"].get("parts", [report["settings"]])[0]
+    fig.suptitle(f"vLLM {s['vllm']}, {s['adapters']} adapters drawn uniformly per configuration", fontsize=10)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
+    fig.savefig(out.with_suffix(".png"), dpi=110)
     plt.close(fig)
 
 
 def merge(parts: list[Path], out: Path) -> None:
+    """One report of runs made on one machine (a command may run 10 minutes there): rows and engines of all."""
     reports = [json.loads(p.read_text()) for p in parts]
     merged = {
-        "settings": {**reports[0]["settings"], "merged_from": [str(p) for p in parts]},
+        "settings": {"merged_from": [str(p) for p in parts], "parts": [r["settings"] for r in reports]},
         "engines": {k: v for r in reports for k, v in r["engines"].items()},
         "results": [row for r in reports for row in r["results"]],
     }
@@ -583,10 +619,14 @@ def main() -> None:
     ap.add_argument("--preset", choices=["cpu-small", *ARCH_CONFIGS], default="cpu-small")
     ap.add_argument("--engines", default="base,stock,preft", help="subset of base,stock,preft (in this order)")
     ap.add_argument("--requests", type=int, default=None, help="default 1024 on GPU, 64 on cpu-small")
-    ap.add_argument("--prompt-len", type=int, default=None, help="default 256 (GPU), 64 (cpu-small)")
-    ap.add_argument("--output-len", type=int, default=None, help="default 256 (GPU), 16 (cpu-small)")
+    ap.add_argument(
+        "--workloads",
+        default=None,
+        help="prompt x output tokens, comma-separated; the first is the main one (default 256x256; cpu-small 64x16)",
+    )
     ap.add_argument("--adapters", type=int, default=None, help="distinct adapters per configuration: 512 / 32")
-    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--lora-ranks", default="8", help="LoRA ranks; ranks after the first run the first workload only")
+    ap.add_argument("--stock-ranks", default=None, help="stock multi-LoRA engines, one per rank (default: first)")
     ap.add_argument("--direft-ranks", default="8,16")
     ap.add_argument("--direft-layers", default=None, help="default: 4 layers spread over the depth")
     ap.add_argument("--max-loras", type=int, default=None, help="PreFT engine slots (default: --adapters)")
@@ -596,7 +636,8 @@ def main() -> None:
     ap.add_argument("--util-base", type=float, default=None, help="gpu_memory_utilization per engine")
     ap.add_argument("--util-stock", type=float, default=None)
     ap.add_argument("--util-preft", type=float, default=None)
-    ap.add_argument("--warmup-tokens", type=int, default=8, help="max_tokens of the full-size warm-up pass")
+    ap.add_argument("--warmup-tokens", type=int, default=8, help="max_tokens of the warm-up pass")
+    ap.add_argument("--warmup-requests", type=int, default=256, help="requests of the warm-up pass (full-size steps)")
     ap.add_argument(
         "--no-capture-sizes",
         dest="capture_sizes",
@@ -605,7 +646,6 @@ def main() -> None:
     )
     ap.add_argument("--skip-all-mode", action="store_true", help="leave out the PreFT engine's LoRA `all` pass")
     ap.add_argument("--profile-dir", type=Path, default=None, help="write torch profiler summaries here")
-    ap.add_argument("--diagnose", action="store_true", help="extra base passes: adapters loaded, gc frozen, pause")
     ap.add_argument("--interleave-base", action="store_true", help="a base pass right before each adapter pass")
     ap.add_argument("--profile-requests", type=int, default=128)
     ap.add_argument("--profile-output-len", type=int, default=16)
@@ -617,8 +657,7 @@ def main() -> None:
     small = args.preset == "cpu-small"
     defaults = dict(
         requests=64 if small else 1024,
-        prompt_len=64 if small else 256,
-        output_len=16 if small else 256,
+        workloads="64x16" if small else "256x256",
         adapters=32 if small else 512,
         max_num_seqs=32 if small else 512,
         util_base=0.05 if small else 0.2,
@@ -632,8 +671,12 @@ def main() -> None:
     if args.merge:
         merge(args.merge, args.out)
         return
+    args.workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
+    args.lora_ranks = [int(r) for r in args.lora_ranks.split(",")]
+    args.stock_ranks = [int(r) for r in args.stock_ranks.split(",")] if args.stock_ranks else args.lora_ranks[:1]
     os.environ["VLLM_PLUGINS"] = "none"  # our plugin stays out of the stock engines; registered by hand after
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engines: the step hooks see steps
     os.environ.setdefault("VLLM_CACHE_ROOT", str(Path.home() / ".cache" / f"vllm-preft-{plugin_digest()}"))
 
     bench = Bench(args)
@@ -646,7 +689,8 @@ def main() -> None:
     )
     args.direft_layers = ",".join(map(str, layers))
     adapter_root = args.workdir / f"adapters-{args.preset}"
-    loras = lora_adapters(bench.model, adapter_root, args.adapters, args.lora_rank)
+    ranks = sorted({*args.lora_ranks, *args.stock_ranks})
+    loras = {r: lora_adapters(bench.model, adapter_root, args.adapters, r, bench.dtype) for r in ranks}
     direfts = {
         int(r): direft_adapters(bench.model, adapter_root, args.adapters, int(r), layers)
         for r in args.direft_ranks.split(",")
@@ -658,15 +702,19 @@ def main() -> None:
     if "stock" in engines:
         bench.stock_engine(loras)
     if "preft" in engines:
-        bench.preft_engine(loras, direfts)
+        bench.preft_engine({r: loras[r] for r in args.lora_ranks}, direfts)
     bench.write()
     rows = finish({"results": [asdict(r) for r in bench.rows]})["results"]
-    print(f"\n{'configuration':42s} {'tok/s':>10s} {'÷base':>6s} {'÷stock':>7s} {'prompt-only s':>13s} TTFT p50/p95 s")
+    print(
+        f"\n{'configuration':42s} {'workload':>9s} {'tok/s':>10s} {'÷base':>6s} {'÷stock':>7s} "
+        f"{'prompt-only s':>13s} TTFT p50/p95 s"
+    )
     for r in rows:
         ratio = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
         print(
-            f"{r['config']:42s} {r['tokens_per_s']:10.1f} {ratio(r['ratio_to_base']):>6s} "
-            f"{ratio(r['ratio_to_stock']):>7s} {r['prompt_only_s']:13.3f} {r['ttft_p50_s']}/{r['ttft_p95_s']}"
+            f"{r['config']:42s} {r['prompt_len']:>4d}+{r['output_len']:<4d} {r['tokens_per_s']:10.1f} "
+            f"{ratio(r['ratio_to_base']):>6s} {ratio(r['ratio_to_stock']):>7s} {r['prompt_only_s']:13.3f} "
+            f"{r['ttft_p50_s']}/{r['ttft_p95_s']}"
         )
     print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
 

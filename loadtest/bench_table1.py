@@ -142,6 +142,39 @@ class StepLog:
         }
 
 
+class LoadTimer:
+    """Host time spent reading adapters (``_load_adapter``) and putting them in slots (``activate_adapter``)."""
+
+    def __init__(self) -> None:
+        self.seconds = {"read_s": 0.0, "activate_s": 0.0}
+        self.count = 0
+
+    def install(self) -> None:
+        from preft.vllm_plugin import compat
+
+        worker, _ = compat.worker_lora_manager_classes()
+        manager = compat.lora_model_manager_module().LoRAModelManager
+        for cls, name, key in ((worker, "_load_adapter", "read_s"), (manager, "activate_adapter", "activate_s")):
+            original = getattr(cls, name)
+            if not getattr(original, "_bench_timer", False):
+                setattr(cls, name, self._timed(original, key))
+
+    def _timed(self, original, key: str):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - t
+                self.count += key == "read_s"
+
+        timed._bench_timer = True
+        return timed
+
+    def snapshot(self) -> dict:
+        return {"adapters_read": self.count, **{k: round(v, 3) for k, v in self.seconds.items()}}
+
+
 # --- model and adapters ----------------------------------------------------------------------------------
 
 
@@ -285,6 +318,8 @@ class Bench:
         self.loaded: dict[int, tuple[float, dict]] = {}
         self.steps = StepLog()
         self.steps.install()
+        self.load_timer = LoadTimer()
+        self.load_timer.install()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -340,11 +375,17 @@ class Bench:
         key = id(adapters)
         if key not in self.loaded:
             length = min(p for p, _ in self.args.workloads)
+            before = self.load_timer.snapshot()
+            print(f"[{self.elapsed():.0f}s] loading {len(adapters)} adapters", flush=True)
             t_cold, _ = self.run(llm, len(adapters), length, 1, adapters, mode)
             t_warm, _ = self.run(llm, len(adapters), length, 1, adapters, mode)
             per_adapter = round(max(t_cold - t_warm, 0.0) / len(adapters), 5)
-            self.loaded[key] = (per_adapter, {"load_pass_s": round(t_cold, 3), "load_pass_warm_s": round(t_warm, 3)})
-            print(f"[{self.elapsed():.0f}s] loaded {len(adapters)} adapters: {t_cold:.2f} s, again {t_warm:.2f} s")
+            spent = {f"load_{k}": round(v - before[k], 3) for k, v in self.load_timer.snapshot().items()}
+            self.loaded[key] = (
+                per_adapter,
+                {"load_pass_s": round(t_cold, 3), "load_pass_warm_s": round(t_warm, 3), **spent},
+            )
+            print(f"[{self.elapsed():.0f}s] loaded: {t_cold:.2f} s, again {t_warm:.2f} s; {spent}", flush=True)
         per_adapter, load_notes = self.loaded[key]
         notes.update(load_notes)
         return per_adapter
@@ -456,7 +497,7 @@ class Bench:
             self.stop(llm)
 
     def preft_engine(self, loras: dict[int, list[Path]], direfts: dict[int, list[Path]]) -> None:
-        """Base requests, LoRAP at each rank, DiReFTP at each rank, LoRA `all`, base again: one engine.
+        """Base requests, DiReFTP at each rank, LoRAP at each rank, LoRA `all`, base again: one engine.
 
         The first LoRA rank and every DiReFT rank run every workload; other LoRA ranks, LoRA `all` and the
         closing base pass run the first workload only."""
@@ -477,12 +518,12 @@ class Bench:
         first, rest = a.workloads, a.workloads[:1]
         lora_reqs = {r: self.lora_requests(f"lora-r{r}", d) for r, d in loras.items()}
         first_rank = a.lora_ranks[0]
-        plan = [
-            *[(f"LoRAP r{r}", "lora", "prefill", r, lora_reqs[r], first if r == first_rank else rest) for r in loras],
+        plan = [  # small adapters first: a run cut by --deadline-s keeps the most configurations
             *[
                 (f"DiReFTP r{r}", "direft", "prefill", r, self.lora_requests(f"direft-r{r}", d), first)
                 for r, d in direfts.items()
             ],
+            *[(f"LoRAP r{r}", "lora", "prefill", r, lora_reqs[r], first if r == first_rank else rest) for r in loras],
         ]
         if not a.skip_all_mode:
             plan.append((f"LoRA all r{first_rank}", "lora", "all", first_rank, lora_reqs[first_rank], rest))

@@ -41,6 +41,7 @@ from loadtest.bench_engine import ARCH_CONFIGS
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CPU_SMALL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768, vocab_size=2048)
+LOAD_CHUNK = 64  # adapters per request batch of a load pass
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 
 
@@ -143,11 +144,17 @@ class StepLog:
 
 
 class LoadTimer:
-    """Host time spent reading adapters (``_load_adapter``) and putting them in slots (``activate_adapter``)."""
+    """Host time spent reading adapters (``_load_adapter``) and putting them in slots (``activate_adapter``).
+
+    Installed again before each engine starts, so it is the outermost wrapper also over the plugin's own (which
+    reads DiReFT adapters without calling vLLM's); nested calls are counted once.
+    """
 
     def __init__(self) -> None:
         self.seconds = {"read_s": 0.0, "activate_s": 0.0}
+        self.depth = {"read_s": 0, "activate_s": 0}
         self.count = 0
+        self.wrappers: set = set()  # ours (functools.wraps of another wrapper copies attributes: no marker)
 
     def install(self) -> None:
         from preft.vllm_plugin import compat
@@ -156,19 +163,23 @@ class LoadTimer:
         manager = compat.lora_model_manager_module().LoRAModelManager
         for cls, name, key in ((worker, "_load_adapter", "read_s"), (manager, "activate_adapter", "activate_s")):
             original = getattr(cls, name)
-            if not getattr(original, "_bench_timer", False):
+            if original not in self.wrappers:
                 setattr(cls, name, self._timed(original, key))
 
     def _timed(self, original, key: str):
         def timed(*args, **kwargs):
+            if self.depth[key]:
+                return original(*args, **kwargs)
+            self.depth[key] += 1
             t = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
+                self.depth[key] -= 1
                 self.seconds[key] += time.perf_counter() - t
                 self.count += key == "read_s"
 
-        timed._bench_timer = True
+        self.wrappers.add(timed)
         return timed
 
     def snapshot(self) -> dict:
@@ -319,7 +330,6 @@ class Bench:
         self.steps = StepLog()
         self.steps.install()
         self.load_timer = LoadTimer()
-        self.load_timer.install()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -376,9 +386,12 @@ class Bench:
         if key not in self.loaded:
             length = min(p for p, _ in self.args.workloads)
             before = self.load_timer.snapshot()
-            print(f"[{self.elapsed():.0f}s] loading {len(adapters)} adapters", flush=True)
-            t_cold, _ = self.run(llm, len(adapters), length, 1, adapters, mode)
-            t_warm, _ = self.run(llm, len(adapters), length, 1, adapters, mode)
+            t_cold = t_warm = 0.0
+            for i in range(0, len(adapters), LOAD_CHUNK):  # in chunks, so a slow load shows where it is
+                chunk = adapters[i : i + LOAD_CHUNK]
+                t_cold += self.run(llm, len(chunk), length, 1, chunk, mode)[0]
+                t_warm += self.run(llm, len(chunk), length, 1, chunk, mode)[0]
+                print(f"[{self.elapsed():.0f}s] loaded {i + len(chunk)}/{len(adapters)}: {t_cold:.2f} s", flush=True)
             per_adapter = round(max(t_cold - t_warm, 0.0) / len(adapters), 5)
             spent = {f"load_{k}": round(v - before[k], 3) for k, v in self.load_timer.snapshot().items()}
             self.loaded[key] = (
@@ -442,6 +455,7 @@ class Bench:
         from vllm import LLM
 
         kw = engine_kwargs(self.args, self.model, self.dtype, self.real, util=util, lora=lora)
+        self.load_timer.install()
         t = time.perf_counter()
         llm = LLM(**kw)
         start_s = time.perf_counter() - t

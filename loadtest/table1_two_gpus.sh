@@ -7,6 +7,9 @@ set -uo pipefail
 out=$1
 mkdir -p "$(dirname "$out")"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
+# Half the cores' threads each: with both processes' CPU thread pools sized to the whole machine, adapter loads
+# ran ~10x slower whenever the other process was loading too (loadtest/results/gpu-table1-logs/run2-*).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 2 ))}
 for gpu in 0 1; do
   args=$2; [ "$gpu" = 1 ] && args=$3
   # shellcheck disable=SC2086  # the arguments are a list of words

@@ -52,9 +52,14 @@ TOUCH_POINTS = (
         "worker_patch",
     ),
     TouchPoint(
+        "vllm.v1.core.sched.scheduler:Scheduler.add_request",
+        "wrapped: each Request gets _preft_prefill_only (has a LoRA and prefill mode), decided once",
+        "scheduler_patch",
+    ),
+    TouchPoint(
         "vllm.v1.core.sched.scheduler:Scheduler.schedule",
         "wrapped: running prefill-mode requests past their prompt hide lora_request, so they do not "
-        "count towards max_loras",
+        "count towards max_loras (reads running, waiting, skipped_waiting when present, lora_config)",
         "scheduler_patch",
     ),
     TouchPoint(

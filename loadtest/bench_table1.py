@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import sys
 import time
@@ -442,6 +443,8 @@ class Bench:
                 notes=notes,
             )
             self.rows.append(row)
+            if a.host_profile and re.search(a.host_profile, config):
+                self.host_profile(llm, f"{config} {prompt_len}+{output_len}", prompt_len, draw, mode)
             print(
                 f"[{self.elapsed():.0f}s] {config:28s} {prompt_len}+{output_len} {row.tokens_per_s:10.1f} tok/s"
                 f"  prompt-only {row.prompt_only_s:7.3f} s  TTFT p50 {row.ttft_p50_s} p95 {row.ttft_p95_s}"
@@ -554,6 +557,33 @@ class Bench:
         if a.profile_dir and not self.out_of_time("profile base"):
             self.profile(llm, "base-after-all", None, None)
         self.stop(llm)
+
+    def host_profile(self, llm, tag: str, prompt_len: int, draw, mode) -> None:
+        """cProfile over an extra pass (not timed): --requests requests, --profile-output-len tokens each.
+
+        The host's own work per step (scheduler, runner bookkeeping, the plugin's hooks) by function, for
+        host-bound engines; written to --profile-dir (default: next to --out)."""
+        import cProfile
+        import io
+        import pstats
+
+        a = self.args
+        profiler = cProfile.Profile()
+        prompts, params = self.prompts(a.requests, prompt_len), self.params(a.requests, a.profile_output_len, mode)
+        loras = draw(a.requests)
+        profiler.enable()
+        llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text).strip_dirs()
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(r"preft|lora|sched|output_processor|model_runner|execute_model", 40)
+        folder = a.profile_dir or a.out.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        name = re.sub(r"[^A-Za-z0-9.]+", "-", f"host-{a.preset}-{tag}").strip("-")
+        (folder / f"{name}.txt").write_text(
+            f"{tag}: {a.requests} requests, {a.profile_output_len} output tokens\n" + text.getvalue()
+        )
 
     def profile(self, llm, tag: str, adapters, mode) -> None:
         """torch profiler over a short pass of the first workload's prompts: kernel time by name."""
@@ -701,6 +731,7 @@ def main() -> None:
     )
     ap.add_argument("--skip-all-mode", action="store_true", help="leave out the PreFT engine's LoRA `all` pass")
     ap.add_argument("--profile-dir", type=Path, default=None, help="write torch profiler summaries here")
+    ap.add_argument("--host-profile", default=None, help="regex of configurations: cProfile an extra pass of each")
     ap.add_argument("--interleave-base", action="store_true", help="a base pass right before each adapter pass")
     ap.add_argument("--profile-requests", type=int, default=128)
     ap.add_argument("--profile-output-len", type=int, default=16)

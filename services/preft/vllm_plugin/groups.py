@@ -69,17 +69,12 @@ class SlotGroups:
         rank = int(slot_ranks[slots].max())
         rank = min(max_rank, -(-max(rank, 1) // RANK_ALIGNMENT) * RANK_ALIGNMENT)
         row_group = np.repeat(np.arange(slots.size, dtype=np.int64), ends - starts)
-        dev = torch.device(device)
-
-        def put(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-            return t.to(dev, non_blocking=True) if dev.type != "cpu" else t
-
+        rows_t, slots_t, ends_t, row_group_t = to_device((rows, slots, ends, row_group), torch.device(device))
         return cls(
-            rows=put(rows, torch.long),
-            slots=put(slots, torch.long),
-            offs=put(ends, torch.int32),
-            row_group=put(row_group, torch.long),
+            rows=rows_t,
+            slots=slots_t,
+            offs=ends_t.to(torch.int32),
+            row_group=row_group_t,
             bounds=tuple(zip(slots.tolist(), starts.tolist(), ends.tolist(), strict=True)),
             rank=rank,
             span=span,
@@ -95,6 +90,20 @@ class SlotGroups:
         """Write rows obtained from `take` back into t (a no-op for a span: they were a view)."""
         if self.span is None:
             t.index_copy_(0, self.rows, rows)
+
+
+def to_device(arrays: tuple[np.ndarray, ...], device: torch.device) -> list[torch.Tensor]:
+    """int64 host arrays as device tensors, through one staging buffer and one copy.
+
+    On CUDA the buffer is pinned: a copy from pageable memory first waits for all work queued on the stream,
+    and with vLLM's async scheduling the next step is prepared while the current one runs on the GPU.
+    """
+    host = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]))
+    if device.type == "cuda":
+        host = host.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        host = host.to(device)
+    return list(torch.split(host, [len(a) for a in arrays]))
 
 
 _EMPTY: dict[str, SlotGroups] = {}

@@ -46,7 +46,8 @@ def _write_base_metadata(wrapper, token_slots: np.ndarray, sampled_slots: np.nda
     padded = np.arange(m, dtype=np.int64) + padded * m
 
     def put(dst: torch.Tensor, src: np.ndarray) -> None:
-        dst.copy_(torch.from_numpy(src), non_blocking=True)
+        host = torch.from_numpy(src)  # pinned on CUDA, so the copy does not wait for the step in flight
+        dst.copy_(host.pin_memory() if dst.is_cuda else host, non_blocking=True)
 
     put(wrapper._token_lora_indices[:n], token_slots)
     put(wrapper._sampler_indices[:m], sampled_slots)

@@ -19,7 +19,7 @@ HIDDEN, OUT, RANK, TOKENS = 16, 24, 8, 6
 
 def _state() -> PreftSlotState:
     shape = ModelShape("LlamaForCausalLM", HIDDEN, 2, 2, 2, 8, 32, 100)
-    return PreftSlotState(shape=shape, max_slots=2, max_rank=RANK, max_tokens=64, dtype=torch.float32, device="cpu")
+    return PreftSlotState(shape=shape, max_slots=2, max_rank=RANK, dtype=torch.float32, device="cpu")
 
 
 def _compiled(fn):

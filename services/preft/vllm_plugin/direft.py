@@ -69,7 +69,6 @@ def _create_lora_manager(original):
             shape=shape,
             max_slots=lora_config.max_loras,
             max_rank=lora_config.max_lora_rank,
-            max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
             dtype=vllm_config.model_config.dtype,
             device=self.device,
         )

@@ -43,10 +43,6 @@ class SlotGroups:
     def empty(self) -> bool:
         return not self.bounds
 
-    @property
-    def num_rows(self) -> int:
-        return self.bounds[-1][2] if self.bounds else 0
-
     @classmethod
     def build(
         cls, token_slots: np.ndarray, device: torch.device | str, *, slot_ranks: np.ndarray, max_rank: int

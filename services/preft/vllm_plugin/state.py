@@ -43,13 +43,12 @@ class PreftSlotState:
         shape: ModelShape,
         max_slots: int,
         max_rank: int,
-        max_tokens: int,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
         self.id = next(_ids)
         STATES[self.id] = self
-        self.shape, self.max_slots, self.max_rank, self.max_tokens = shape, max_slots, max_rank, max_tokens
+        self.shape, self.max_slots, self.max_rank = shape, max_slots, max_rank
         self.device = torch.device(device)
         layers, hidden = shape.num_layers, shape.hidden_size
         self.direft_a = torch.zeros(layers, max_slots, max_rank, hidden, dtype=dtype, device=device)

@@ -529,7 +529,7 @@ class Bench:
         cpu_loras = a.adapters * (len(loras) + len(direfts))
         llm = self.start("preft", a.util_preft, self.lora_kwargs(slots, max([*loras, *direfts]), cpu_loras))
         base = "base (PreFT engine"
-        self.measure(llm, "preft", f"{base}, before any adapter)")
+        self.measure(llm, "preft", ENGINE_BASE)
         if a.profile_dir:
             self.profile(llm, "base-before-load", None, None)
         first, rest = a.workloads, a.workloads[:1]

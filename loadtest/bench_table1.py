@@ -521,6 +521,7 @@ class Bench:
         if self.out_of_time("preft engine"):
             return
         from preft import vllm_plugin
+        from preft.vllm_plugin import expand_kernel
 
         vllm_plugin.register()  # this process (in-process engine) ...
         os.environ["VLLM_PLUGINS"] = "preft"  # ... and engine processes started from now on
@@ -551,6 +552,10 @@ class Bench:
                 self.load(llm, reqs, mode, {})
                 self.measure(llm, "preft", f"{base}, before {name})", workloads=rest)
             self.measure(llm, "preft", name, method=method, mode=mode, rank=rank, adapters=reqs, workloads=workloads)
+            if a.expand_kernel_ab and method == "lora" and not self.out_of_time(f"{name} (torch expand)"):
+                with expand_kernel.disabled():
+                    kw = {"method": method, "mode": mode, "rank": rank, "adapters": reqs, "workloads": workloads}
+                    self.measure(llm, "preft", f"{name} (torch expand)", **kw)
             if a.profile_dir and name == f"LoRAP r{first_rank}":
                 self.profile(llm, "lorap", reqs, "prefill")
         self.measure(llm, "preft", f"{base}, after all passes)", workloads=rest)
@@ -732,6 +737,11 @@ def main() -> None:
     ap.add_argument("--skip-all-mode", action="store_true", help="leave out the PreFT engine's LoRA `all` pass")
     ap.add_argument("--profile-dir", type=Path, default=None, help="write torch profiler summaries here")
     ap.add_argument("--host-profile", default=None, help="regex of configurations: cProfile an extra pass of each")
+    ap.add_argument(
+        "--expand-kernel-ab",
+        action="store_true",
+        help="each LoRA configuration again on the torch expand path (PREFT_EXPAND_KERNEL=0), same engine",
+    )
     ap.add_argument("--interleave-base", action="store_true", help="a base pass right before each adapter pass")
     ap.add_argument("--profile-requests", type=int, default=128)
     ap.add_argument("--profile-output-len", type=int, default=16)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import random
 from pathlib import Path
 
 import pytest
 
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
+from preft.vllm_plugin import expand_kernel
 
 ARCHS = ("llama", "qwen2")
 MARKER_BY_DIRECTORY = {"integration": "integration", "e2e": "e2e"}  # tests/<dir>/... get the marker
@@ -19,6 +21,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         parts = item.path.relative_to(here).parts if item.path.is_relative_to(here) else ()
         if parts and parts[0] in MARKER_BY_DIRECTORY:
             item.add_marker(getattr(pytest.mark, MARKER_BY_DIRECTORY[parts[0]]))
+
+
+@pytest.fixture
+def expand_kernel_interpreted(monkeypatch):
+    """The GPU expand kernel, run by Triton's interpreter on CPU tensors in place of the torch path."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    importlib.reload(expand_kernel)
+    monkeypatch.setattr(expand_kernel, "available", lambda y: True)
+    yield
+    monkeypatch.undo()
+    importlib.reload(expand_kernel)
 
 
 @pytest.fixture(scope="session")

@@ -68,7 +68,7 @@ def test_lora_linear_matches_per_token_reference(token_slots, dtype):
     assert not g._fast_path_failed
 
 
-def _check_lora_linear(token_slots):
+def _check_lora_linear(token_slots, **tolerance):
     gen = torch.Generator().manual_seed(0)
     n = len(token_slots)
     x = torch.randn(n, IN, generator=gen, dtype=torch.get_default_dtype())
@@ -85,7 +85,7 @@ def _check_lora_linear(token_slots):
             expected[t, offset : offset + size] += (x[t] @ ai[slot, 0].T * 0.5) @ bi[slot, 0].T
             offset += size
     g.lora_linear(y, x, a, b, list(slices), 0.5, _groups(token_slots))
-    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(y, expected, **tolerance)
 
 
 @pytest.mark.parametrize("token_slots", [[1, -1, 1, 0], [-1, 1, 1, 0]])
@@ -140,3 +140,30 @@ def test_loop_fallback_matches_grouped_mm():
     finally:
         g._fast_path_failed = False
     torch.testing.assert_close(fast, slow)
+
+
+def test_row_blocks_cut_each_group_into_kernel_blocks():
+    block_group, block_start = g._row_blocks(np.array([0, 1, 3]), np.array([1, 3, 140]), 64)
+    assert block_group.tolist() == [0, 1, 2, 2, 2]
+    assert block_start.tolist() == [0, 1, 3, 67, 131]
+    groups = _groups([4] * 70 + [-1, 2])
+    assert groups.block_group.tolist() == [0, 0, 1]
+    assert groups.block_start.tolist() == [0, 64, 70]
+
+
+LONG_RUNS = [3] * 70 + [-1] * 5 + [0] * 3 + [2] * 66  # groups across the kernel's 64-row blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("token_slots", [LONG_RUNS, LONG_RUNS[75:], [2, -1, 0, 2, 4, -1, 1, 1, 3], [-1, -1]])
+def test_expand_kernel_matches_per_token_reference(expand_kernel_interpreted, token_slots, dtype):
+    torch.set_default_dtype(dtype)
+    try:  # the kernel accumulates in float32, the reference in dtype: fp16 agrees to its rounding
+        _check_lora_linear(token_slots, **({"atol": 2e-3, "rtol": 2e-3} if dtype == torch.float16 else {}))
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("token_slots", [[1, -1, 1, 0], [-1, 1, 1, 0]])
+def test_expand_kernel_as_vllm_buffers(expand_kernel_interpreted, token_slots):
+    test_shrink_then_expand_as_vllm_buffers(token_slots)

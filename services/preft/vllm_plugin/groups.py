@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from preft.vllm_plugin import expand_kernel
+
 logger = logging.getLogger(__name__)
 
 RANK_ALIGNMENT = 8  # ranks are rounded up to this: grouped-matmul operands need 16-byte strides in bf16
@@ -35,6 +37,8 @@ class SlotGroups:
     slots: torch.Tensor  # int64 [G]: the slot of each group
     offs: torch.Tensor  # int32 [G]: cumulative end of each group in rows (grouped-matmul offsets)
     row_group: torch.Tensor  # int64 [n]: the group of each row
+    block_group: torch.Tensor  # int64 [B]: the group of each block of ≤ BLOCK_M rows (the expand kernel's grid)
+    block_start: torch.Tensor  # int64 [B]: the block's first row (position in rows)
     bounds: tuple[tuple[int, int, int], ...]  # host copy: (slot, start, end) per group
     rank: int  # weight rows in use: the largest rank among these slots, rounded up (0 when empty)
     span: tuple[int, int] | None = None  # rows == range(*span)
@@ -65,12 +69,16 @@ class SlotGroups:
         rank = int(slot_ranks[slots].max())
         rank = min(max_rank, -(-max(rank, 1) // RANK_ALIGNMENT) * RANK_ALIGNMENT)
         row_group = np.repeat(np.arange(slots.size, dtype=np.int64), ends - starts)
-        rows_t, slots_t, ends_t, row_group_t = to_device((rows, slots, ends, row_group), torch.device(device))
+        block_group, block_start = _row_blocks(starts, ends, expand_kernel.BLOCK_M)
+        arrays = (rows, slots, ends, row_group, block_group, block_start)
+        rows_t, slots_t, ends_t, row_group_t, block_group_t, block_start_t = to_device(arrays, torch.device(device))
         return cls(
             rows=rows_t,
             slots=slots_t,
             offs=ends_t.to(torch.int32),
             row_group=row_group_t,
+            block_group=block_group_t,
+            block_start=block_start_t,
             bounds=tuple(zip(slots.tolist(), starts.tolist(), ends.tolist(), strict=True)),
             rank=rank,
             span=span,
@@ -86,6 +94,15 @@ class SlotGroups:
         """Write rows obtained from `take` back into t (a no-op for a span: they were a view)."""
         if self.span is None:
             t.index_copy_(0, self.rows, rows)
+
+
+def _row_blocks(starts: np.ndarray, ends: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's rows cut into blocks of at most `size`: (group, first row) per block."""
+    counts = -(-(ends - starts) // size)
+    block_group = np.repeat(np.arange(starts.size, dtype=np.int64), counts)
+    first_block = np.cumsum(counts) - counts
+    block_start = starts[block_group] + (np.arange(block_group.size) - first_block[block_group]) * size
+    return block_group, block_start
 
 
 def to_device(arrays: tuple[np.ndarray, ...], device: torch.device) -> list[torch.Tensor]:
@@ -109,7 +126,7 @@ def empty_groups(device: torch.device | str = "cpu") -> SlotGroups:
     key = str(device)
     if key not in _EMPTY:
         z = torch.zeros(0, dtype=torch.long, device=device)
-        _EMPTY[key] = SlotGroups(z, z, z.to(torch.int32), z, (), 0)
+        _EMPTY[key] = SlotGroups(z, z, z.to(torch.int32), z, z, z, (), 0)
     return _EMPTY[key]
 
 
@@ -202,14 +219,9 @@ def lora_linear(
         a = torch.cat([_as_slot_matrices(ai).index_select(0, groups.slots)[:, :r] for ai in a_stacked], dim=1)
         z = grouped_mm(xs.to(a.dtype), a.transpose(1, 2), groups)
         z = z.mul_(scale) if scale != 1.0 else z
-    target = groups.take(y2)
-    offset = 0
-    for i, (b, size) in enumerate(zip(b_stacked, output_slices, strict=True)):
-        delta = expand(z[:, i * r : (i + 1) * r], b, groups)
-        width = min(size, delta.shape[1], y2.shape[1] - offset)
-        target[:, offset : offset + width] += delta[:, :width].to(y2.dtype)
-        offset += size
-    groups.put_back(y2, target)
+    _add_expanded(
+        y2, [z[:, i * r : (i + 1) * r] for i in range(len(b_stacked))], b_stacked, output_slices, 0, True, groups
+    )
 
 
 def lora_shrink(
@@ -240,18 +252,41 @@ def lora_expand(
     if groups.empty:
         return
     y2 = y.view(-1, y.shape[-1])
-    target = groups.take(y2)
-    offset = offset_start
-    for i, (b, size) in enumerate(zip(b_stacked, output_slices, strict=True)):
-        delta = expand(groups.take(buffer[i].reshape(-1, buffer[i].shape[-1])), b, groups)
-        width = min(size, delta.shape[1], y2.shape[1] - offset)
-        part = target[:, offset : offset + width]
-        if add_inputs:
-            part += delta[:, :width].to(y2.dtype)
+    zs = [groups.take(buffer[i].reshape(-1, buffer[i].shape[-1])) for i in range(len(b_stacked))]
+    _add_expanded(y2, zs, b_stacked, output_slices, offset_start, add_inputs, groups)
+
+
+def _add_expanded(
+    y2: torch.Tensor,
+    zs: list[torch.Tensor],
+    b_stacked: list[torch.Tensor],
+    output_slices: list[int],
+    offset: int,
+    add_inputs: bool,
+    groups: SlotGroups,
+) -> None:
+    """y2[rows, slice i] (+)= zs[i] @ B_i[slot]ᵀ, the slices side by side from column `offset`.
+
+    On GPU the expand kernel adds into y2's rows in place; elsewhere each slice's delta is a grouped matmul
+    added into the rows taken from y2.
+    """
+    fused = add_inputs and expand_kernel.available(y2)
+    target = None if fused else groups.take(y2)
+    for z, b, size in zip(zs, b_stacked, output_slices, strict=True):
+        b = _as_slot_matrices(b)
+        width = min(size, b.shape[1], y2.shape[1] - offset)
+        if fused:
+            expand_kernel.expand_add(y2, z, b, offset, width, groups)
         else:
-            part.copy_(delta[:, :width])
+            delta = expand(z, b, groups)[:, :width]
+            part = target[:, offset : offset + width]
+            if add_inputs:
+                part += delta.to(y2.dtype)
+            else:
+                part.copy_(delta)
         offset += size
-    groups.put_back(y2, target)
+    if target is not None:
+        groups.put_back(y2, target)
 
 
 def direft_apply(

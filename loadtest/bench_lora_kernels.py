@@ -1,4 +1,4 @@
-"""One decoder layer's LoRA on a full prefill step: the expand kernel against the torch path, and the base matmuls.
+"""One decoder layer's LoRA on a full prefill step: the LoRA kernels against the torch path, and the base matmuls.
 
     python3 -m loadtest.bench_lora_kernels --out loadtest/results/gpu-lora-kernels   # on the GPU machine
     # results: loadtest/results/gpu-lora-kernels.{json,png}
@@ -6,14 +6,14 @@
 For each model shape and LoRA rank: the step's tokens (vLLM's default max_num_batched_tokens, 16384) in
 groups of one adapter each, drawn from 512 slots, through the layer's four LoRA linears (fused q/k/v, o,
 fused gate/up, down). Times, in one process on one device, the base layer's own matmuls, `groups.lora_linear`
-with the expand kernel and `groups.lora_linear` on the torch path (grouped matmul into a delta, added into y's
-slice), and prints the LoRA cost as a fraction of the base matmuls. Also checks both paths agree.
+with the Triton LoRA kernels (``lora_kernels``) and `groups.lora_linear` on the torch path (A and B gathered
+per group, grouped matmuls, each slice's delta added into y's slice), and prints the LoRA cost as a fraction of
+the base matmuls. Also checks both paths agree.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 from pathlib import Path
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from preft.vllm_plugin import expand_kernel
 from preft.vllm_plugin import groups as g
+from preft.vllm_plugin import lora_kernels
 
 # hidden, (q, k, v) widths, intermediate
 SHAPES = {"qwen05": (896, (896, 128, 128), 4864), "llama8b": (4096, (4096, 1024, 1024), 14336)}
@@ -49,15 +49,18 @@ def _timed(fn, device: torch.device, iters: int) -> float:
 
 def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, device: torch.device, iters: int) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    gen = torch.Generator().manual_seed(rank)
+    gen = torch.Generator(device).manual_seed(rank)
+
+    def randn(*shape: int, fan_in: int) -> torch.Tensor:  # drawn on the device: 512 slots of 8B-sized weights
+        return torch.randn(*shape, generator=gen, device=device).div_(fan_in**0.5).to(dtype)
+
     token_slots = np.repeat(np.random.default_rng(rank).integers(0, slots, tokens // group_size), group_size)
     groups = g.SlotGroups.build(token_slots, device, slot_ranks=np.full(slots, rank), max_rank=rank)
     modules = []
     for width, slices in _layer(*SHAPES[model]):
-        x = torch.randn(tokens, width, generator=gen).to(device, dtype)
-        w = torch.randn(sum(slices), width, generator=gen).to(device, dtype) / width**0.5
-        a = [(torch.randn(slots, 1, rank, width, generator=gen) / width**0.5).to(device, dtype) for _ in slices]
-        b = [(torch.randn(slots, 1, out, rank, generator=gen) / rank**0.5).to(device, dtype) for out in slices]
+        x, w = randn(tokens, width, fan_in=1), randn(sum(slices), width, fan_in=width)
+        a = [randn(slots, 1, rank, width, fan_in=width) for _ in slices]
+        b = [randn(slots, 1, out, rank, fan_in=rank) for out in slices]
         modules.append((x, w, a, b, list(slices)))
     ys = [torch.zeros(tokens, sum(m[4]), device=device, dtype=dtype) for m in modules]
 
@@ -72,18 +75,19 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
     row = {"model": model, "rank": rank, "tokens": tokens, "group_size": group_size, "slots": slots}
     row["base_matmuls_ms"] = _timed(base, device, iters) * 1e3
     outputs = {}
-    for path in ("torch", "kernel") if expand_kernel.available(ys[0]) else ("torch",):
-        with expand_kernel.disabled() if path == "torch" else contextlib.nullcontext():
+    paths = {"torch": (), "expand": ("expand",), "expand+shrink": lora_kernels.KERNELS}
+    for path, kernels in paths.items() if lora_kernels.available(ys[0], "expand") else [("torch", ())]:
+        with lora_kernels.using(*kernels):
             row[f"lora_{path}_ms"] = _timed(lora, device, iters) * 1e3
             row[f"lora_{path}_over_base"] = row[f"lora_{path}_ms"] / row["base_matmuls_ms"]
             for y in ys:
                 y.zero_()
             lora()
-            outputs[path] = [y.float() for y in ys]
-    if "kernel" in outputs:
-        row["kernel_speedup"] = row["lora_torch_ms"] / row["lora_kernel_ms"]
-        row["max_rel_diff"] = max(
-            float((k - t).abs().max() / t.abs().max()) for k, t in zip(outputs["kernel"], outputs["torch"], strict=True)
+            outputs[path] = [y.to(torch.float32, copy=True) for y in ys]
+    for path in outputs.keys() - {"torch"}:
+        row[f"{path}_speedup"] = row["lora_torch_ms"] / row[f"lora_{path}_ms"]
+        row[f"{path}_max_rel_diff"] = max(
+            float((k - t).abs().max() / t.abs().max()) for k, t in zip(outputs[path], outputs["torch"], strict=True)
         )
     return row
 
@@ -99,9 +103,11 @@ def write_plot(report: dict, out: Path) -> None:
     labels = [f"{r['model']} r{r['rank']}" for r in rows]
     xs = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(8, 4))
-    for i, path in enumerate(("torch", "kernel")):
-        values = [r.get(f"lora_{path}_over_base", 0.0) for r in rows]
-        ax.bar(xs + (i - 0.5) * 0.4, values, 0.4, label=f"LoRA, {path} expand")
+    paths = [p for p in ("torch", "expand", "expand+shrink") if f"lora_{p}_over_base" in rows[0]]
+    width = 0.8 / len(paths)
+    for i, path in enumerate(paths):
+        values = [r[f"lora_{path}_over_base"] for r in rows]
+        ax.bar(xs + (i - (len(paths) - 1) / 2) * width, values, width, label=f"LoRA, {path} path")
     ax.set_xticks(xs, labels)
     ax.set_ylabel("LoRA time ÷ base matmuls' time")
     first = rows[0]
@@ -138,9 +144,9 @@ def main() -> None:
         args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
         write_plot(report, args.out)
         print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
-    worst = max((row.get("max_rel_diff", 0.0) for row in rows), default=0.0)
+    worst = max((v for row in rows for k, v in row.items() if k.endswith("max_rel_diff")), default=0.0)
     if worst > args.tolerance:
-        raise SystemExit(f"the expand kernel and the torch path disagree: max relative difference {worst:.3g}")
+        raise SystemExit(f"the LoRA kernels and the torch path disagree: max relative difference {worst:.3g}")
 
 
 if __name__ == "__main__":

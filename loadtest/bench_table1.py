@@ -521,7 +521,7 @@ class Bench:
         if self.out_of_time("preft engine"):
             return
         from preft import vllm_plugin
-        from preft.vllm_plugin import expand_kernel
+        from preft.vllm_plugin import lora_kernels
 
         vllm_plugin.register()  # this process (in-process engine) ...
         os.environ["VLLM_PLUGINS"] = "preft"  # ... and engine processes started from now on
@@ -552,10 +552,10 @@ class Bench:
                 self.load(llm, reqs, mode, {})
                 self.measure(llm, "preft", f"{base}, before {name})", workloads=rest)
             self.measure(llm, "preft", name, method=method, mode=mode, rank=rank, adapters=reqs, workloads=workloads)
-            if a.expand_kernel_ab and method == "lora" and not self.out_of_time(f"{name} (torch expand)"):
-                with expand_kernel.disabled():
+            if a.lora_kernels_ab and method == "lora" and not self.out_of_time(f"{name} (torch path)"):
+                with lora_kernels.using():
                     kw = {"method": method, "mode": mode, "rank": rank, "adapters": reqs, "workloads": workloads}
-                    self.measure(llm, "preft", f"{name} (torch expand)", **kw)
+                    self.measure(llm, "preft", f"{name} (torch path)", **kw)
             if a.profile_dir and name == f"LoRAP r{first_rank}":
                 self.profile(llm, "lorap", reqs, "prefill")
         self.measure(llm, "preft", f"{base}, after all passes)", workloads=rest)
@@ -738,9 +738,9 @@ def main() -> None:
     ap.add_argument("--profile-dir", type=Path, default=None, help="write torch profiler summaries here")
     ap.add_argument("--host-profile", default=None, help="regex of configurations: cProfile an extra pass of each")
     ap.add_argument(
-        "--expand-kernel-ab",
+        "--lora-kernels-ab",
         action="store_true",
-        help="each LoRA configuration again on the torch expand path (PREFT_EXPAND_KERNEL=0), same engine",
+        help="each LoRA configuration again on the torch path (PREFT_LORA_KERNELS=none), same engine",
     )
     ap.add_argument("--interleave-base", action="store_true", help="a base pass right before each adapter pass")
     ap.add_argument("--profile-requests", type=int, default=128)

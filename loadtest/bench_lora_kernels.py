@@ -76,7 +76,7 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
     row["base_matmuls_ms"] = _timed(base, device, iters) * 1e3
     outputs = {}
     paths = {"torch": (), "expand": ("expand",), "expand+shrink": lora_kernels.KERNELS}
-    for path, kernels in paths.items() if lora_kernels.available(ys[0], "expand") else [("torch", ())]:
+    for path, kernels in paths.items() if lora_kernels.supported(ys[0]) else [("torch", ())]:
         with lora_kernels.using(*kernels):
             row[f"lora_{path}_ms"] = _timed(lora, device, iters) * 1e3
             row[f"lora_{path}_over_base"] = row[f"lora_{path}_ms"] / row["base_matmuls_ms"]

@@ -552,10 +552,13 @@ class Bench:
                 self.load(llm, reqs, mode, {})
                 self.measure(llm, "preft", f"{base}, before {name})", workloads=rest)
             self.measure(llm, "preft", name, method=method, mode=mode, rank=rank, adapters=reqs, workloads=workloads)
-            if a.lora_kernels_ab and method == "lora" and not self.out_of_time(f"{name} (torch path)"):
-                with lora_kernels.using():
+            for kernels in a.lora_kernels if method == "lora" else []:  # the same passes on other LoRA kernels
+                variant = f"{name} [kernels: {kernels}]"
+                if self.out_of_time(variant):
+                    break
+                with lora_kernels.using(*kernels.split(",")):
                     kw = {"method": method, "mode": mode, "rank": rank, "adapters": reqs, "workloads": workloads}
-                    self.measure(llm, "preft", f"{name} (torch path)", **kw)
+                    self.measure(llm, "preft", variant, **kw)
             if a.profile_dir and name == f"LoRAP r{first_rank}":
                 self.profile(llm, "lorap", reqs, "prefill")
         self.measure(llm, "preft", f"{base}, after all passes)", workloads=rest)
@@ -738,9 +741,10 @@ def main() -> None:
     ap.add_argument("--profile-dir", type=Path, default=None, help="write torch profiler summaries here")
     ap.add_argument("--host-profile", default=None, help="regex of configurations: cProfile an extra pass of each")
     ap.add_argument(
-        "--lora-kernels-ab",
-        action="store_true",
-        help="each LoRA configuration again on the torch path (PREFT_LORA_KERNELS=none), same engine",
+        "--lora-kernels",
+        type=lambda v: [k for k in v.split(";") if k],
+        default=[],
+        help="';'-separated PREFT_LORA_KERNELS values: each LoRA configuration again with each, same engine",
     )
     ap.add_argument("--interleave-base", action="store_true", help="a base pass right before each adapter pass")
     ap.add_argument("--profile-requests", type=int, default=128)

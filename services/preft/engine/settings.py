@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from preft.common.settings import RedisSettings, S3Settings
 from preft.engine.vllm_engine import EngineOptions
+
+LORA_KERNELS = ("expand", "shrink")  # preft.vllm_plugin.lora_kernels.KERNELS (not imported: it needs torch)
 
 
 class ReplicaSettings(BaseModel):
@@ -80,6 +82,11 @@ class EngineSettings(BaseSettings):
     cpu_kvcache_space_bytes: int | None = Field(
         None, ge=1 << 30, description="VLLM_CPU_KVCACHE_SPACE (CPU only; whole GiB); None = from memory utilization"
     )
+    lora_kernels: str = Field(
+        "none",
+        description="PREFT_LORA_KERNELS of the replica processes: the plugin's Triton LoRA kernels on GPU, 'expand', "
+        "'expand,shrink' or 'none' (the torch path; see the README's issue-6 section for what each measured)",
+    )
 
     # -- adapter paging ----------------------------------------------------------------------------------------
     disk_cache_dir: Path = Field(Path("/tmp/preft-adapters"), description="Local disk tier: one directory per digest")
@@ -108,6 +115,14 @@ class EngineSettings(BaseSettings):
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
     app_name: str = Field("preft-engine", description="Ray Serve application name")
     route_prefix: str = Field("/", description="HTTP route prefix of the application on Serve's proxy")
+
+    @field_validator("lora_kernels")
+    @classmethod
+    def _known_kernels(cls, value: str) -> str:
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        if names == ["none"] or (names and set(names) <= set(LORA_KERNELS)):
+            return ",".join(names)
+        raise ValueError(f"lora_kernels must be 'none' or a comma list of {LORA_KERNELS}, not {value!r}")
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineSettings:
@@ -145,4 +160,5 @@ class EngineSettings(BaseSettings):
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_omp_threads_bind
         if self.cpu_kvcache_space_bytes is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cpu_kvcache_space_bytes >> 30)
+        env["PREFT_LORA_KERNELS"] = self.lora_kernels
         return {**env, **self.replica.env_vars}

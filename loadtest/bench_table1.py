@@ -405,12 +405,24 @@ class Bench:
         return per_adapter
 
     def measure(
-        self, llm, engine: str, config: str, *, method=None, mode=None, rank=None, adapters=None, workloads=None
+        self,
+        llm,
+        engine: str,
+        config: str,
+        *,
+        method=None,
+        mode=None,
+        rank=None,
+        adapters=None,
+        workloads=None,
+        load=True,
     ) -> None:
-        """Each workload: a warm-up pass, a prompt-only pass and the full pass, each on fresh prompts."""
+        """Each workload: a warm-up pass, a prompt-only pass and the full pass, each on fresh prompts.
+
+        With adapters, first their load pass (`load=False`: they are loaded already)."""
         a = self.args
         load_notes: dict = {}
-        first_load = self.load(llm, adapters, mode, load_notes) if adapters else None
+        first_load = self.load(llm, adapters, mode, load_notes) if adapters and load else None
         for prompt_len, output_len in workloads or a.workloads:
             if self.out_of_time(f"{config} {prompt_len}+{output_len}"):
                 return
@@ -558,7 +570,7 @@ class Bench:
                     break
                 with lora_kernels.using(*kernels.split(",")):
                     kw = {"method": method, "mode": mode, "rank": rank, "adapters": reqs, "workloads": workloads}
-                    self.measure(llm, "preft", variant, **kw)
+                    self.measure(llm, "preft", variant, **kw, load=False)
             if a.profile_dir and name == f"LoRAP r{first_rank}":
                 self.profile(llm, "lorap", reqs, "prefill")
         self.measure(llm, "preft", f"{base}, after all passes)", workloads=rest)

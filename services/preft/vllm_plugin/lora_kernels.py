@@ -18,6 +18,7 @@ default: the torch path, whose end-to-end numbers are the README's (the kernels'
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -90,7 +91,9 @@ if triton is not None:
     # the loads and stores of x's and y's rows be vectorized.
     _PER_STEP_INTS = ["span_start", "rank", "stride_z"]
     _PER_STEP_POINTERS = ["z_ptr", "rows_ptr", "block_group_ptr", "block_start_ptr", "offs_ptr", "slots_ptr"]
-    _JIT = {"do_not_specialize": _PER_STEP_INTS, "do_not_specialize_on_alignment": _PER_STEP_POINTERS}
+    _JIT: dict = {"do_not_specialize": _PER_STEP_INTS}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:  # Triton >= 3.4
+        _JIT["do_not_specialize_on_alignment"] = _PER_STEP_POINTERS
 
     @triton.jit
     def _group_rows(

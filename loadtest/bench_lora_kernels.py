@@ -5,10 +5,11 @@
 
 For each model shape and LoRA rank: the step's tokens (vLLM's default max_num_batched_tokens, 16384) in
 groups of one adapter each, drawn from 512 slots, through the layer's four LoRA linears (fused q/k/v, o,
-fused gate/up, down). Times, in one process on one device, the base layer's own matmuls, `groups.lora_linear`
-with the Triton LoRA kernels (``lora_kernels``) and `groups.lora_linear` on the torch path (A and B gathered
-per group, grouped matmuls, each slice's delta added into y's slice), and prints the LoRA cost as a fraction of
-the base matmuls. Also checks both paths agree.
+fused gate/up, down). Times, in one process on one device, the base layer's own matmuls and
+`groups.lora_linear` on each path: the torch path (A and B gathered per group, grouped matmuls, each slice's
+delta added into y's slice), the expand kernel, and both kernels (``lora_kernels``); prints each LoRA cost as
+a fraction of the base matmuls, with the host's time to issue the calls (near the wall time: host-bound).
+Also checks every path agrees with the torch path.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ def _layer(hidden: int, qkv: tuple[int, ...], inter: int) -> list[tuple[int, tup
     return [(hidden, qkv), (qkv[0], (hidden,)), (hidden, (inter, inter)), (inter, (hidden,))]
 
 
-def _timed(fn, device: torch.device, iters: int) -> float:
-    """Seconds per call, after two warm-up calls."""
+def _timed(fn, device: torch.device, iters: int) -> tuple[float, float]:
+    """(wall, host) seconds per call, after two warm-up calls.
+
+    Host: the time to issue the calls, before waiting for the device. Close to wall, the calls are host-bound
+    (launches and Python); well under it, the device's work is what takes the time.
+    """
     for _ in range(2):
         fn()
     if device.type == "cuda":
@@ -42,9 +47,10 @@ def _timed(fn, device: torch.device, iters: int) -> float:
     start = time.perf_counter()
     for _ in range(iters):
         fn()
+    issued = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
+    return (time.perf_counter() - start) / iters, (issued - start) / iters
 
 
 def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, device: torch.device, iters: int) -> dict:
@@ -73,12 +79,13 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
             g.lora_linear(y, x, a, b, slices, 1.0, groups)
 
     row = {"model": model, "rank": rank, "tokens": tokens, "group_size": group_size, "slots": slots}
-    row["base_matmuls_ms"] = _timed(base, device, iters) * 1e3
+    row["base_matmuls_ms"] = _timed(base, device, iters)[0] * 1e3
     outputs = {}
     paths = {"torch": (), "expand": ("expand",), "expand+shrink": lora_kernels.KERNELS}
     for path, kernels in paths.items() if lora_kernels.supported(ys[0]) else [("torch", ())]:
         with lora_kernels.using(*kernels):
-            row[f"lora_{path}_ms"] = _timed(lora, device, iters) * 1e3
+            wall, host = _timed(lora, device, iters)
+            row[f"lora_{path}_ms"], row[f"lora_{path}_host_ms"] = wall * 1e3, host * 1e3
             row[f"lora_{path}_over_base"] = row[f"lora_{path}_ms"] / row["base_matmuls_ms"]
             for y in ys:
                 y.zero_()

@@ -26,7 +26,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def lora_kernels_interpreted(monkeypatch):
     """The GPU LoRA kernels, run by Triton's interpreter on CPU tensors in place of the torch path."""
-    pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("PREFT_LORA_KERNELS", "expand,shrink")
     importlib.reload(lora_kernels)

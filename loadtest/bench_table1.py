@@ -405,24 +405,12 @@ class Bench:
         return per_adapter
 
     def measure(
-        self,
-        llm,
-        engine: str,
-        config: str,
-        *,
-        method=None,
-        mode=None,
-        rank=None,
-        adapters=None,
-        workloads=None,
-        load=True,
+        self, llm, engine: str, config: str, *, method=None, mode=None, rank=None, adapters=None, workloads=None
     ) -> None:
-        """Each workload: a warm-up pass, a prompt-only pass and the full pass, each on fresh prompts.
-
-        With adapters, first their load pass (`load=False`: they are loaded already)."""
+        """Each workload: a warm-up pass, a prompt-only pass and the full pass, each on fresh prompts."""
         a = self.args
         load_notes: dict = {}
-        first_load = self.load(llm, adapters, mode, load_notes) if adapters and load else None
+        first_load = self.load(llm, adapters, mode, load_notes) if adapters else None
         for prompt_len, output_len in workloads or a.workloads:
             if self.out_of_time(f"{config} {prompt_len}+{output_len}"):
                 return
@@ -563,14 +551,14 @@ class Bench:
             if a.interleave_base:  # the host-bound decode drifts over a run: a base pass next to each config
                 self.load(llm, reqs, mode, {})
                 self.measure(llm, "preft", f"{base}, before {name})", workloads=rest)
-            self.measure(llm, "preft", name, method=method, mode=mode, rank=rank, adapters=reqs, workloads=workloads)
+            kw = {"method": method, "mode": mode, "rank": rank, "adapters": reqs, "workloads": workloads}
+            self.measure(llm, "preft", name, **kw)
             for kernels in a.lora_kernels if method == "lora" else []:  # the same passes on other LoRA kernels
-                variant = f"{name} [kernels: {kernels}]"
+                variant = f"{name} [kernels: {kernels}]"  # (its adapters' load pass is not run again: `load`)
                 if self.out_of_time(variant):
                     break
                 with lora_kernels.using(*kernels.split(",")):
-                    kw = {"method": method, "mode": mode, "rank": rank, "adapters": reqs, "workloads": workloads}
-                    self.measure(llm, "preft", variant, **kw, load=False)
+                    self.measure(llm, "preft", variant, **kw)
             if a.profile_dir and name == f"LoRAP r{first_rank}":
                 self.profile(llm, "lorap", reqs, "prefill")
         self.measure(llm, "preft", f"{base}, after all passes)", workloads=rest)

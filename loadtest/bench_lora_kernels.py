@@ -7,7 +7,8 @@ For each model shape and LoRA rank: the step's tokens (vLLM's default max_num_ba
 groups of one adapter each, drawn from 512 slots, through the layer's four LoRA linears (fused q/k/v, o,
 fused gate/up, down). Times, in one process on one device, the base layer's own matmuls and
 `groups.lora_linear` on each path: the torch path (A and B gathered per group, grouped matmuls, each slice's
-delta added into y's slice), the expand kernel, and both kernels (``lora_kernels``); prints each LoRA cost as
+delta added into y's slice), the expand kernel, the shrink and expand kernels, and the fused kernel (one
+launch per linear) (``lora_kernels``); prints each LoRA cost as
 a fraction of the base matmuls, with the host's time to issue the calls (near the wall time: host-bound).
 Also checks every path agrees with the torch path.
 """
@@ -81,9 +82,11 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
     row = {"model": model, "rank": rank, "tokens": tokens, "group_size": group_size, "slots": slots}
     row["base_matmuls_ms"] = _timed(base, device, iters)[0] * 1e3
     outputs = {}
-    paths = {"torch": (), "expand": ("expand",), "expand+shrink": lora_kernels.KERNELS}
+    paths = {"torch": (), "expand": ("expand",), "expand+shrink": ("expand", "shrink"), "fused": ("fused",)}
     for path, kernels in paths.items() if lora_kernels.supported(ys[0]) else [("torch", ())]:
         with lora_kernels.using(*kernels):
+            if not all(lora_kernels.available(ys[0], k) for k in kernels):  # they failed to compile (logged)
+                raise SystemExit(f"the {path} path's kernels are unavailable on this machine")
             wall, host = _timed(lora, device, iters)
             row[f"lora_{path}_ms"], row[f"lora_{path}_host_ms"] = wall * 1e3, host * 1e3
             row[f"lora_{path}_over_base"] = row[f"lora_{path}_ms"] / row["base_matmuls_ms"]
@@ -110,7 +113,7 @@ def write_plot(report: dict, out: Path) -> None:
     labels = [f"{r['model']} r{r['rank']}" for r in rows]
     xs = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(8, 4))
-    paths = [p for p in ("torch", "expand", "expand+shrink") if f"lora_{p}_over_base" in rows[0]]
+    paths = [p for p in ("torch", "expand", "expand+shrink", "fused") if f"lora_{p}_over_base" in rows[0]]
     width = 0.8 / len(paths)
     for i, path in enumerate(paths):
         values = [r[f"lora_{path}_over_base"] for r in rows]

@@ -23,11 +23,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, MARKER_BY_DIRECTORY[parts[0]]))
 
 
-@pytest.fixture
-def lora_kernels_interpreted(monkeypatch):
-    """The GPU LoRA kernels, run by Triton's interpreter on CPU tensors in place of the torch path."""
+@pytest.fixture(params=["expand,shrink", "fused,expand"])
+def lora_kernels_interpreted(monkeypatch, request):
+    """The GPU LoRA kernels, run by Triton's interpreter on CPU tensors in place of the torch path.
+
+    Each test runs with each choice that serves a LoRA linear differently: the shrink and expand kernels,
+    and the fused kernel (the expand kernel still serves vLLM's separate expands)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PREFT_LORA_KERNELS", "expand,shrink")
+    monkeypatch.setenv("PREFT_LORA_KERNELS", request.param)
     importlib.reload(lora_kernels)
     monkeypatch.setattr(lora_kernels, "supported", lambda y: True)  # CPU tensors too
     yield

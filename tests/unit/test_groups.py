@@ -69,12 +69,11 @@ def test_lora_linear_matches_per_token_reference(token_slots, dtype):
     assert not g._fast_path_failed
 
 
-def _check_lora_linear(token_slots, **tolerance):
+def _check_lora_linear(token_slots, slices=(OUT, 8), in_cols=IN, **tolerance):
     gen = torch.Generator().manual_seed(0)
     n = len(token_slots)
-    x = torch.randn(n, IN, generator=gen, dtype=torch.get_default_dtype())
-    slices = (OUT, 8)
-    a = [_stacked(gen, RANK, IN), _stacked(gen, RANK, IN)]
+    x = torch.randn(n, in_cols, generator=gen, dtype=torch.get_default_dtype())
+    a = [_stacked(gen, RANK, in_cols) for _ in slices]
     b = [_stacked(gen, s, RANK, rank_dim=-1) for s in slices]
     y = torch.randn(n, sum(slices), generator=gen, dtype=torch.get_default_dtype())
     expected = y.clone()
@@ -165,6 +164,24 @@ def test_lora_kernels_matches_per_token_reference(lora_kernels_interpreted, toke
         torch.set_default_dtype(torch.float32)
 
 
+@pytest.mark.parametrize("slices", [(272, 16, 16), (640,)])
+def test_lora_kernels_on_wide_slices(lora_kernels_interpreted, slices, monkeypatch):
+    """Slices wider than one column tile, 16-aligned: programs that cover several tiles, several per slice."""
+    fused = []
+    launch = lora_kernels.lora_linear
+    monkeypatch.setattr(lora_kernels, "lora_linear", lambda *args: fused.append(1) or launch(*args))
+    _check_lora_linear(LONG_RUNS[60:], slices=slices, in_cols=32)
+    assert len(fused) == lora_kernels.available(torch.zeros(1), "fused")
+
+
+def test_column_ranges_bound_the_rereads_of_x():
+    assert lora_kernels._column_ranges([40, 8], 24) == ([(0, 0), (1, 0)], 128)  # one program per slice
+    assert lora_kernels._column_ranges([272, 16], 32) == ([(0, 0), (0, 128), (0, 256), (1, 0)], 128)
+    # 5 tiles, at most 1 + 2·640/640 = 3 programs: 2 tiles each
+    assert lora_kernels._column_ranges([640], 640) == ([(0, 0), (0, 256), (0, 512)], 256)
+    assert lora_kernels._column_ranges([0, 300], 4096) == ([(1, 0)], 384)  # an empty slice gets no program
+
+
 @pytest.mark.parametrize("token_slots", [[1, -1, 1, 0], [-1, 1, 1, 0]])
 def test_lora_kernels_as_vllm_buffers(lora_kernels_interpreted, token_slots):
     test_shrink_then_expand_as_vllm_buffers(token_slots)
@@ -188,6 +205,7 @@ def test_lora_kernels_that_cannot_compile_leave_the_torch_path(lora_kernels_inte
         raise RuntimeError("no such target")
 
     monkeypatch.setattr(lora_kernels, "shrink", fails)
+    monkeypatch.setattr(lora_kernels, "lora_linear", fails)
     lora_kernels.warm_up(torch.device("cpu"), torch.float32, 32, 8)
     assert not lora_kernels.available(torch.zeros(1)) and "no such target" in caplog.text
     _check_lora_linear([0, 0, -1, 2])  # served by the torch path

@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from preft.common.settings import RedisSettings, S3Settings
 from preft.engine.vllm_engine import EngineOptions
 
-LORA_KERNELS = ("expand", "shrink")  # preft.vllm_plugin.lora_kernels.KERNELS (not imported: it needs torch)
+LORA_KERNELS = ("expand", "shrink", "fused")  # preft.vllm_plugin.lora_kernels.KERNELS (not imported: it needs torch)
 
 
 class ReplicaSettings(BaseModel):

@@ -22,6 +22,7 @@ import inspect
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 BLOCK_M = 64  # rows per program; SlotGroups cuts its row blocks to this size
 _BLOCK_N = 128  # expand: output columns per program
 _BLOCK_C = 64  # shrink: input columns per iteration
-KERNELS = ("expand", "shrink")
+KERNELS = ("expand", "shrink", "fused")
 
 
 def _picked(setting: str) -> frozenset[str]:
@@ -52,7 +53,8 @@ def _picked(setting: str) -> frozenset[str]:
 
 
 _KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", "none"))
-_POINTER_TABLES: dict[tuple[int, ...], torch.Tensor] = {}
+_TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values
+_PLANS: dict[tuple, _LinearPlan] = {}  # the fused kernel's plan per LoRA linear (its weights stay put)
 _ENGINES: set[tuple[torch.device, torch.dtype, int, int]] = set()  # warm_up's arguments, for `using`
 
 
@@ -89,14 +91,18 @@ if triton is not None:
     # to module: left specialized, new combinations would compile in the middle of serving. What stays
     # specialized (x's, y's and the weights' strides, widths, column offsets) is fixed by the model, and lets
     # the loads and stores of x's and y's rows be vectorized.
-    _PER_STEP_INTS = ["span_start", "rank", "stride_z"]
-    _PER_STEP_POINTERS = ["z_ptr", "rows_ptr", "block_group_ptr", "block_start_ptr", "offs_ptr", "slots_ptr"]
-    _JIT: dict = {"do_not_specialize": _PER_STEP_INTS}
-    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:  # Triton >= 3.4
-        _JIT["do_not_specialize_on_alignment"] = _PER_STEP_POINTERS
+    _GROUP_POINTERS = ["rows_ptr", "block_group_ptr", "block_start_ptr", "offs_ptr", "slots_ptr"]
+
+    def _jit_options(ints: list[str], pointers: list[str]) -> dict:
+        """Leave these per-step arguments unspecialized (alignment: Triton >= 3.4 only)."""
+        options: dict = {"do_not_specialize": ["span_start", "rank", *ints]}
+        if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+            options["do_not_specialize_on_alignment"] = _GROUP_POINTERS + pointers
+        return options
 
     @triton.jit
     def _group_rows(
+        pid_m,
         rows_ptr,
         block_group_ptr,
         block_start_ptr,
@@ -106,8 +112,7 @@ if triton is not None:
         USE_SPAN: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """This program's rows: positions in group order, their token rows, the mask, and the group's slot."""
-        pid_m = tl.program_id(0)
+        """Row block pid_m's rows: positions in group order, their token rows, the mask, and the group's slot."""
         group = tl.load(block_group_ptr + pid_m)
         m = tl.load(block_start_ptr + pid_m) + tl.arange(0, BLOCK_M)
         mask_m = m < tl.load(offs_ptr + group)
@@ -117,7 +122,51 @@ if triton is not None:
             rows = tl.load(rows_ptr + m, mask=mask_m, other=0).to(tl.int64)
         return m, rows, mask_m, tl.load(slots_ptr + group).to(tl.int64)
 
-    @triton.jit(**_JIT)
+    @triton.jit
+    def _shrink_rows(
+        x_ptr,
+        a_ptr,
+        rows,
+        mask_m,
+        slot,
+        in_cols,
+        rank,
+        scale,
+        stride_x,
+        stride_a_slot,
+        stride_a_rank,
+        BLOCK_M: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """[BLOCK_M, BLOCK_R] in x's dtype: scale · x[rows] · A[slot][:rank]ᵀ (columns past rank are 0)."""
+        r = tl.arange(0, BLOCK_R)
+        mask_r = r < rank
+        acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)  # (tl.zeros is a jit function: the tests interpret it)
+        for c0 in range(0, in_cols, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            mask_c = c < in_cols
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask_m[:, None] & mask_c[None, :], other=0.0
+            )
+            a = tl.load(
+                a_ptr + slot * stride_a_slot + r[None, :] * stride_a_rank + c[:, None],
+                mask=mask_c[:, None] & mask_r[None, :],
+                other=0.0,
+            )
+            acc += tl.dot(x, a, input_precision=PRECISION)
+        return (acc * scale).to(x_ptr.dtype.element_ty)
+
+    @triton.jit
+    def _add_rows(y_ptr, rows, mask_m, cols, mask_n, stride_y, delta):
+        """y[rows, cols] += delta (float32), rounded once to y's dtype."""
+        ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        y = tl.load(ptrs, mask=mask, other=0.0)
+        tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit(**_jit_options(["stride_z"], ["z_ptr"]))
     def _shrink_kernel(
         x_ptr,
         a_table_ptr,
@@ -143,29 +192,40 @@ if triton is not None:
     ):
         """z[m, s·rank + r] = scale · x[row(m)] · A_s[slot][r] for slice s = program_id(1)."""
         m, rows, mask_m, slot = _group_rows(
-            rows_ptr, block_group_ptr, block_start_ptr, offs_ptr, slots_ptr, span_start, USE_SPAN, BLOCK_M
+            tl.program_id(0),
+            rows_ptr,
+            block_group_ptr,
+            block_start_ptr,
+            offs_ptr,
+            slots_ptr,
+            span_start,
+            USE_SPAN,
+            BLOCK_M,
         )
         s = tl.program_id(1)
         a_ptr = tl.load(a_table_ptr + s).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        z = _shrink_rows(
+            x_ptr,
+            a_ptr,
+            rows,
+            mask_m,
+            slot,
+            in_cols,
+            rank,
+            scale,
+            stride_x,
+            stride_a_slot,
+            stride_a_rank,
+            BLOCK_M,
+            BLOCK_R,
+            BLOCK_C,
+            PRECISION,
+        )
         r = tl.arange(0, BLOCK_R)
-        mask_r = r < rank
-        acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)  # (tl.zeros is a jit function: the tests interpret it)
-        for c0 in range(0, in_cols, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            mask_c = c < in_cols
-            x = tl.load(
-                x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask_m[:, None] & mask_c[None, :], other=0.0
-            )
-            a = tl.load(
-                a_ptr + slot * stride_a_slot + r[None, :] * stride_a_rank + c[:, None],
-                mask=mask_c[:, None] & mask_r[None, :],
-                other=0.0,
-            )
-            acc += tl.dot(x, a, input_precision=PRECISION)
         ptrs = z_ptr + m[:, None].to(tl.int64) * stride_z + (s * rank + r)[None, :]
-        tl.store(ptrs, (acc * scale).to(z_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_r[None, :])
+        tl.store(ptrs, z, mask=mask_m[:, None] & (r < rank)[None, :])
 
-    @triton.jit(**_JIT)
+    @triton.jit(**_jit_options(["stride_z"], ["z_ptr"]))
     def _expand_add_kernel(
         y_ptr,
         z_ptr,
@@ -193,7 +253,15 @@ if triton is not None:
     ):
         """y[row(m), y_col_offset + n] += z[m] · B[slot][n] for this program's rows and columns."""
         m, rows, mask_m, slot = _group_rows(
-            rows_ptr, block_group_ptr, block_start_ptr, offs_ptr, slots_ptr, span_start, USE_SPAN, BLOCK_M
+            tl.program_id(0),
+            rows_ptr,
+            block_group_ptr,
+            block_start_ptr,
+            offs_ptr,
+            slots_ptr,
+            span_start,
+            USE_SPAN,
+            BLOCK_M,
         )
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
@@ -210,10 +278,98 @@ if triton is not None:
             other=0.0,
         )
         acc = tl.dot(z.to(b.dtype), b, input_precision=PRECISION)
-        ptrs = y_ptr + rows[:, None] * stride_y + (y_col_offset + n)[None, :]
-        mask = mask_m[:, None] & mask_n[None, :]
-        y = tl.load(ptrs, mask=mask, other=0.0)
-        tl.store(ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+        _add_rows(y_ptr, rows, mask_m, y_col_offset + n, mask_n, stride_y, acc)
+
+    @triton.jit(**_jit_options(["cols_per_program"], ["slice_table_ptr", "tile_table_ptr"]))
+    def _lora_kernel(
+        x_ptr,
+        y_ptr,
+        slice_table_ptr,
+        tile_table_ptr,
+        rows_ptr,
+        block_group_ptr,
+        block_start_ptr,
+        offs_ptr,
+        slots_ptr,
+        span_start,
+        in_cols,
+        rank,
+        scale,
+        cols_per_program,
+        stride_x,
+        stride_y,
+        stride_a_slot,
+        stride_a_rank,
+        stride_b_out,
+        stride_b_rank,
+        USE_SPAN: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """y[row(m), slice's columns] += (scale · x[row(m)] · A[slot]ᵀ) · B[slot]ᵀ: a LoRA linear in one launch.
+
+        Program (t, block): row block `block`, and the columns [col0, col0 + cols_per_program) of one slice,
+        t's entry of the tile table (slice, col0). The slice table holds, per slice: A's and B's addresses,
+        B's slot stride, the slice's width and its first column in y. Each program computes its rows' z for
+        its slice (the programs of one row block run side by side, so x's rows come from L2 after the first).
+        """
+        _, rows, mask_m, slot = _group_rows(
+            tl.program_id(1),
+            rows_ptr,
+            block_group_ptr,
+            block_start_ptr,
+            offs_ptr,
+            slots_ptr,
+            span_start,
+            USE_SPAN,
+            BLOCK_M,
+        )
+        tile = tl.program_id(0)
+        s = tl.load(tile_table_ptr + 2 * tile)
+        col0 = tl.load(tile_table_ptr + 2 * tile + 1)
+        entry = slice_table_ptr + 5 * s
+        a_ptr = tl.load(entry).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        b_ptr = tl.load(entry + 1).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        stride_b_slot = tl.load(entry + 2)
+        width = tl.load(entry + 3)
+        y_offset = tl.load(entry + 4)
+        if ALIGNED:  # every slice's width and first column are multiples of 16: y's rows load in vectors
+            width = tl.multiple_of(width, 16)
+            y_offset = tl.multiple_of(y_offset, 16)
+        z = _shrink_rows(
+            x_ptr,
+            a_ptr,
+            rows,
+            mask_m,
+            slot,
+            in_cols,
+            rank,
+            scale,
+            stride_x,
+            stride_a_slot,
+            stride_a_rank,
+            BLOCK_M,
+            BLOCK_R,
+            BLOCK_C,
+            PRECISION,
+        )
+        k = tl.arange(0, BLOCK_R)
+        mask_k = k < rank
+        col_end = tl.minimum(col0 + cols_per_program, width)
+        for n0 in range(col0, col_end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = n < col_end
+            b = tl.load(
+                b_ptr + slot * stride_b_slot + n[None, :].to(tl.int64) * stride_b_out + k[:, None] * stride_b_rank,
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(z, b, input_precision=PRECISION)
+            _add_rows(y_ptr, rows, mask_m, y_offset + n, mask_n, stride_y, acc)
 
 
 def _block(rank: int) -> int:
@@ -225,15 +381,20 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The tensors' addresses as a device int64 tensor, kept per set of addresses (LoRA weights stay put)."""
-    key = tuple(t.data_ptr() for t in tensors)
-    table = _POINTER_TABLES.get(key)
+def _table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An int64 device tensor of these values, kept (they describe weights, which stay where they are)."""
+    table = _TABLES.get(values)
     if table is None:
-        if len(_POINTER_TABLES) > 4096:  # engines come and go in one process (tests, benchmarks)
-            _POINTER_TABLES.clear()
-        table = _POINTER_TABLES[key] = torch.tensor(key, dtype=torch.int64, device=tensors[0].device)
+        if len(_TABLES) > 4096:  # engines come and go in one process (tests, benchmarks)
+            _TABLES.clear()
+            _PLANS.clear()
+        table = _TABLES[values] = torch.tensor(values, dtype=torch.int64, device=device)
     return table
+
+
+def _pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors' addresses as a device int64 tensor."""
+    return _table(tuple(t.data_ptr() for t in tensors), tensors[0].device)
 
 
 def _group_args(groups: SlotGroups) -> tuple:
@@ -314,6 +475,105 @@ def expand_add(
     )
 
 
+def can_fuse(x2: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether the fused kernel takes these: as the shrink kernel, and every B in x's dtype with one row layout."""
+    first = b[0]
+    alike = all(t.dtype == x2.dtype and t.stride()[1:] == first.stride()[1:] for t in b)
+    return alike and can_shrink(x2, a)
+
+
+@dataclass(frozen=True)
+class _LinearPlan:
+    """The fused kernel's tables for one LoRA linear: per slice, and per column range of a program."""
+
+    slices: torch.Tensor  # int64 [S, 5]: A's address, B's address, B's slot stride, width, first column in y
+    tiles: torch.Tensor  # int64 [T, 2]: slice, first column (in the slice)
+    cols_per_program: int
+    aligned: bool  # every width and first column a multiple of 16
+
+
+def _column_ranges(widths: Sequence[int], in_cols: int) -> tuple[list[tuple[int, int]], int]:
+    """Each program's (slice, first column) in one row block, and the columns each program covers.
+
+    Every program computes its rows' z itself, reading x's rows again (from L2 once the row block's first
+    program read them): a row block gets as many programs as keep those extra reads within twice y's own
+    traffic (each y element is read and written), and at least one per slice.
+    """
+    tiles = [-(-w // _BLOCK_N) for w in widths]
+    programs = max(sum(t > 0 for t in tiles), min(sum(tiles), 1 + 2 * sum(widths) // in_cols))
+    per_program = -(-sum(tiles) // programs)
+    ranges = [(s, i * per_program * _BLOCK_N) for s, n in enumerate(tiles) for i in range(-(-n // per_program))]
+    return ranges, per_program * _BLOCK_N
+
+
+def _linear_plan(
+    x2: torch.Tensor, y2: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], slices: Sequence[int]
+) -> _LinearPlan:
+    key = (x2.shape[1], y2.shape[1], *slices, *(t.data_ptr() for t in (*a, *b)), *(t.stride(0) for t in b))
+    plan = _PLANS.get(key)
+    if plan is None:
+        widths, offsets, offset = [], [], 0
+        for bi, size in zip(b, slices, strict=True):  # as groups._add_expanded cuts them
+            widths.append(max(0, min(size, bi.shape[1], y2.shape[1] - offset)))
+            offsets.append(offset)
+            offset += size
+        ranges, cols = _column_ranges(widths, x2.shape[1])
+        table = [(ai.data_ptr(), bi.data_ptr(), bi.stride(0)) for ai, bi in zip(a, b, strict=True)]
+        plan = _PLANS[key] = _LinearPlan(
+            slices=_table(
+                tuple(v for t, w, o in zip(table, widths, offsets, strict=True) for v in (*t, w, o)), x2.device
+            ),
+            tiles=_table(tuple(v for r in ranges for v in r), x2.device),
+            cols_per_program=cols,
+            aligned=all(v % 16 == 0 for v in (*widths, *offsets)),
+        )
+    return plan
+
+
+def lora_linear(
+    y2: torch.Tensor,
+    x2: torch.Tensor,
+    a: Sequence[torch.Tensor],
+    b: Sequence[torch.Tensor],
+    output_slices: Sequence[int],
+    scale: float,
+    groups: SlotGroups,
+) -> None:
+    """y2[rows, slice i] += (scale · x2[rows] @ A_i[slot]ᵀ) @ B_i[slot]ᵀ for every slice: one launch.
+
+    y2: [tokens, out], x2: [tokens, in] (token rows); a: per slice [slots, R, in]; b: per slice [slots, out_i, R].
+    """
+    plan = _linear_plan(x2, y2, a, b, output_slices)
+    if plan.tiles.numel() == 0:
+        return
+    rank = groups.rank
+    grid = (plan.tiles.shape[0] // 2, groups.block_group.shape[0])
+    _lora_kernel[grid](
+        x2,
+        y2,
+        plan.slices,
+        plan.tiles,
+        *_group_args(groups),
+        x2.shape[1],
+        rank,
+        float(scale),
+        plan.cols_per_program,
+        x2.stride(0),
+        y2.stride(0),
+        a[0].stride(0),
+        a[0].stride(1),
+        b[0].stride(1),
+        b[0].stride(2),
+        USE_SPAN=groups.span is not None,
+        ALIGNED=plan.aligned,
+        BLOCK_M=BLOCK_M,
+        BLOCK_R=_block(rank),
+        BLOCK_C=_BLOCK_C,
+        BLOCK_N=_BLOCK_N,
+        PRECISION=_precision(x2.dtype),
+    )
+
+
 def warm_up(device: torch.device, dtype: torch.dtype, width: int, max_rank: int) -> None:
     """Compile, before serving, the variants serving uses: span and gathered rows, at every rank block.
 
@@ -344,6 +604,8 @@ def _compile(device: torch.device, dtype: torch.dtype, width: int, max_rank: int
                 z = shrink(y2, a, 1.0, groups) if "shrink" in _KERNELS else y2[: len(groups.rows), :rank]
                 if "expand" in _KERNELS:
                     expand_add(y2, z, b, 0, width, groups)
+                if "fused" in _KERNELS:
+                    lora_linear(y2, y2, a, [b], [width], 1.0, groups)
     except Exception as e:  # a Triton build that cannot compile them: serve on the torch path
         _KERNELS = frozenset()
         logger.warning("preft: LoRA kernels unavailable (%s: %s); using the torch path", type(e).__name__, e)

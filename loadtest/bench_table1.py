@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loadtest.bench_engine import ARCH_CONFIGS
+from preft.vllm_plugin import lora_kernels
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CPU_SMALL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768, vocab_size=2048)
@@ -418,10 +419,13 @@ class Bench:
             notes = dict(load_notes)
             warm = min(a.requests, a.warmup_requests)
             notes["warmup_s"] = round(self.run(llm, warm, prompt_len, a.warmup_tokens, draw(warm), mode)[0], 3)
+            compiled = lora_kernels.compiled_variants()
             t_po, _ = self.run(llm, a.requests, prompt_len, 1, draw(a.requests), mode)
             mark, ttft = len(self.steps.records), []
             seconds, n_out = self.run(llm, a.requests, prompt_len, output_len, draw(a.requests), mode, ttft)
             notes.update(self.steps.summary(mark))
+            if compiled is not None:  # LoRA kernel variants compiled inside the timed passes (stalls)
+                notes["lora_kernel_compiles"] = lora_kernels.compiled_variants() - compiled
             n_prompt = a.requests * prompt_len
             row = Row(
                 config=config,
@@ -521,7 +525,6 @@ class Bench:
         if self.out_of_time("preft engine"):
             return
         from preft import vllm_plugin
-        from preft.vllm_plugin import lora_kernels
 
         vllm_plugin.register()  # this process (in-process engine) ...
         os.environ["VLLM_PLUGINS"] = "preft"  # ... and engine processes started from now on
@@ -645,7 +648,9 @@ def finish(report: dict) -> dict:
         r["ratio_to_base"] = ratio(r, base.get(key(r)))
         r["prompt_only_ratio_to_base"] = ratio(r, base.get(key(r)), "prompt_only_tokens_per_s")
         r["ratio_to_stock"] = ratio(r, stock.get((*key(r), r["rank"]))) if r["method"] == "lora" else None
-        r["ratio_to_engine_base"] = ratio(r, engine_base.get(key(r))) if r["engine"] == "preft" else None
+        own_base = engine_base.get(key(r)) if r["engine"] == "preft" else None
+        r["ratio_to_engine_base"] = ratio(r, own_base)
+        r["prompt_only_ratio_to_engine_base"] = ratio(r, own_base, "prompt_only_tokens_per_s")
     return report
 
 
@@ -667,24 +672,34 @@ def write_report(report: dict, out: Path) -> None:
     fig, axes = plt.subplots(len(groups), 2, figsize=(14, 3.8 * len(groups)), squeeze=False)
     for (model, p_len, o_len), (ax_full, ax_prompt) in zip(groups, axes, strict=True):
         group = groups[(model, p_len, o_len)]
+        # against the base engine; in runs without one, against the PreFT engine's own base requests
+        ref, ref_name = (
+            ("base", "base model") if any(r["ratio_to_base"] for r in group) else ("engine_base", "PreFT engine's base")
+        )
         for ax, metric, what in (
-            (ax_full, "ratio_to_base", "prompt + output tokens/s"),
-            (ax_prompt, "prompt_only_ratio_to_base", "prompt-only pass (max_tokens=1)"),
+            (ax_full, f"ratio_to_{ref}", "prompt + output tokens/s"),
+            (ax_prompt, f"prompt_only_ratio_to_{ref}", "prompt-only pass (max_tokens=1)"),
         ):
-            values = [r[metric] or 0.0 for r in group]
+            values = [r.get(metric) or 0.0 for r in group]
             colors = ["#4a7ebb" if r["engine"] == "preft" else "#888888" for r in group]
             ax.bar(range(len(group)), values, color=colors)
             ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
             ax.set_xticks(range(len(group)), [r["config"] for r in group], rotation=25, ha="right", fontsize=7)
-            ax.set_ylabel("÷ base model")
+            ax.set_ylabel(f"÷ {ref_name}")
             ax.set_title(f"{model}, {group[0]['requests']} requests of {p_len}+{o_len}: {what}", fontsize=9)
             for i, v in enumerate(values):
                 ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
-    s = report["settings"].get("parts", [report["settings"]])[0]
-    fig.suptitle(f"vLLM {s['vllm']}, {s['adapters']} adapters drawn uniformly per configuration", fontsize=10)
+    parts = _run_settings(report["settings"])
+    adapters = " or ".join(str(n) for n in sorted({p["adapters"] for p in parts}))
+    fig.suptitle(f"vLLM {parts[0]['vllm']}, {adapters} adapters drawn uniformly per configuration", fontsize=10)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)
     plt.close(fig)
+
+
+def _run_settings(settings: dict) -> list[dict]:
+    """The settings of each run in a report (merged reports keep their parts', merges of merges too)."""
+    return [leaf for part in settings["parts"] for leaf in _run_settings(part)] if "parts" in settings else [settings]
 
 
 def merge(parts: list[Path], out: Path) -> None:

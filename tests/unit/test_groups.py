@@ -222,3 +222,8 @@ def test_using_compiles_the_picked_kernels_for_every_engine_then_restores(lora_k
         assert len(launched) == 2 and lora_kernels.available(torch.zeros(1))
         assert not lora_kernels.available(torch.zeros(1), "shrink")
     assert not lora_kernels.available(torch.zeros(1))
+
+
+def test_compiled_variants_are_counted_from_tritons_caches():
+    """The pinned Triton's JIT layout is the one read: nothing compiled on this CPU-only machine."""
+    assert lora_kernels.compiled_variants() == 0

@@ -14,7 +14,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from preft.common.settings import RedisSettings, S3Settings
 from preft.engine.vllm_engine import EngineOptions
 
-LORA_KERNELS = ("expand", "shrink", "fused")  # preft.vllm_plugin.lora_kernels.KERNELS (not imported: it needs torch)
+# preft.vllm_plugin.lora_kernels.KERNELS and DEFAULT (not imported: that module needs torch)
+LORA_KERNELS = ("expand", "shrink", "fused")
+DEFAULT_LORA_KERNELS = "expand,shrink"
 
 
 class ReplicaSettings(BaseModel):
@@ -83,9 +85,10 @@ class EngineSettings(BaseSettings):
         None, ge=1 << 30, description="VLLM_CPU_KVCACHE_SPACE (CPU only; whole GiB); None = from memory utilization"
     )
     lora_kernels: str = Field(
-        "none",
-        description="PREFT_LORA_KERNELS of the replica processes: the plugin's Triton LoRA kernels on GPU, 'expand', "
-        "'expand,shrink' or 'none' (the torch path; see the README's issue-6 section for what each measured)",
+        DEFAULT_LORA_KERNELS,
+        description="PREFT_LORA_KERNELS of the replica processes: the plugin's Triton LoRA kernels on GPU, "
+        "'expand,shrink' (the default), 'expand', 'fused', or 'none' (the torch path); the README's issue-6 "
+        "section says what each measured",
     )
 
     # -- adapter paging ----------------------------------------------------------------------------------------

@@ -5,14 +5,16 @@ grouped matmuls whose outputs are a few columns wide, materializes each output s
 into a strided slice of y (in the LoRAP profile on the H200 that add alone took 14 ms of a 66 ms pass:
 ``loadtest/results/gpu-profile-lorap.txt``); a module with three slices makes ~10 launches. These kernels read
 A and B where their slots keep them and x and y at their token rows (no gather or scatter): the shrink is one
-launch for all of a module's slices, and each expand adds straight into y and writes nothing else.
+launch for all of a module's slices, and each expand adds straight into y and writes nothing else. The fused
+kernel does a whole LoRA linear in one launch, each program recomputing its rows' z.
 
 Each program takes one block of rows inside one group (``SlotGroups.block_group`` / ``block_start``, built on
 the host with the groups). Ranks are small, so each product is a few ``tl.dot`` per tile; float32 runs them in
 IEEE precision (no TF32), as torch's matmuls do by default.
 
-``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand``, ``expand,shrink``, or ``none``, the
-default: the torch path, whose end-to-end numbers are the README's (the kernels' are not settled yet).
+``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (the default: fastest on
+the H200, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches, more device time), or ``none``
+(the torch path). Off CUDA the torch path always serves.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ BLOCK_M = 64  # rows per program; SlotGroups cuts its row blocks to this size
 _BLOCK_N = 128  # expand: output columns per program
 _BLOCK_C = 64  # shrink: input columns per iteration
 KERNELS = ("expand", "shrink", "fused")
+DEFAULT = "expand,shrink"
 
 
 def _picked(setting: str) -> frozenset[str]:
@@ -52,7 +55,7 @@ def _picked(setting: str) -> frozenset[str]:
     return frozenset(names & set(KERNELS))
 
 
-_KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", "none"))
+_KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", DEFAULT))
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values
 _PLANS: dict[tuple, _LinearPlan] = {}  # the fused kernel's plan per LoRA linear (its weights stay put)
 _ENGINES: set[tuple[torch.device, torch.dtype, int, int]] = set()  # warm_up's arguments, for `using`
@@ -572,6 +575,19 @@ def lora_linear(
         BLOCK_N=_BLOCK_N,
         PRECISION=_precision(x2.dtype),
     )
+
+
+def compiled_variants() -> int | None:
+    """How many variants of these kernels this process has compiled (None where Triton does not say).
+
+    Benchmarks compare it before and after a timed pass: a compile there is a stall inside the pass."""
+    if triton is None:
+        return None
+    try:
+        kernels = (_shrink_kernel, _expand_add_kernel, _lora_kernel)
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+    except (AttributeError, IndexError, TypeError):  # another Triton's JIT layout
+        return None
 
 
 def warm_up(device: torch.device, dtype: torch.dtype, width: int, max_rank: int) -> None:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BLOCK_M = 64  # rows per program; SlotGroups cuts its row blocks to this size
-_BLOCK_N = 128  # expand: output columns per program
+_BLOCK_N = 128  # output columns per tile (the expand kernel: per program)
 _BLOCK_C = 64  # shrink: input columns per iteration
 KERNELS = ("expand", "shrink", "fused")
 DEFAULT = "expand,shrink"

@@ -376,7 +376,8 @@ if triton is not None:
 
 
 def _block(rank: int) -> int:
-    return max(16, triton.next_power_of_2(rank))
+    """The rank's tile: a power of two, at least 16 (plain Python: Triton's helpers cost µs per call)."""
+    return max(16, 1 << (rank - 1).bit_length())
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -455,7 +456,7 @@ def expand_add(
     y2: [tokens, cols] (token rows); z: [n, ≥ rank] in group order; b: [slots, out, R]; any strides.
     """
     rank = groups.rank
-    grid = (groups.block_group.shape[0], triton.cdiv(width, _BLOCK_N))
+    grid = (groups.block_group.shape[0], -(-width // _BLOCK_N))
     _expand_add_kernel[grid](
         y2,
         z,

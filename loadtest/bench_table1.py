@@ -406,10 +406,23 @@ class Bench:
         return per_adapter
 
     def measure(
-        self, llm, engine: str, config: str, *, method=None, mode=None, rank=None, adapters=None, workloads=None
+        self,
+        llm,
+        engine: str,
+        config: str,
+        *,
+        method=None,
+        mode=None,
+        rank=None,
+        adapters=None,
+        workloads=None,
+        requests: int | None = None,
     ) -> None:
-        """Each workload: a warm-up pass, a prompt-only pass and the full pass, each on fresh prompts."""
+        """Each workload: a warm-up pass, a prompt-only pass and the full pass, each on fresh prompts.
+
+        `requests` per pass (default --requests)."""
         a = self.args
+        n_requests = requests or a.requests
         load_notes: dict = {}
         first_load = self.load(llm, adapters, mode, load_notes) if adapters else None
         for prompt_len, output_len in workloads or a.workloads:
@@ -417,16 +430,16 @@ class Bench:
                 return
             draw = (lambda n: [self.rng.choice(adapters) for _ in range(n)]) if adapters else (lambda n: None)
             notes = dict(load_notes)
-            warm = min(a.requests, a.warmup_requests)
+            warm = min(n_requests, a.warmup_requests)
             notes["warmup_s"] = round(self.run(llm, warm, prompt_len, a.warmup_tokens, draw(warm), mode)[0], 3)
             compiled = lora_kernels.compiled_variants()
-            t_po, _ = self.run(llm, a.requests, prompt_len, 1, draw(a.requests), mode)
+            t_po, _ = self.run(llm, n_requests, prompt_len, 1, draw(n_requests), mode)
             mark, ttft = len(self.steps.records), []
-            seconds, n_out = self.run(llm, a.requests, prompt_len, output_len, draw(a.requests), mode, ttft)
+            seconds, n_out = self.run(llm, n_requests, prompt_len, output_len, draw(n_requests), mode, ttft)
             notes.update(self.steps.summary(mark))
             if compiled is not None:  # LoRA kernel variants compiled inside the timed passes (stalls)
                 notes["lora_kernel_compiles"] = lora_kernels.compiled_variants() - compiled
-            n_prompt = a.requests * prompt_len
+            n_prompt = n_requests * prompt_len
             row = Row(
                 config=config,
                 model=a.preset,
@@ -434,11 +447,11 @@ class Bench:
                 method=method,
                 mode=mode,
                 rank=rank,
-                requests=a.requests,
+                requests=n_requests,
                 prompt_len=prompt_len,
                 output_len=output_len,
                 prompt_only_s=round(t_po, 3),
-                prompt_only_tokens_per_s=round((n_prompt + a.requests) / t_po, 1),
+                prompt_only_tokens_per_s=round((n_prompt + n_requests) / t_po, 1),
                 seconds=round(seconds, 3),
                 tokens_per_s=round((n_prompt + n_out) / seconds, 1),
                 ttft_p50_s=round(statistics.median(ttft), 4) if ttft else None,
@@ -513,7 +526,14 @@ class Bench:
             reqs = self.lora_requests(f"stock-lora-r{rank}", loras[rank])
             workloads = a.workloads if i == 0 else a.workloads[:1]
             self.measure(
-                llm, "stock", f"stock multi-LoRA r{rank}", method="lora", rank=rank, adapters=reqs, workloads=workloads
+                llm,
+                "stock",
+                f"stock multi-LoRA r{rank}",
+                method="lora",
+                rank=rank,
+                adapters=reqs,
+                workloads=workloads,
+                requests=a.stock_requests,
             )
             self.stop(llm)
 
@@ -733,6 +753,13 @@ def main() -> None:
         help="prompt x output tokens, comma-separated; the first is the main one (default 256x256; cpu-small 64x16)",
     )
     ap.add_argument("--adapters", type=int, default=None, help="distinct adapters per configuration: 512 / 32")
+    ap.add_argument(
+        "--stock-requests",
+        type=int,
+        default=None,
+        help="requests per pass of the stock engine (default --requests): at least --max-num-seqs keeps its "
+        "batches as full, in less time",
+    )
     ap.add_argument("--lora-ranks", default="8", help="LoRA ranks; ranks after the first run the first workload only")
     ap.add_argument("--stock-ranks", default=None, help="stock multi-LoRA engines, one per rank (default: first)")
     ap.add_argument("--direft-ranks", default="8,16")

@@ -25,19 +25,21 @@ def test_small_table_has_every_row(tmp_path):
     _bench(
         "--preset", "cpu-small", "--requests", "6", "--adapters", "3", "--warmup-requests", "3",
         "--workloads", "24x6,8x12", "--lora-ranks", "8,16", "--direft-ranks", "8",
-        "--lora-kernels", "expand;expand,shrink", "--workdir", str(tmp_path / "work"), "--out", str(out),
+        "--lora-kernels", "none;fused,expand", "--stock-requests", "4",
+        "--workdir", str(tmp_path / "work"), "--out", str(out),
     )  # fmt: skip
     rows = json.loads(out.with_suffix(".json").read_text())["results"]
     got = {(r["config"], r["prompt_len"], r["output_len"]) for r in rows}
     engine_base = "base (PreFT engine, before any adapter)"
     variants = [
-        f"{c} [kernels: {k}]" for c in ("LoRAP r8", "LoRAP r16", "LoRA all r8") for k in ("expand", "expand,shrink")
+        f"{c} [kernels: {k}]" for c in ("LoRAP r8", "LoRAP r16", "LoRA all r8") for k in ("none", "fused,expand")
     ]
     every_workload = ["base", "stock multi-LoRA r8", engine_base, "DiReFTP r8", "LoRAP r8", *variants[:2]]
     first_only = ["LoRAP r16", "LoRA all r8", "base (PreFT engine, after all passes)", *variants[2:]]
     expected = {(c, 24, 6) for c in every_workload + first_only} | {(c, 8, 12) for c in every_workload}
     assert got == expected
     for r in rows:
+        assert r["requests"] == (4 if r["engine"] == "stock" else 6), r
         assert r["tokens_per_s"] > 0 and r["ratio_to_base"] > 0, r
         assert r["ttft_p50_s"] is not None and r["ttft_p50_s"] <= r["ttft_p95_s"] <= r["seconds"], r
         assert (r["ratio_to_stock"] is not None) == (r["method"] == "lora" and r["rank"] == 8), r

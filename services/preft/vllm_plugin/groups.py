@@ -279,21 +279,20 @@ def _add_expanded(
     On GPU the expand kernel adds into y2's rows in place; elsewhere each slice's delta is a grouped matmul
     added into the rows taken from y2.
     """
-    fused = add_inputs and lora_kernels.available(y2)
-    target = None if fused else groups.take(y2)
-    for z, b, size in zip(zs, b_stacked, output_slices, strict=True):
+    in_place = add_inputs and lora_kernels.available(y2)
+    target = None if in_place else groups.take(y2)
+    columns = lora_kernels.slice_columns(output_slices, b_stacked, y2.shape[1], offset)
+    for z, b, (col, width) in zip(zs, b_stacked, columns, strict=True):
         b = _as_slot_matrices(b)
-        width = min(size, b.shape[1], y2.shape[1] - offset)
-        if fused:
-            lora_kernels.expand_add(y2, z, b, offset, width, groups)
+        if in_place:
+            lora_kernels.expand_add(y2, z, b, col, width, groups)
         else:
             delta = expand(z, b, groups)[:, :width]
-            part = target[:, offset : offset + width]
+            part = target[:, col : col + width]
             if add_inputs:
                 part += delta.to(y2.dtype)
             else:
                 part.copy_(delta)
-        offset += size
     if target is not None:
         groups.put_back(y2, target)
 

@@ -510,17 +510,26 @@ def _column_ranges(widths: Sequence[int], in_cols: int) -> tuple[list[tuple[int,
     return ranges, per_program * _BLOCK_N
 
 
+def slice_columns(
+    sizes: Sequence[int], b: Sequence[torch.Tensor], y_cols: int, offset: int = 0
+) -> list[tuple[int, int]]:
+    """(first column in y, width) of each output slice, side by side from column `offset`: a slice's width is
+    its size cut to its B's rows (b: per slice [..., out, R]) and to y's `y_cols` columns."""
+    columns = []
+    for size, bi in zip(sizes, b, strict=True):
+        columns.append((offset, min(size, bi.shape[-2], y_cols - offset)))
+        offset += size
+    return columns
+
+
 def _linear_plan(
     x2: torch.Tensor, y2: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], slices: Sequence[int]
 ) -> _LinearPlan:
     key = (x2.shape[1], y2.shape[1], *slices, *(t.data_ptr() for t in (*a, *b)), *(t.stride(0) for t in b))
     plan = _PLANS.get(key)
     if plan is None:
-        widths, offsets, offset = [], [], 0
-        for bi, size in zip(b, slices, strict=True):  # as groups._add_expanded cuts them
-            widths.append(max(0, min(size, bi.shape[1], y2.shape[1] - offset)))
-            offsets.append(offset)
-            offset += size
+        columns = slice_columns(slices, b, y2.shape[1])
+        offsets, widths = [o for o, _ in columns], [max(0, w) for _, w in columns]
         ranges, cols = _column_ranges(widths, x2.shape[1])
         table = [(ai.data_ptr(), bi.data_ptr(), bi.stride(0)) for ai, bi in zip(a, b, strict=True)]
         plan = _PLANS[key] = _LinearPlan(

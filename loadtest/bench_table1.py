@@ -44,6 +44,9 @@ from preft.vllm_plugin import lora_kernels
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CPU_SMALL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768, vocab_size=2048)
 LOAD_CHUNK = 64  # adapters per request batch of a load pass
+# KV cache of each engine on CPU: vLLM takes its memory fraction of the NUMA node less the process's RSS (~0.75 GiB
+# once vLLM is loaded), which left nothing of a 0.05 share of a 10 GiB node.
+CPU_KV_CACHE_BYTES = 256 << 20
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 
 
@@ -309,7 +312,7 @@ def engine_kwargs(args, model: Path, dtype: str, real: bool, *, util: float, lor
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if on_cpu():
-        kw["enforce_eager"] = True
+        kw.update(enforce_eager=True, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)
     elif args.capture_sizes:
         kw["compilation_config"] = {"cudagraph_capture_sizes": [s for s in CAPTURE_SIZES if s <= 2 * args.max_num_seqs]}
     if lora:
@@ -540,8 +543,8 @@ class Bench:
     def preft_engine(self, loras: dict[int, list[Path]], direfts: dict[int, list[Path]]) -> None:
         """Base requests, DiReFTP at each rank, LoRAP at each rank, LoRA `all`, base again: one engine.
 
-        The first LoRA rank and every DiReFT rank run every workload; other LoRA ranks, LoRA `all` and the
-        closing base pass run the first workload only."""
+        The first LoRA rank, every DiReFT rank and LoRA `all` (with --all-requests per pass) run every
+        workload; other LoRA ranks and the closing base pass run the first workload only."""
         if self.out_of_time("preft engine"):
             return
         from preft import vllm_plugin
@@ -567,7 +570,7 @@ class Bench:
             *[(f"LoRAP r{r}", "lora", "prefill", r, lora_reqs[r], first if r == first_rank else rest) for r in loras],
         ]
         if not a.skip_all_mode:
-            plan.append((f"LoRA all r{first_rank}", "lora", "all", first_rank, lora_reqs[first_rank], rest))
+            plan.append((f"LoRA all r{first_rank}", "lora", "all", first_rank, lora_reqs[first_rank], first))
         for name, method, mode, rank, reqs, workloads in plan:
             if self.out_of_time(name):
                 break
@@ -575,6 +578,8 @@ class Bench:
                 self.load(llm, reqs, mode, {})
                 self.measure(llm, "preft", f"{base}, before {name})", workloads=rest)
             kw = {"method": method, "mode": mode, "rank": rank, "adapters": reqs, "workloads": workloads}
+            if mode == "all":  # at stock's pace: as many requests per pass as the stock engine's
+                kw["requests"] = a.all_requests
             self.measure(llm, "preft", name, **kw)
             for kernels in a.lora_kernels if method == "lora" else []:  # the same passes on other LoRA kernels
                 variant = f"{name} [kernels: {kernels}]"  # (its adapters' load pass is not run again: `load`)
@@ -760,6 +765,12 @@ def main() -> None:
         help="requests per pass of the stock engine (default --requests): at least --max-num-seqs keeps its "
         "batches as full, in less time",
     )
+    ap.add_argument(
+        "--all-requests",
+        type=int,
+        default=None,
+        help="requests per pass of the PreFT engine's LoRA `all` rows (default --stock-requests, else --requests)",
+    )
     ap.add_argument("--lora-ranks", default="8", help="LoRA ranks; ranks after the first run the first workload only")
     ap.add_argument("--stock-ranks", default=None, help="stock multi-LoRA engines, one per rank (default: first)")
     ap.add_argument("--direft-ranks", default="8,16")
@@ -810,6 +821,8 @@ def main() -> None:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.all_requests is None:
+        args.all_requests = args.stock_requests
     if args.merge:
         merge(args.merge, args.out)
         return

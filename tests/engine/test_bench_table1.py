@@ -25,21 +25,24 @@ def test_small_table_has_every_row(tmp_path):
     _bench(
         "--preset", "cpu-small", "--requests", "6", "--adapters", "3", "--warmup-requests", "3",
         "--workloads", "24x6,8x12", "--lora-ranks", "8,16", "--direft-ranks", "8",
-        "--lora-kernels", "none;fused,expand", "--stock-requests", "4",
+        "--lora-kernels", "none;fused,expand", "--stock-requests", "4", "--all-requests", "5",
         "--workdir", str(tmp_path / "work"), "--out", str(out),
     )  # fmt: skip
     rows = json.loads(out.with_suffix(".json").read_text())["results"]
     got = {(r["config"], r["prompt_len"], r["output_len"]) for r in rows}
     engine_base = "base (PreFT engine, before any adapter)"
-    variants = [
-        f"{c} [kernels: {k}]" for c in ("LoRAP r8", "LoRAP r16", "LoRA all r8") for k in ("none", "fused,expand")
-    ]
-    every_workload = ["base", "stock multi-LoRA r8", engine_base, "DiReFTP r8", "LoRAP r8", *variants[:2]]
-    first_only = ["LoRAP r16", "LoRA all r8", "base (PreFT engine, after all passes)", *variants[2:]]
+    variants = {
+        c: [f"{c} [kernels: {k}]" for k in ("none", "fused,expand")] for c in ("LoRAP r8", "LoRAP r16", "LoRA all r8")
+    }
+    every_workload = [
+        "base", "stock multi-LoRA r8", engine_base, "DiReFTP r8", "LoRAP r8", "LoRA all r8",
+        *variants["LoRAP r8"], *variants["LoRA all r8"],
+    ]  # fmt: skip
+    first_only = ["LoRAP r16", "base (PreFT engine, after all passes)", *variants["LoRAP r16"]]
     expected = {(c, 24, 6) for c in every_workload + first_only} | {(c, 8, 12) for c in every_workload}
     assert got == expected
     for r in rows:
-        assert r["requests"] == (4 if r["engine"] == "stock" else 6), r
+        assert r["requests"] == {"stock": 4, "preft": 5 if r["mode"] == "all" else 6}.get(r["engine"], 6), r
         assert r["tokens_per_s"] > 0 and r["ratio_to_base"] > 0, r
         assert r["ttft_p50_s"] is not None and r["ttft_p50_s"] <= r["ttft_p95_s"] <= r["seconds"], r
         assert (r["ratio_to_stock"] is not None) == (r["method"] == "lora" and r["rank"] == 8), r

@@ -44,10 +44,8 @@ def _method(adapter_dir: Path) -> str:
     return "direft" if (adapter_dir / "preft_config.json").exists() else "lora"
 
 
-@torch.no_grad()
-def reference_generate(
-    model_dir: str | Path, prompt_ids: list[int], adapter_dir: str | Path | None, mode: str, max_tokens: int
-) -> list[int]:
+def _model(model_dir: str | Path, adapter_dir: str | Path | None):
+    """The float32 reference model with the adapter on, and a context manager that turns it off."""
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     adapter_off = contextlib.nullcontext
     if adapter_dir is not None:
@@ -66,13 +64,34 @@ def reference_generate(
                 finally:
                     hooks.enabled = True
 
+    return model, adapter_off
+
+
+@torch.no_grad()
+def _step_logits(model_dir, prompt_ids, adapter_dir, mode: str, steps: int, feed) -> list[torch.Tensor]:
+    """Next-token logits of `steps` decoding steps; `feed(i, logits)` is the token fed after step i."""
+    model, adapter_off = _model(model_dir, adapter_dir)
     out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
-    cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
-    tokens = [token]
+    cache, logits = out.past_key_values, [out.logits[0, -1]]
     decode_ctx = adapter_off if mode == "prefill" else contextlib.nullcontext
-    for _ in range(max_tokens - 1):
+    for i in range(steps - 1):
         with decode_ctx():
-            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
-        cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
-        tokens.append(token)
-    return tokens
+            out = model(input_ids=torch.tensor([[feed(i, logits[-1])]]), past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits.append(out.logits[0, -1])
+    return logits
+
+
+def reference_generate(
+    model_dir: str | Path, prompt_ids: list[int], adapter_dir: str | Path | None, mode: str, max_tokens: int
+) -> list[int]:
+    """Greedy tokens of the reference."""
+    logits = _step_logits(model_dir, prompt_ids, adapter_dir, mode, max_tokens, lambda i, step: int(step.argmax()))
+    return [int(step.argmax()) for step in logits]
+
+
+def reference_logits(
+    model_dir: str | Path, prompt_ids: list[int], adapter_dir: str | Path | None, mode: str, tokens: list[int]
+) -> list[torch.Tensor]:
+    """The reference's logits before each of `tokens` (another engine's output), fed those tokens in turn."""
+    return _step_logits(model_dir, prompt_ids, adapter_dir, mode, len(tokens), lambda i, step: tokens[i])

@@ -1,7 +1,14 @@
-"""The engine's greedy tokens are identical to the HF/peft reference, in mixed batches, in float32.
+"""The engine's greedy tokens are the HF/peft reference's, in mixed batches, in float32.
 
 One engine per architecture (Llama, Qwen2) with 2 adapter slots, 32-token steps (so longer prompts are
 prefilled in chunks) and 32-token KV blocks (so prompts span several prefix-cache blocks).
+
+The reference is fed the engine's tokens and must rank each of them first. On CPU that means the same tokens.
+On CUDA the engine's float32 kernels (Triton attention, cuBLAS) add in other orders than torch on the CPU, so
+where the reference's two best tokens are nearly tied either may come out: there an engine token within
+``LOGIT_TIE`` of the reference's best logit counts as the reference's (an adapter applied where it should not
+be, or missed, moves logits by ~0.1-1: see test_modes_differ_so_the_test_can_fail). Such near ties are recorded
+as the test's ``near_ties`` property (``--junitxml`` shows them).
 """
 
 from __future__ import annotations
@@ -9,17 +16,19 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from preft.engine.requests import GenerationRequest
 from tests.conftest import random_prompt
 from tests.engine.conftest import MAX_LORAS, MAX_NUM_BATCHED_TOKENS
-from tests.reference import reference_generate
+from tests.reference import reference_logits
 
 pytestmark = pytest.mark.engine
 
 ADAPTERS = ("lora_a", "lora_b", "lora_c", "direft_a", "direft_b")
 PROMPT_LENGTHS = (5, 13, 47, 90)  # 47 and 90 exceed the 32-token step: chunked prefill
 MAX_TOKENS = 12
+LOGIT_TIE = 0.02 if torch.cuda.is_available() else 0.0  # the logits' spread here is ~1.5 (std over the vocabulary)
 
 
 def _request(rid, prompt, adapter_dir, mode, max_tokens=MAX_TOKENS) -> GenerationRequest:
@@ -43,8 +52,27 @@ def _mixed_batch(adapters: dict, prompts: list[list[int]]) -> list[GenerationReq
     return reqs
 
 
-def _reference(model_dir, req: GenerationRequest) -> list[int]:
-    return reference_generate(model_dir, list(req.prompt_ids), req.adapter, req.mode.value, req.max_tokens)
+def _divergences(model_dir, req: GenerationRequest, tokens: list[int]) -> list[dict]:
+    """Steps where the reference, fed the engine's tokens, ranks another token first: its margin over the engine's."""
+    assert len(tokens) == req.max_tokens, (req.id, tokens)
+    logits = reference_logits(model_dir, list(req.prompt_ids), req.adapter, req.mode.value, tokens)
+    out = []
+    for step, (token, scores) in enumerate(zip(tokens, logits, strict=True)):
+        best = int(scores.argmax())
+        if best != token:
+            out.append({"request": req.id, "step": step, "engine": token, "reference": best,
+                        "margin": round(float(scores[best] - scores[token]), 6)})  # fmt: skip
+    return out
+
+
+def _check(model_dir, reqs: list[GenerationRequest], results, record_property) -> None:
+    """Every result error-free and every token the reference's, near ties (CUDA) recorded."""
+    assert all(res.error is None for res in results), [res.error for res in results if res.error]
+    by_id = {res.id: list(res.token_ids) for res in results}
+    found = [d for req in reqs for d in _divergences(model_dir, req, by_id[req.id])]
+    record_property("near_ties", found)
+    wrong = [d for d in found if d["margin"] > LOGIT_TIE]
+    assert not wrong, f"engine != reference (logit margin > {LOGIT_TIE}) in {len(wrong)} steps: {wrong}"
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -59,30 +87,24 @@ def engine(arch, model_dirs, engine_factory):
 
 @pytest.fixture(scope="module")
 def batch_run(arch, engine, model_dirs, adapters):
-    """One mixed batch through the engine, and the reference for every request."""
-    rng = random.Random(hash(arch) % 1000)
+    """One mixed batch through the engine."""
+    rng = random.Random(f"prompts-{arch}")
     prompts = [random_prompt(rng, n) for n in PROMPT_LENGTHS]
     reqs = _mixed_batch(adapters[arch], prompts)
-    results = engine.generate(reqs)
-    expected = {r.id: _reference(model_dirs[arch], r) for r in reqs}
-    return reqs, results, expected
+    return reqs, engine.generate(reqs)
 
 
-def test_mixed_batch_matches_reference(batch_run):
-    reqs, results, expected = batch_run
+def test_mixed_batch_matches_reference(arch, batch_run, model_dirs, record_property):
+    reqs, results = batch_run
     distinct = {r.adapter for r in reqs if r.adapter}
     assert len(distinct) > MAX_LORAS, "the batch must need more adapters than there are slots"
     assert any(len(r.prompt_ids) > MAX_NUM_BATCHED_TOKENS for r in reqs), "some prompts must be chunked"
-    mismatches = {
-        res.id: (list(res.token_ids), expected[res.id]) for res in results if list(res.token_ids) != expected[res.id]
-    }
-    assert all(res.error is None for res in results)
-    assert not mismatches, f"engine != reference for {len(mismatches)}/{len(reqs)} requests: {mismatches}"
+    _check(model_dirs[arch], reqs, results, record_property)
 
 
 def test_modes_differ_so_the_test_can_fail(batch_run):
     """prefill output != all output != base output for every adapter (the same first token is expected)."""
-    _, results, _ = batch_run
+    _, results = batch_run
     by_id = {r.id: list(r.token_ids) for r in results}
     for k, name in enumerate(ADAPTERS):
         j = k % len(PROMPT_LENGTHS)
@@ -92,7 +114,7 @@ def test_modes_differ_so_the_test_can_fail(batch_run):
         assert prefill[0] == all_[0], f"{name}: both modes compute the prompt with the adapter"
 
 
-def test_prefix_cache_reuse_is_exact(arch, engine, model_dirs, adapters):
+def test_prefix_cache_reuse_is_exact(arch, engine, model_dirs, adapters, record_property):
     """Repeated prompts (same adapter, other adapters, other mode) and prompts extending a prefill-mode
     request's own output (its decode-computed KV must not be reused as adapter-computed) match the reference."""
     model, ads = model_dirs[arch], adapters[arch]
@@ -117,12 +139,7 @@ def test_prefix_cache_reuse_is_exact(arch, engine, model_dirs, adapters):
     ]
     results = engine.generate(second)
     assert _prefix_cache_hits(engine) > hits_before, "the second batch should hit the prefix cache"
-    mismatches = {
-        r.id: (list(r.token_ids), exp)
-        for r, req in zip(results, second, strict=True)
-        if list(r.token_ids) != (exp := _reference(model, req))
-    }
-    assert not mismatches, mismatches
+    _check(model, second, results, record_property)
 
 
 def _prefix_cache_hits(engine) -> float:

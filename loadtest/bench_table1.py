@@ -697,27 +697,29 @@ def write_report(report: dict, out: Path) -> None:
     fig, axes = plt.subplots(len(groups), 2, figsize=(14, 3.8 * len(groups)), squeeze=False)
     for (model, p_len, o_len), (ax_full, ax_prompt) in zip(groups, axes, strict=True):
         group = groups[(model, p_len, o_len)]
-        # against the base engine; in runs without one, against the PreFT engine's own base requests
-        ref, ref_name = (
-            ("base", "base model") if any(r["ratio_to_base"] for r in group) else ("engine_base", "PreFT engine's base")
-        )
+        # against the base engine; in runs without one, against the PreFT engine's base requests (every row)
+        bases = [r for r in group if r["engine"] == "base"] or [r for r in group if r["config"] == ENGINE_BASE]
+        ref = bases[-1] if bases else None  # the one `finish` matches
+        ref_name = "base model" if ref and ref["engine"] == "base" else "PreFT engine's base"
+        n_requests = statistics.mode(r["requests"] for r in group)
+        labels = [r["config"] + ("" if r["requests"] == n_requests else f" ({r['requests']} req.)") for r in group]
         for ax, metric, what in (
-            (ax_full, f"ratio_to_{ref}", "prompt + output tokens/s"),
-            (ax_prompt, f"prompt_only_ratio_to_{ref}", "prompt-only pass (max_tokens=1)"),
+            (ax_full, "tokens_per_s", "prompt + output tokens/s"),
+            (ax_prompt, "prompt_only_tokens_per_s", "prompt-only pass (max_tokens=1)"),
         ):
-            values = [r.get(metric) or 0.0 for r in group]
+            values = [r[metric] / ref[metric] if ref else 0.0 for r in group]
             colors = ["#4a7ebb" if r["engine"] == "preft" else "#888888" for r in group]
             ax.bar(range(len(group)), values, color=colors)
             ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-            ax.set_xticks(range(len(group)), [r["config"] for r in group], rotation=25, ha="right", fontsize=7)
+            ax.set_xticks(range(len(group)), labels, rotation=25, ha="right", fontsize=7)
             ax.set_ylabel(f"÷ {ref_name}")
-            ax.set_title(f"{model}, {group[0]['requests']} requests of {p_len}+{o_len}: {what}", fontsize=9)
+            ax.set_title(f"{model}, {n_requests} requests of {p_len}+{o_len}: {what}", fontsize=9)
             for i, v in enumerate(values):
                 ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
     parts = _run_settings(report["settings"])
     adapters = " or ".join(str(n) for n in sorted({p["adapters"] for p in parts}))
     fig.suptitle(f"vLLM {parts[0]['vllm']}, {adapters} adapters drawn uniformly per configuration", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))  # room for the suptitle
     fig.savefig(out.with_suffix(".png"), dpi=110)
     plt.close(fig)
 

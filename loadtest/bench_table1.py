@@ -781,7 +781,12 @@ def main() -> None:
     ap.add_argument("--stock-max-loras", type=int, default=None, help="stock engine slots (default: --adapters)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default 512 (GPU), 32 (cpu-small)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
-    ap.add_argument("--util-base", type=float, default=None, help="gpu_memory_utilization per engine")
+    ap.add_argument(
+        "--util-base",
+        type=float,
+        default=None,
+        help="gpu_memory_utilization per engine on GPU (a CPU engine's KV cache is CPU_KV_CACHE_BYTES)",
+    )
     ap.add_argument("--util-stock", type=float, default=None)
     ap.add_argument("--util-preft", type=float, default=None)
     ap.add_argument("--warmup-tokens", type=int, default=8, help="max_tokens of the warm-up pass")
@@ -815,9 +820,9 @@ def main() -> None:
         workloads="64x16" if small else "256x256",
         adapters=32 if small else 512,
         max_num_seqs=32 if small else 512,
-        util_base=0.05 if small else 0.2,
-        util_stock=0.05 if small else 0.3,
-        util_preft=0.1 if small else 0.4,
+        util_base=0.2,
+        util_stock=0.3,
+        util_preft=0.4,
         out=Path(f"loadtest/results/{'cpu' if small else 'gpu'}-table1"),
     )
     for k, v in defaults.items():

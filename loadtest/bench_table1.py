@@ -389,7 +389,7 @@ class Bench:
         """First loads: one prompt-only request per adapter, then the same again (done once per adapter list)."""
         key = id(adapters)
         if key not in self.loaded:
-            length = min(p for p, _ in self.args.workloads)
+            length = self.args.load_prompt_len or min(p for p, _ in self.args.workloads)
             before = self.load_timer.snapshot()
             t_cold = t_warm = 0.0
             for i in range(0, len(adapters), LOAD_CHUNK):  # in chunks, so a slow load shows where it is
@@ -401,7 +401,12 @@ class Bench:
             spent = {f"load_{k}": round(v - before[k], 3) for k, v in self.load_timer.snapshot().items()}
             self.loaded[key] = (
                 per_adapter,
-                {"load_pass_s": round(t_cold, 3), "load_pass_warm_s": round(t_warm, 3), **spent},
+                {
+                    "load_pass_s": round(t_cold, 3),
+                    "load_pass_warm_s": round(t_warm, 3),
+                    "load_prompt_len": length,
+                    **spent,
+                },
             )
             print(f"[{self.elapsed():.0f}s] loaded: {t_cold:.2f} s, again {t_warm:.2f} s; {spent}", flush=True)
         per_adapter, load_notes = self.loaded[key]
@@ -571,6 +576,7 @@ class Bench:
         ]
         if not a.skip_all_mode:
             plan.append((f"LoRA all r{first_rank}", "lora", "all", first_rank, lora_reqs[first_rank], first))
+        plan = [step for step in plan if re.search(a.configs, step[0])]
         for name, method, mode, rank, reqs, workloads in plan:
             if self.out_of_time(name):
                 break
@@ -657,13 +663,18 @@ class Bench:
 ENGINE_BASE = "base (PreFT engine, before any adapter)"
 
 
+def engine_bases(rows: list[dict]) -> dict[tuple, dict]:
+    """The PreFT engine's base requests by (run, model, workload): a merged report holds several engines'."""
+    return {(r.get("run"), r["model"], r["prompt_len"], r["output_len"]): r for r in rows if r["config"] == ENGINE_BASE}
+
+
 def finish(report: dict) -> dict:
     """Ratios of every row to the base engine and to stock multi-LoRA (same model and workload; stock also
     same rank), and PreFT rows to the base requests of their own engine."""
     rows = report["results"]
     key = lambda r: (r["model"], r["prompt_len"], r["output_len"])  # noqa: E731
     base = {key(r): r for r in rows if r["engine"] == "base"}
-    engine_base = {key(r): r for r in rows if r["config"] == ENGINE_BASE}
+    engine_base = engine_bases(rows)
     stock = {(*key(r), r["rank"]): r for r in rows if r["engine"] == "stock"}
 
     def ratio(row: dict, ref: dict | None, field: str = "tokens_per_s") -> float | None:
@@ -673,7 +684,7 @@ def finish(report: dict) -> dict:
         r["ratio_to_base"] = ratio(r, base.get(key(r)))
         r["prompt_only_ratio_to_base"] = ratio(r, base.get(key(r)), "prompt_only_tokens_per_s")
         r["ratio_to_stock"] = ratio(r, stock.get((*key(r), r["rank"]))) if r["method"] == "lora" else None
-        own_base = engine_base.get(key(r)) if r["engine"] == "preft" else None
+        own_base = engine_base.get((r.get("run"), *key(r))) if r["engine"] == "preft" else None
         r["ratio_to_engine_base"] = ratio(r, own_base)
         r["prompt_only_ratio_to_engine_base"] = ratio(r, own_base, "prompt_only_tokens_per_s")
     return report
@@ -697,17 +708,26 @@ def write_report(report: dict, out: Path) -> None:
     fig, axes = plt.subplots(len(groups), 2, figsize=(14, 3.8 * len(groups)), squeeze=False)
     for (model, p_len, o_len), (ax_full, ax_prompt) in zip(groups, axes, strict=True):
         group = groups[(model, p_len, o_len)]
-        # against the base engine; in runs without one, against the PreFT engine's base requests (every row)
-        bases = [r for r in group if r["engine"] == "base"] or [r for r in group if r["config"] == ENGINE_BASE]
-        ref = bases[-1] if bases else None  # the one `finish` matches
-        ref_name = "base model" if ref and ref["engine"] == "base" else "PreFT engine's base"
+        # against the base engine (the one `finish` matches); in runs without one, each row against the base
+        # requests of its own PreFT engine (a row of another engine, against the last run's)
+        bases = [r for r in group if r["engine"] == "base"]
+        own = engine_bases(group)
+        last = list(own.values())[-1] if own else None
+        refs = [bases[-1] if bases else own.get((r.get("run"), model, p_len, o_len), last) for r in group]
+        ref_name = "base model" if bases else "PreFT engine's base"
         n_requests = statistics.mode(r["requests"] for r in group)
-        labels = [r["config"] + ("" if r["requests"] == n_requests else f" ({r['requests']} req.)") for r in group]
+        runs = _run_names(group)
+        labels = [
+            r["config"]
+            + ("" if r["requests"] == n_requests else f" ({r['requests']} req.)")
+            + (f"\n[{runs[r['run']]}]" if len(runs) > 1 else "")
+            for r in group
+        ]
         for ax, metric, what in (
             (ax_full, "tokens_per_s", "prompt + output tokens/s"),
             (ax_prompt, "prompt_only_tokens_per_s", "prompt-only pass (max_tokens=1)"),
         ):
-            values = [r[metric] / ref[metric] if ref else 0.0 for r in group]
+            values = [r[metric] / ref[metric] if ref else 0.0 for r, ref in zip(group, refs, strict=True)]
             colors = ["#4a7ebb" if r["engine"] == "preft" else "#888888" for r in group]
             ax.bar(range(len(group)), values, color=colors)
             ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
@@ -724,6 +744,15 @@ def write_report(report: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def _run_names(rows: list[dict]) -> dict:
+    """Each run of these rows named by the '-'-separated words that tell it apart from the others."""
+    words = {run: str(run).split("-") for run in dict.fromkeys(r.get("run") for r in rows)}
+    first, shared = next(iter(words.values())), 0
+    while all(len(w) > shared + 1 and w[shared] == first[shared] for w in words.values()):
+        shared += 1
+    return {run: "-".join(w[shared:]) for run, w in words.items()}
+
+
 def _run_settings(settings: dict) -> list[dict]:
     """The settings of each run in a report (merged reports keep their parts', merges of merges too)."""
     return [leaf for part in settings["parts"] for leaf in _run_settings(part)] if "parts" in settings else [settings]
@@ -735,8 +764,8 @@ def merge(parts: list[Path], out: Path) -> None:
     merged = {
         "settings": {"merged_from": [str(p) for p in parts], "parts": [r["settings"] for r in reports]},
         "engines": {k: v for r in reports for k, v in r["engines"].items()},
-        "results": [row for r in reports for row in r["results"]],
-    }
+        "results": [{"run": p.stem, **row} for p, r in zip(parts, reports, strict=True) for row in r["results"]],
+    }  # a row keeps the run it came from (a merge of merges: the innermost part's)
     write_report(merged, out)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
@@ -789,6 +818,13 @@ def main() -> None:
     )
     ap.add_argument("--util-stock", type=float, default=None)
     ap.add_argument("--util-preft", type=float, default=None)
+    ap.add_argument(
+        "--load-prompt-len",
+        type=int,
+        default=None,
+        help="prompt tokens of the load passes' requests (default: the shortest workload's); short ones keep a "
+        "slow LoRA prefill (stock) from dominating them",
+    )
     ap.add_argument("--warmup-tokens", type=int, default=8, help="max_tokens of the warm-up pass")
     ap.add_argument("--warmup-requests", type=int, default=256, help="requests of the warm-up pass (full-size steps)")
     ap.add_argument(
@@ -796,6 +832,12 @@ def main() -> None:
         dest="capture_sizes",
         action="store_false",
         help="use vLLM's default CUDA-graph sizes (default: 19 sizes up to 2 x max_num_seqs)",
+    )
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="regex: the PreFT engine runs only the adapter configurations whose name it finds (its base passes "
+        "always run)",
     )
     ap.add_argument("--skip-all-mode", action="store_true", help="leave out the PreFT engine's LoRA `all` pass")
     ap.add_argument("--profile-dir", type=Path, default=None, help="write torch profiler summaries here")

@@ -24,8 +24,8 @@ def test_small_table_has_every_row(tmp_path):
     out = tmp_path / "table"
     _bench(
         "--preset", "cpu-small", "--requests", "6", "--adapters", "3", "--warmup-requests", "3",
-        "--workloads", "24x6,8x12", "--lora-ranks", "8,16", "--direft-ranks", "8",
-        "--lora-kernels", "none;fused,expand", "--stock-requests", "4", "--all-requests", "5",
+        "--workloads", "24x6,8x12", "--lora-ranks", "8,16", "--direft-ranks", "8,16", "--configs", "^(?!DiReFTP r16)",
+        "--lora-kernels", "none;fused,expand", "--stock-requests", "4", "--all-requests", "5", "--load-prompt-len", "4",
         "--workdir", str(tmp_path / "work"), "--out", str(out),
     )  # fmt: skip
     rows = json.loads(out.with_suffix(".json").read_text())["results"]
@@ -48,9 +48,20 @@ def test_small_table_has_every_row(tmp_path):
         assert (r["ratio_to_stock"] is not None) == (r["method"] == "lora" and r["rank"] == 8), r
         assert (r["ratio_to_engine_base"] is not None) == (r["engine"] == "preft"), r
     loaded = next(r for r in rows if r["config"] == "LoRAP r8")["notes"]
-    assert loaded["load_adapters_read"] == 3 and loaded["load_read_s"] > 0
+    assert loaded["load_adapters_read"] == 3 and loaded["load_read_s"] > 0 and loaded["load_prompt_len"] == 4
     assert out.with_suffix(".png").stat().st_size > 0
 
+    # a merge keeps each PreFT row against its own run's engine: here a second run whose base ran twice as fast
+    report = json.loads(out.with_suffix(".json").read_text())
+    for r in report["results"]:
+        r["tokens_per_s"] *= 2 if r["config"] == engine_base else 1
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(report))
     merged = tmp_path / "merged"
-    _bench("--merge", str(out.with_suffix(".json")), str(out.with_suffix(".json")), "--out", str(merged))
-    assert len(json.loads(merged.with_suffix(".json").read_text())["results"]) == 2 * len(rows)
+    _bench("--merge", str(out.with_suffix(".json")), str(other), "--out", str(merged))
+    merged_rows = json.loads(merged.with_suffix(".json").read_text())["results"]
+    assert len(merged_rows) == 2 * len(rows)
+    for first, second in zip(merged_rows[: len(rows)], merged_rows[len(rows) :], strict=True):
+        assert (first["run"], second["run"]) == ("table", "other")
+        if first["engine"] == "preft" and first["config"] != engine_base:
+            assert second["ratio_to_engine_base"] == pytest.approx(first["ratio_to_engine_base"] / 2, abs=2e-3)

@@ -468,7 +468,7 @@ class Bench:
                 notes=notes,
             )
             self.rows.append(row)
-            if a.host_profile and re.search(a.host_profile, config):
+            if a.host_profile and a.host_profile.search(config):
                 self.host_profile(llm, f"{config} {prompt_len}+{output_len}", prompt_len, draw, mode)
             print(
                 f"[{self.elapsed():.0f}s] {config:28s} {prompt_len}+{output_len} {row.tokens_per_s:10.1f} tok/s"
@@ -576,7 +576,7 @@ class Bench:
         ]
         if not a.skip_all_mode:
             plan.append((f"LoRA all r{first_rank}", "lora", "all", first_rank, lora_reqs[first_rank], first))
-        plan = [step for step in plan if re.search(a.configs, step[0])]
+        plan = [step for step in plan if a.configs.search(step[0])]
         for name, method, mode, rank, reqs, workloads in plan:
             if self.out_of_time(name):
                 break
@@ -649,7 +649,7 @@ class Bench:
     def write(self) -> None:
         report = {
             "settings": {
-                **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.args).items()},
+                **{k: _as_json(v) for k, v in vars(self.args).items()},
                 "machine": platform.node(),
                 "vllm": __import__("vllm").__version__,
                 "dtype": self.dtype,
@@ -661,6 +661,21 @@ class Bench:
 
 
 ENGINE_BASE = "base (PreFT engine, before any adapter)"
+
+
+def _regex(value: str) -> re.Pattern:
+    """A command-line regex, compiled while the arguments are parsed: a typo stops the run before any engine."""
+    try:
+        return re.compile(value)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regex: {value!r} ({e})") from None
+
+
+def _as_json(value):
+    """A command-line setting as the report records it: paths as strings, regexes as their patterns."""
+    if isinstance(value, Path):
+        return str(value)
+    return value.pattern if isinstance(value, re.Pattern) else value
 
 
 def engine_bases(rows: list[dict]) -> dict[tuple, dict]:
@@ -835,13 +850,16 @@ def main() -> None:
     )
     ap.add_argument(
         "--configs",
-        default="",
+        type=_regex,
+        default=re.compile(""),
         help="regex: the PreFT engine runs only the adapter configurations whose name it finds (its base passes "
         "always run)",
     )
     ap.add_argument("--skip-all-mode", action="store_true", help="leave out the PreFT engine's LoRA `all` pass")
     ap.add_argument("--profile-dir", type=Path, default=None, help="write torch profiler summaries here")
-    ap.add_argument("--host-profile", default=None, help="regex of configurations: cProfile an extra pass of each")
+    ap.add_argument(
+        "--host-profile", type=_regex, default=None, help="regex of configurations: cProfile an extra pass of each"
+    )
     ap.add_argument(
         "--lora-kernels",
         type=lambda v: [k for k in v.split(";") if k],

@@ -65,3 +65,15 @@ def test_small_table_has_every_row(tmp_path):
         assert (first["run"], second["run"]) == ("table", "other")
         if first["engine"] == "preft" and first["config"] != engine_base:
             assert second["ratio_to_engine_base"] == pytest.approx(first["ratio_to_engine_base"] / 2, abs=2e-3)
+
+
+def test_bad_regex_is_refused_before_any_engine_starts(tmp_path):
+    """A regex that does not compile stops the run at argument parsing (exit 2), before adapters or engines."""
+    for flag in ("--configs", "--host-profile"):
+        done = subprocess.run(
+            [sys.executable, "-m", "loadtest.bench_table1", "--preset", "cpu-small", flag, "DiReFTP(",
+             "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2 and f"argument {flag}" in done.stderr, done.stderr
+        assert not (tmp_path / "work").exists()

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loadtest.bench_engine import ARCH_CONFIGS
+from loadtest.host_probe import HostProbe, speed_probe_ms
 from preft.vllm_plugin import lora_kernels
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -71,6 +72,7 @@ class Row:
     ratio_to_base: float | None = None  # to the base engine, same model and workload
     ratio_to_stock: float | None = None  # to stock multi-LoRA, same model, workload and rank
     ratio_to_engine_base: float | None = None  # PreFT rows: to base requests on the same engine
+    paired_ratio: float | None = None  # --pairs: median over pairs of passes (this configuration, base requests)
     prompt_only_ratio_to_base: float | None = None
     notes: dict = field(default_factory=dict)
 
@@ -335,6 +337,7 @@ class Bench:
         self.steps = StepLog()
         self.steps.install()
         self.load_timer = LoadTimer()
+        self.host = HostProbe()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -443,10 +446,19 @@ class Bench:
             compiled = lora_kernels.compiled_variants()
             t_po, _ = self.run(llm, n_requests, prompt_len, 1, draw(n_requests), mode)
             mark, ttft = len(self.steps.records), []
+            speed_before, host_before = speed_probe_ms(), self.host.sample()
             seconds, n_out = self.run(llm, n_requests, prompt_len, output_len, draw(n_requests), mode, ttft)
+            speed_after = speed_probe_ms()
+            notes.update(self.host.since(host_before))
+            notes["speed_probe_first_ms"] = [speed_before[0], speed_after[0]]  # before and after the pass
+            notes["speed_probe_best_ms"] = [speed_before[1], speed_after[1]]
             notes.update(self.steps.summary(mark))
             if compiled is not None:  # LoRA kernel variants compiled inside the timed passes (stalls)
                 notes["lora_kernel_compiles"] = lora_kernels.compiled_variants() - compiled
+            paired = None
+            if a.pairs and engine == "preft" and adapters:
+                paired, pair_notes = self.pairs(llm, n_requests, prompt_len, output_len, draw, mode)
+                notes.update(pair_notes)
             n_prompt = n_requests * prompt_len
             row = Row(
                 config=config,
@@ -465,6 +477,7 @@ class Bench:
                 ttft_p50_s=round(statistics.median(ttft), 4) if ttft else None,
                 ttft_p95_s=round(ttft[int(0.95 * (len(ttft) - 1))], 4) if ttft else None,
                 adapter_first_load_s=round(first_load, 5) if first_load is not None else None,
+                paired_ratio=paired,
                 notes=notes,
             )
             self.rows.append(row)
@@ -477,6 +490,29 @@ class Bench:
                 flush=True,
             )
             self.write()
+
+    def pairs(self, llm, n: int, prompt_len: int, output_len: int, draw, mode) -> tuple[float | None, dict]:
+        """--pairs pairs of full passes, base requests and this configuration, in ABBA order on fresh prompts.
+
+        The host's pace drifts within a run (a host-bound engine's passes of the same requests have differed by
+        1.6 x), so a configuration is compared with base passes next to it: the median over pairs of its
+        tokens/s over the base's, with every pair's numbers in the notes."""
+        per_pair = []
+        for i in range(self.args.pairs):
+            if self.out_of_time(f"pair {i + 1}"):
+                break
+            tps = {}
+            for which in ("base", "config") if i % 2 == 0 else ("config", "base"):
+                loras, pass_mode = (None, None) if which == "base" else (draw(n), mode)
+                seconds, n_out = self.run(llm, n, prompt_len, output_len, loras, pass_mode)
+                tps[which] = round((n * prompt_len + n_out) / seconds, 1)
+            per_pair.append([tps["base"], tps["config"]])
+        if not per_pair:
+            return None, {}
+        ratios = [c / b for b, c in per_pair]
+        notes = {"pairs_tokens_per_s": per_pair, "paired_ratio_min": round(min(ratios), 3)}
+        notes["paired_ratio_max"] = round(max(ratios), 3)
+        return round(statistics.median(ratios), 3), notes
 
     # --- engines ------------------------------------------------------------------------------------------
     def start(self, name: str, util: float, lora: dict | None):
@@ -720,15 +756,17 @@ def write_report(report: dict, out: Path) -> None:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["model"], r["prompt_len"], r["output_len"]), []).append(r)
-    fig, axes = plt.subplots(len(groups), 2, figsize=(14, 3.8 * len(groups)), squeeze=False)
+    width = max(14.0, 1.1 * max(len(g) for g in groups.values()))  # room for each bar's label
+    fig, axes = plt.subplots(len(groups), 2, figsize=(width, 4.6 * len(groups)), squeeze=False)
     for (model, p_len, o_len), (ax_full, ax_prompt) in zip(groups, axes, strict=True):
         group = groups[(model, p_len, o_len)]
         # against the base engine (the one `finish` matches); in runs without one, each row against the base
-        # requests of its own PreFT engine (a row of another engine, against the last run's)
+        # requests of its own PreFT engine (a row of another engine, against the first run's: appending runs to a
+        # merge leaves it)
         bases = [r for r in group if r["engine"] == "base"]
         own = engine_bases(group)
-        last = list(own.values())[-1] if own else None
-        refs = [bases[-1] if bases else own.get((r.get("run"), model, p_len, o_len), last) for r in group]
+        first = next(iter(own.values()), None)
+        refs = [bases[-1] if bases else own.get((r.get("run"), model, p_len, o_len), first) for r in group]
         ref_name = "base model" if bases else "PreFT engine's base"
         n_requests = statistics.mode(r["requests"] for r in group)
         runs = _run_names(group)
@@ -746,11 +784,21 @@ def write_report(report: dict, out: Path) -> None:
             colors = ["#4a7ebb" if r["engine"] == "preft" else "#888888" for r in group]
             ax.bar(range(len(group)), values, color=colors)
             ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-            ax.set_xticks(range(len(group)), labels, rotation=25, ha="right", fontsize=7)
+            ax.set_xticks(range(len(group)), labels, rotation=40, ha="right", fontsize=7)
             ax.set_ylabel(f"÷ {ref_name}")
             ax.set_title(f"{model}, {n_requests} requests of {p_len}+{o_len}: {what}", fontsize=9)
             for i, v in enumerate(values):
                 ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+        paired = [(i, r) for i, r in enumerate(group) if r.get("paired_ratio") is not None]
+        if paired:  # --pairs: the median of each row's paired ratios, whiskers at their min and max
+            mid = [r["paired_ratio"] for _, r in paired]
+            low = [m - r["notes"]["paired_ratio_min"] for m, (_, r) in zip(mid, paired, strict=True)]
+            high = [r["notes"]["paired_ratio_max"] - m for m, (_, r) in zip(mid, paired, strict=True)]
+            ax_full.errorbar(
+                [i for i, _ in paired], mid, yerr=[low, high], fmt="D", color="black", markersize=4, capsize=3,
+                label="÷ base passes next to it (--pairs: median, min-max)",
+            )  # fmt: skip
+            ax_full.legend(fontsize=7, loc="lower left")
     parts = _run_settings(report["settings"])
     adapters = " or ".join(str(n) for n in sorted({p["adapters"] for p in parts}))
     fig.suptitle(f"vLLM {parts[0]['vllm']}, {adapters} adapters drawn uniformly per configuration", fontsize=10)
@@ -867,6 +915,13 @@ def main() -> None:
         help="';'-separated PREFT_LORA_KERNELS values: each LoRA configuration again with each, same engine",
     )
     ap.add_argument("--interleave-base", action="store_true", help="a base pass right before each adapter pass")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="after each PreFT adapter row, this many pairs of full passes (base requests, the configuration) in "
+        "ABBA order: the row's paired_ratio is the median of their ratios (the host's pace drifts within a run)",
+    )
     ap.add_argument("--profile-requests", type=int, default=128)
     ap.add_argument("--profile-output-len", type=int, default=16)
     ap.add_argument("--deadline-s", type=float, default=float("inf"), help="start nothing new after this")
@@ -928,15 +983,15 @@ def main() -> None:
     bench.write()
     rows = finish({"results": [asdict(r) for r in bench.rows]})["results"]
     print(
-        f"\n{'configuration':42s} {'workload':>9s} {'tok/s':>10s} {'÷base':>6s} {'÷stock':>7s} "
-        f"{'prompt-only s':>13s} TTFT p50/p95 s"
+        f"\n{'configuration':42s} {'workload':>9s} {'tok/s':>10s} {'÷base':>6s} {'÷stock':>7s} {'÷engine':>7s} "
+        f"{'÷paired':>7s} {'prompt-only s':>13s} TTFT p50/p95 s"
     )
     for r in rows:
         ratio = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
         print(
             f"{r['config']:42s} {r['prompt_len']:>4d}+{r['output_len']:<4d} {r['tokens_per_s']:10.1f} "
-            f"{ratio(r['ratio_to_base']):>6s} {ratio(r['ratio_to_stock']):>7s} {r['prompt_only_s']:13.3f} "
-            f"{r['ttft_p50_s']}/{r['ttft_p95_s']}"
+            f"{ratio(r['ratio_to_base']):>6s} {ratio(r['ratio_to_stock']):>7s} {ratio(r['ratio_to_engine_base']):>7s} "
+            f"{ratio(r['paired_ratio']):>7s} {r['prompt_only_s']:13.3f} {r['ttft_p50_s']}/{r['ttft_p95_s']}"
         )
     print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
 

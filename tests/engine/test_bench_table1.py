@@ -26,7 +26,7 @@ def test_small_table_has_every_row(tmp_path):
         "--preset", "cpu-small", "--requests", "6", "--adapters", "3", "--warmup-requests", "3",
         "--workloads", "24x6,8x12", "--lora-ranks", "8,16", "--direft-ranks", "8,16", "--configs", "^(?!DiReFTP r16)",
         "--lora-kernels", "none;fused,expand", "--stock-requests", "4", "--all-requests", "5", "--load-prompt-len", "4",
-        "--workdir", str(tmp_path / "work"), "--out", str(out),
+        "--pairs", "2", "--workdir", str(tmp_path / "work"), "--out", str(out),
     )  # fmt: skip
     rows = json.loads(out.with_suffix(".json").read_text())["results"]
     got = {(r["config"], r["prompt_len"], r["output_len"]) for r in rows}
@@ -47,6 +47,15 @@ def test_small_table_has_every_row(tmp_path):
         assert r["ttft_p50_s"] is not None and r["ttft_p50_s"] <= r["ttft_p95_s"] <= r["seconds"], r
         assert (r["ratio_to_stock"] is not None) == (r["method"] == "lora" and r["rank"] == 8), r
         assert (r["ratio_to_engine_base"] is not None) == (r["engine"] == "preft"), r
+        adapted_preft = r["engine"] == "preft" and r["method"] is not None
+        assert (r["paired_ratio"] is not None) == adapted_preft, r
+        if adapted_preft:  # two pairs of (base requests, this configuration), their median ratio
+            (b1, c1), (b2, c2) = r["notes"]["pairs_tokens_per_s"]
+            assert r["paired_ratio"] == pytest.approx((c1 / b1 + c2 / b2) / 2, abs=2e-3), r
+            assert r["notes"]["paired_ratio_min"] <= r["paired_ratio"] <= r["notes"]["paired_ratio_max"], r
+        first, best = r["notes"]["speed_probe_first_ms"], r["notes"]["speed_probe_best_ms"]
+        assert all(0 < b <= f for f, b in zip(first, best, strict=True)), r
+        assert r["notes"]["process_cpu_per_s"] > 0 and "cpu_steal_pct" in r["notes"], r
     loaded = next(r for r in rows if r["config"] == "LoRAP r8")["notes"]
     assert loaded["load_adapters_read"] == 3 and loaded["load_read_s"] > 0 and loaded["load_prompt_len"] == 4
     assert out.with_suffix(".png").stat().st_size > 0

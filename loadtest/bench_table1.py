@@ -707,6 +707,17 @@ def _regex(value: str) -> re.Pattern:
         raise argparse.ArgumentTypeError(f"not a regex: {value!r} ({e})") from None
 
 
+def _count(value: str) -> int:
+    """A command-line count (>= 0), checked while the arguments are parsed."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"not a count (an integer >= 0): {value!r}")
+    return n
+
+
 def _as_json(value):
     """A command-line setting as the report records it: paths as strings, regexes as their patterns."""
     if isinstance(value, Path):
@@ -917,7 +928,7 @@ def main() -> None:
     ap.add_argument("--interleave-base", action="store_true", help="a base pass right before each adapter pass")
     ap.add_argument(
         "--pairs",
-        type=int,
+        type=_count,
         default=0,
         help="after each PreFT adapter row, this many pairs of full passes (base requests, the configuration) in "
         "ABBA order: the row's paired_ratio is the median of their ratios (the host's pace drifts within a run)",

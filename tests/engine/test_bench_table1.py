@@ -76,11 +76,12 @@ def test_small_table_has_every_row(tmp_path):
             assert second["ratio_to_engine_base"] == pytest.approx(first["ratio_to_engine_base"] / 2, abs=2e-3)
 
 
-def test_bad_regex_is_refused_before_any_engine_starts(tmp_path):
-    """A regex that does not compile stops the run at argument parsing (exit 2), before adapters or engines."""
-    for flag in ("--configs", "--host-profile"):
+def test_bad_arguments_are_refused_before_any_engine_starts(tmp_path):
+    """A regex that does not compile or a negative count stops the run at argument parsing (exit 2), before
+    adapters or engines."""
+    for flag, value in (("--configs", "DiReFTP("), ("--host-profile", "DiReFTP("), ("--pairs", "-1"), ("--pairs", "x")):
         done = subprocess.run(
-            [sys.executable, "-m", "loadtest.bench_table1", "--preset", "cpu-small", flag, "DiReFTP(",
+            [sys.executable, "-m", "loadtest.bench_table1", "--preset", "cpu-small", flag, value,
              "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROC_STAT = Path("/proc/stat")
-SPEED_LOOP = 200_000  # iterations of the speed probe's loop: ~10 ms on the CPUs measured
+SPEED_LOOP = 200_000  # iterations of the speed probe's loop: 11-20 ms a run on this project's 2-core VM
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,8 @@ class HostSample:
 def speed_probe_ms(repeats: int = 10) -> tuple[float, float]:
     """A fixed pure-Python loop's time, first and fastest of `repeats` runs back to back, in ms.
 
-    The first run shows the pace of a CPU that was just idle (lent machines' cores can take tens of ms to come
-    back to speed: 19 against 11.5 ms here after a 1 s sleep), the fastest its pace when kept busy."""
+    Their spread shows a CPU coming up to speed: on this project's 2-core VM the loop took ~20 ms a run for the
+    first 1.2 s of back-to-back runs, then 11.3-11.6 ms, and ~20 ms again after a 1 s sleep."""
     times = []
     for _ in range(repeats):
         t = time.perf_counter()

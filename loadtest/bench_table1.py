@@ -459,7 +459,6 @@ class Bench:
             if a.pairs and engine == "preft" and adapters:
                 paired, pair_notes = self.pairs(llm, n_requests, prompt_len, output_len, draw, mode)
                 notes.update(pair_notes)
-            n_prompt = n_requests * prompt_len
             row = Row(
                 config=config,
                 model=a.preset,
@@ -471,9 +470,9 @@ class Bench:
                 prompt_len=prompt_len,
                 output_len=output_len,
                 prompt_only_s=round(t_po, 3),
-                prompt_only_tokens_per_s=round((n_prompt + n_requests) / t_po, 1),
+                prompt_only_tokens_per_s=tokens_per_s(n_requests, prompt_len, n_requests, t_po),
                 seconds=round(seconds, 3),
-                tokens_per_s=round((n_prompt + n_out) / seconds, 1),
+                tokens_per_s=tokens_per_s(n_requests, prompt_len, n_out, seconds),
                 ttft_p50_s=round(statistics.median(ttft), 4) if ttft else None,
                 ttft_p95_s=round(ttft[int(0.95 * (len(ttft) - 1))], 4) if ttft else None,
                 adapter_first_load_s=round(first_load, 5) if first_load is not None else None,
@@ -505,13 +504,16 @@ class Bench:
             for which in ("base", "config") if i % 2 == 0 else ("config", "base"):
                 loras, pass_mode = (None, None) if which == "base" else (draw(n), mode)
                 seconds, n_out = self.run(llm, n, prompt_len, output_len, loras, pass_mode)
-                tps[which] = round((n * prompt_len + n_out) / seconds, 1)
+                tps[which] = tokens_per_s(n, prompt_len, n_out, seconds)
             per_pair.append([tps["base"], tps["config"]])
         if not per_pair:
             return None, {}
         ratios = [c / b for b, c in per_pair]
-        notes = {"pairs_tokens_per_s": per_pair, "paired_ratio_min": round(min(ratios), 3)}
-        notes["paired_ratio_max"] = round(max(ratios), 3)
+        notes = {
+            "pairs_tokens_per_s": per_pair,
+            "paired_ratio_min": round(min(ratios), 3),
+            "paired_ratio_max": round(max(ratios), 3),
+        }
         return round(statistics.median(ratios), 3), notes
 
     # --- engines ------------------------------------------------------------------------------------------
@@ -697,6 +699,11 @@ class Bench:
 
 
 ENGINE_BASE = "base (PreFT engine, before any adapter)"
+
+
+def tokens_per_s(requests: int, prompt_len: int, output_tokens: int, seconds: float) -> float:
+    """A pass's throughput: prompt and output tokens of all its requests per second."""
+    return round((requests * prompt_len + output_tokens) / seconds, 1)
 
 
 def _regex(value: str) -> re.Pattern:

@@ -33,10 +33,7 @@ def _container(docs, kind, name):
 def _free_ports(n: int) -> list[int]:
     from preft.stack import free_port
 
-    ports: set[int] = set()
-    while len(ports) < n:
-        ports.add(free_port())
-    return sorted(ports)
+    return [free_port() for _ in range(n)]  # distinct: one process never gets a port twice
 
 
 def _wait(what: str, check, proc: subprocess.Popen, log: Path, timeout_s: float = 45.0):

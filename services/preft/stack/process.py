@@ -47,12 +47,11 @@ def free_port(host: str = LOOPBACK) -> int:
     side by side rarely meet) and never one this process returned or claimed before. Where the ephemeral
     range leaves no room above 20000 the OS picks.
     """
-    high = _ephemeral_low()
-    if high - _LOWEST_PORT < 1000:
+    span = _ephemeral_low() - _LOWEST_PORT
+    if span < 1000:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             return int(s.getsockname()[1])
-    span = high - _LOWEST_PORT
     start = secrets.randbelow(span)  # not `random`: a test run may seed it the same in every process
     for i in range(span):
         port = _LOWEST_PORT + (start + i) % span
@@ -65,7 +64,7 @@ def free_port(host: str = LOOPBACK) -> int:
                 continue
         _handed_out.add(port)
         return port
-    raise ServerError(f"no free TCP port on {host} in {_LOWEST_PORT}-{high - 1}")
+    raise ServerError(f"no free TCP port on {host} in {_LOWEST_PORT}-{_LOWEST_PORT + span - 1}")
 
 
 def wait_until(

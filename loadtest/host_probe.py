@@ -69,8 +69,8 @@ def _cpu_jiffies(stat: Path = PROC_STAT) -> tuple[int, int] | None:
 class HostProbe:
     """Samples of the host's state; `since(sample)` is what happened between a sample and now."""
 
-    def __init__(self, stat: Path = PROC_STAT) -> None:
-        self.stat = stat
+    def __init__(self, stat: Path = PROC_STAT, statm: Path = PROC_STATM) -> None:
+        self.stat, self.statm = stat, statm
         self.gc_s = 0.0
         self.gc_collections = 0
         self._gc_start: float | None = None
@@ -105,7 +105,7 @@ class HostProbe:
             "gc_tracked_objects": len(gc.get_objects()),
             "gc_frozen_objects": gc.get_freeze_count(),
         }
-        rss = _rss_mb()
+        rss = _rss_mb(self.statm)
         if rss is not None:
             notes["rss_mb"] = rss
         if before.cpu_jiffies and now.cpu_jiffies:

@@ -6,7 +6,7 @@ import gc
 from pathlib import Path
 
 import pytest
-from loadtest.host_probe import HostProbe, _cpu_jiffies, speed_probe_ms
+from loadtest.host_probe import HostProbe, _cpu_jiffies, _rss_mb, speed_probe_ms
 
 
 def _stat(path: Path, user: int, idle: int, steal: int) -> None:
@@ -67,3 +67,14 @@ def test_the_heap_a_pass_leaves_behind_shows_in_objects_and_resident_memory():
     assert after["rss_mb"] - before["rss_mb"] >= 10
     assert after["gc_frozen_objects"] == before["gc_frozen_objects"] == gc.get_freeze_count()
     assert len(kept) == 300_000
+
+
+def test_a_machine_without_proc_statm_reports_no_resident_memory(tmp_path):
+    (tmp_path / "garbled").write_text("12\n")
+    assert _rss_mb(tmp_path / "garbled") is None
+    probe = HostProbe(statm=tmp_path / "missing")
+    try:
+        notes = probe.since(probe.sample())
+    finally:
+        probe.close()
+    assert "rss_mb" not in notes and notes["gc_tracked_objects"] > 0

@@ -2,11 +2,13 @@
 
 Each request carries the adapter's content digest (or "base") in the multiplexing header, so Ray Serve routes it
 to a replica that already holds the adapter. A request is retried once, at once, when the engine could not be
-reached (connect errors, a pooled connection the engine had closed) or answered 503 (replica draining, queue
-full, adapter not fetchable there), as long as no token has reached the client: for a stream, until its first
-chunk has arrived. A second failure is a 503 to the client. Engine 400s become 400s with the engine's message;
-other engine failures become a 500 that says the engine failed. A stream that fails after its status was sent
-ends with an EngineError line, which raises the same errors.
+reached (connect errors, a pooled connection the engine had closed), answered 503 (replica draining, queue
+full, adapter not fetchable there) or answered a 500 outside the contract (Ray Serve's proxy answers a bare
+"Internal Server Error" when the replica handling the request died), as long as no token has reached the
+client: for a stream, until its first chunk has arrived. A second failure is a 503 to the client, or a 500
+after a second 500. Engine 400s become 400s with the engine's message; other engine failures (an EngineError
+of type "internal") become a 500 that says the engine failed, not retried. A stream that fails after its
+status was sent ends with an EngineError line, which raises the same errors.
 
 The client is aiohttp, not httpx: posting to the engine stub (`testing`) on a 2-core machine, httpx 0.28 /
 httpcore 1.0.9 went from ~1,000 requests/s with 1 request in flight to ~300 with 32, its CPU spent in the
@@ -84,8 +86,8 @@ class EngineClient:
                 raise Unavailable("the engine is unreachable; retry later") from e
             except (aiohttp.ClientError, TimeoutError) as e:
                 raise _transport_error(e) from e
-            if status == 503 and attempt == 1:
-                ENGINE_RETRIES.labels(reason="unavailable").inc()
+            if attempt == 1 and (reason := _retry_reason(status, body)):
+                ENGINE_RETRIES.labels(reason=reason).inc()
                 continue
             if status != 200:
                 raise _error_from(status, body)
@@ -105,13 +107,12 @@ class EngineClient:
             resp: aiohttp.ClientResponse | None = None
             try:
                 resp = await self._post(req, model_id)
-                if resp.status == 503 and attempt == 1:
-                    _drop(resp)
-                    ENGINE_RETRIES.labels(reason="unavailable").inc()
-                    continue
                 if resp.status != 200:
                     body = await resp.read()
                     _drop(resp)
+                    if attempt == 1 and (reason := _retry_reason(resp.status, body)):
+                        ENGINE_RETRIES.labels(reason=reason).inc()
+                        continue
                     raise _error_from(resp.status, body)
                 first = await _next_chunk(resp)
             except Unavailable:
@@ -205,11 +206,25 @@ def _transport_error(e: BaseException) -> Unavailable:
     return Unavailable("the connection to the engine broke")
 
 
-def _error_from(status: int, body: bytes) -> PreftError:
+def _retry_reason(status: int, body: bytes) -> str | None:
+    """Why an answer with no token in it is worth one more try: the metric's reason, or None."""
+    if status == 503:
+        return "unavailable"
+    if status == 500 and _engine_error(body) is None:
+        return "replica_lost"  # not our engine's error: the proxy's, for a replica that died (or Serve's own)
+    return None
+
+
+def _engine_error(body: bytes) -> EngineError | None:
     try:
-        message = EngineError.model_validate_json(body).message
+        return EngineError.model_validate_json(body)
     except ValidationError:
-        message = ""
+        return None
+
+
+def _error_from(status: int, body: bytes) -> PreftError:
+    error = _engine_error(body)
+    message = error.message if error is not None else ""
     if status == 400:
         return InvalidArgument(message or "the engine refused the request")
     if status == 503:

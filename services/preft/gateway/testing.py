@@ -18,7 +18,7 @@ import uvicorn
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from preft.engine.contract import (
@@ -36,11 +36,13 @@ from preft.stack.process import LOOPBACK, free_port, wait_until
 @dataclass
 class Failure:
     """How the next request(s) fail: an HTTP status before any byte; or, for streams, after `after_chunks`
-    chunks, a dropped connection (status None) or an EngineError line of that status (as the engine does)."""
+    chunks, a dropped connection (status None) or an EngineError line of that status (as the engine does).
+    `replica_lost`: a bare 500 "Internal Server Error", as Ray Serve's proxy answers when the replica died."""
 
     status: int | None = 503
     times: int = 1
     after_chunks: int | None = None
+    replica_lost: bool = False
 
 
 @dataclass
@@ -53,8 +55,10 @@ class StubEngine:
     received: list[tuple[str, EngineRequest]] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
 
-    def fail_next(self, status: int | None = 503, times: int = 1, *, after_chunks: int | None = None) -> None:
-        self.failures.append(Failure(status, times, after_chunks))
+    def fail_next(
+        self, status: int | None = 503, times: int = 1, *, after_chunks: int | None = None, replica_lost: bool = False
+    ) -> None:
+        self.failures.append(Failure(status, times, after_chunks, replica_lost))
 
     def _take_failure(self) -> Failure | None:
         if not self.failures:
@@ -81,6 +85,8 @@ class StubEngine:
         if self.record:
             self.received.append((model_id, req))
         failure = self._take_failure()
+        if failure is not None and failure.replica_lost:
+            return PlainTextResponse("Internal Server Error", status_code=500)
         if failure is not None and failure.after_chunks is None:
             status = failure.status or 503
             return _error(status, _KINDS.get(status, "internal"), "injected failure")

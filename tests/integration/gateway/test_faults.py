@@ -122,6 +122,25 @@ def test_engine_503_is_retried_once(gateway, registry, stub):
     assert len(stub.received) == 7  # a 500 is not retried
 
 
+def test_a_replica_lost_before_any_token_is_retried_once(gateway, registry, stub):
+    """Ray Serve's proxy answers a bare 500 when the replica died with the request; the engine's own 500s carry
+    an EngineError (above: not retried)."""
+    client = gateway.openai(registry.tenant("acme"))
+    before, sent = _retries("replica_lost"), len(stub.received)
+    stub.fail_next(500, replica_lost=True)
+    assert client.completions.create(model=BASE, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    stub.fail_next(500, replica_lost=True)
+    chunks = list(client.completions.create(model=BASE, prompt="hi", max_tokens=3, stream=True))
+    assert "".join(c.choices[0].text for c in chunks).count(" w") == 3
+    assert len(stub.received) == sent + 4 and _retries("replica_lost") == before + 2  # each sent twice
+
+    stub.fail_next(500, times=2, replica_lost=True)
+    with pytest.raises(openai.InternalServerError) as twice:
+        client.completions.create(model=BASE, prompt="hi")
+    assert twice.value.status_code == 500 and "engine failed" in str(twice.value)
+    assert _retries("replica_lost") == before + 3
+
+
 def test_engine_down_is_503(make_gateway, registry):
     gateway = make_gateway(engine_url=f"http://127.0.0.1:{free_port()}")
     http = gateway.http(registry.tenant("acme"))

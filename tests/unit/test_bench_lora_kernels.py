@@ -11,3 +11,13 @@ def test_bench_times_both_paths_and_they_agree(lora_kernels_interpreted):
     paths = ("expand", "expand+shrink", "fused")
     assert row["lora_torch_ms"] > 0 and all(row[f"lora_{path}_ms"] > 0 for path in paths)
     assert all(row[f"{path}_max_rel_diff"] < 1e-5 for path in paths)
+
+
+def test_host_bench_counts_two_launches_per_lora_linear_on_the_default_kernels():
+    """A Qwen2.5-0.5B layer has four LoRA linears: shrink + expand each, or one fused launch each."""
+    from loadtest import bench_lora_host
+
+    row = bench_lora_host.bench("qwen05", 8, 256, 64, 8, 3)
+    assert row["expand+shrink_launches_per_layer"] == 8 and row["fused_launches_per_layer"] == 4
+    assert row["expand+shrink_host_us_per_layer"] > 0
+    assert bench_lora_host.bench_mapping(256, 64, 8, 2)["mapping_speedup"] > 0  # (times: printed, not asserted)

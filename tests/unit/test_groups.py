@@ -174,6 +174,19 @@ def test_lora_kernels_on_wide_slices(lora_kernels_interpreted, slices, monkeypat
     assert len(fused) == lora_kernels.available(torch.zeros(1), "fused")
 
 
+def test_shrink_and_expand_kernels_make_two_launches_per_lora_linear(lora_kernels_interpreted, monkeypatch):
+    """Whatever its number of slices, and with widths that are and are not multiples of 16."""
+    launches = []
+    for name in ("_shrink", "_expand"):
+        launch = getattr(lora_kernels, name)
+        monkeypatch.setattr(lora_kernels, name, lambda *args, _f=launch, _n=name: launches.append(_n) or _f(*args))
+    with lora_kernels.using("expand", "shrink"):
+        _check_lora_linear(LONG_RUNS, slices=(OUT, 8, 16))
+        _check_lora_linear(LONG_RUNS[60:], slices=(272, 16, 16), in_cols=32)
+        _check_lora_linear([2, -1, 0, 2], slices=(OUT,))
+    assert launches == ["_shrink", "_expand"] * 3
+
+
 def test_column_ranges_bound_the_rereads_of_x():
     assert lora_kernels._column_ranges([40, 8], 24) == ([(0, 0), (1, 0)], 128)  # one program per slice
     assert lora_kernels._column_ranges([272, 16], 32) == ([(0, 0), (0, 128), (0, 256), (1, 0)], 128)

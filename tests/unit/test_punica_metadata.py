@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from preft.vllm_plugin.punica import _ids_to_slots, _write_base_metadata
+from preft.vllm_plugin.worker_patch import array_mapping, mapping_ids
 
 
 def _wrapper():
@@ -54,3 +55,37 @@ def test_unknown_id_is_an_error():
     assert _ids_to_slots((0, 3, 3), [None, 3]).tolist() == [-1, 1, 1]
     assert isinstance(_ids_to_slots(np.zeros(0, dtype=np.int64), [1]), np.ndarray)
     assert torch.tensor(_ids_to_slots((3,), [3])).item() == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_array_mapping_stands_in_for_vllms_mapping(seed):
+    """vLLM's own metadata code reads our numpy-backed mapping as its tuple mapping; we read its arrays as they are."""
+    from vllm.lora.layers import LoRAMapping
+
+    rng = np.random.default_rng(seed)
+    slots, max_loras, vocab = [None, 17, 3, None, 42, 8], 7, 1000
+    tokens, sampled = rng.choice([0, 17, 3, 42, 8], 40), rng.choice([0, 17, 3, 42, 8], 6)
+    ours, theirs = array_mapping(tokens, sampled), LoRAMapping(tuple(tokens), tuple(sampled), is_prefill=True)
+    written = []
+    for mapping in (ours, theirs):
+        w = _wrapper()
+        w._update_base_metadata(mapping, slots, max_loras, vocab)
+        written.append(_written(w))
+    assert written[0] == written[1]
+    assert all(a is b for a, b in zip(mapping_ids(ours), (tokens, sampled), strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(mapping_ids(theirs), (tokens, sampled), strict=True))
+    assert ours.is_prefill and ours.type == theirs.type
+
+
+def test_array_mapping_compares_by_value_as_vllms_manager_needs():
+    """LoRAModelManager.set_adapter_mapping updates the metadata only when `_last_mapping != mapping`."""
+    from vllm.lora.layers import LoRAMapping
+
+    first = array_mapping(np.array([0, 3, 3]), np.array([3]))
+    assert first == array_mapping(np.array([0, 3, 3]), np.array([3]))
+    assert first != array_mapping(np.array([0, 3, 4]), np.array([3]))
+    assert first != array_mapping(np.array([0, 3]), np.array([3]))
+    assert first != array_mapping(np.array([0, 3, 3]), np.array([0]))
+    last_mapping = None  # the manager's first step
+    assert last_mapping != first
+    assert first != LoRAMapping((0, 3, 3), (3,), is_prefill=True)  # vLLM's own (dummy-LoRA warm-up): updated

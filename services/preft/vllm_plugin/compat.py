@@ -26,7 +26,15 @@ TOUCH_POINTS = (
         "vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.set_active_loras",
         "replaced: per-token adapter mapping from each request's position mode; adapters already in a slot are "
         "only touched in LoRAModelManager._active_adapters/_registered_adapters (LRU caches), the rest go "
-        "through _set_active_loras",
+        "to lora_manager.set_active_adapters with the step's mapping, as _set_active_loras would (is_prefill "
+        "True; _ensure_lora_enabled first)",
+        "worker_patch",
+    ),
+    TouchPoint(
+        "vllm.lora.layers:LoRAMapping",
+        "subclassed: the step's ids as numpy arrays, compared with numpy in LoRAModelManager.set_adapter_mapping "
+        "(`_last_mapping != mapping`); its index_mapping/prompt_mapping tuples are built only if read (a "
+        "16,384-token step's tuple and its numpy conversion cost ~3 ms of host time)",
         "worker_patch",
     ),
     TouchPoint(
@@ -169,6 +177,13 @@ def lora_mixin():
     from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
     return LoRAModelRunnerMixin
+
+
+def lora_mapping_classes():
+    """vLLM's LoRAMapping and LoRAMappingType."""
+    from vllm.lora.layers import LoRAMapping, LoRAMappingType
+
+    return LoRAMapping, LoRAMappingType
 
 
 def input_batch_cls():

@@ -206,20 +206,26 @@ def lora_linear(
 ) -> None:
     """y[rows, slice i] += (x[rows] @ A_i[slot]ᵀ · scale) @ B_i[slot]ᵀ for each output slice, in place.
 
-    On GPU one launch of the fused LoRA kernel, or one shrink for all slices then one expand per slice added
-    into y's rows (the LoRA kernels picked); elsewhere grouped matmuls (the slices' A gathered and stacked).
+    On GPU (the LoRA kernels picked) one launch of the fused LoRA kernel, or two: one shrink and one expand
+    for all slices, added into y's rows; elsewhere grouped matmuls (the slices' A gathered and stacked).
     """
     if groups.empty:
         return
     y2 = y.view(-1, y.shape[-1])
     x2 = x.reshape(-1, x.shape[-1])
-    r = groups.rank
-    a_slots = [_as_slot_matrices(a) for a in a_stacked]
     if lora_kernels.available(y2, "fused"):
+        a_slots = [_as_slot_matrices(a) for a in a_stacked]
         b_slots = [_as_slot_matrices(b) for b in b_stacked]
         if lora_kernels.can_fuse(x2, a_slots, b_slots):
             lora_kernels.lora_linear(y2, x2, a_slots, b_slots, output_slices, scale, groups)
             return
+    if lora_kernels.available(y2, "shrink") and lora_kernels.available(y2, "expand"):
+        plan = lora_kernels.split_plan(y2, x2, a_stacked, b_stacked, output_slices)
+        if plan is not None:  # (kept per module: the per-call host work is two launches)
+            lora_kernels.split_linear(y2, x2, plan, scale, groups)
+            return
+    r = groups.rank
+    a_slots = [_as_slot_matrices(a) for a in a_stacked]
     if lora_kernels.available(y2, "shrink") and lora_kernels.can_shrink(x2, a_slots):
         z = lora_kernels.shrink(x2, a_slots, scale, groups)
     elif len(a_stacked) == 1:

@@ -5,8 +5,9 @@ grouped matmuls whose outputs are a few columns wide, materializes each output s
 into a strided slice of y (in the LoRAP profile on the H200 that add alone took 14 ms of a 66 ms pass:
 ``loadtest/results/gpu-profile-lorap.txt``); a module with three slices makes ~10 launches. These kernels read
 A and B where their slots keep them and x and y at their token rows (no gather or scatter): the shrink is one
-launch for all of a module's slices, and each expand adds straight into y and writes nothing else. The fused
-kernel does a whole LoRA linear in one launch, each program recomputing its rows' z.
+launch for all of a module's slices, and so is the expand, which adds straight into y and writes nothing else
+(``split_plan`` keeps each module's launch arguments: on Qwen's prefill steps issuing the launches is the cost).
+The fused kernel does a whole LoRA linear in one launch, each program recomputing its rows' z.
 
 Each program takes one block of rows inside one group (``SlotGroups.block_group`` / ``block_start``, built on
 the host with the groups). Ranks are small, so each product is a few ``tl.dot`` per tile; float32 runs them in
@@ -57,7 +58,7 @@ def _picked(setting: str) -> frozenset[str]:
 
 _KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", DEFAULT))
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values
-_PLANS: dict[tuple, _LinearPlan] = {}  # the fused kernel's plan per LoRA linear (its weights stay put)
+_PLANS: dict[tuple, object] = {}  # each LoRA linear's kernel plan, by its weights' addresses (they stay put)
 _ENGINES: set[tuple[torch.device, torch.dtype, int, int]] = set()  # warm_up's arguments, for `using`
 
 
@@ -228,33 +229,39 @@ if triton is not None:
         ptrs = z_ptr + m[:, None].to(tl.int64) * stride_z + (s * rank + r)[None, :]
         tl.store(ptrs, z, mask=mask_m[:, None] & (r < rank)[None, :])
 
-    @triton.jit(**_jit_options(["stride_z"], ["z_ptr"]))
-    def _expand_add_kernel(
+    @triton.jit(**_jit_options(["stride_z", "z_slice_step"], ["z_ptr", "slice_table_ptr", "tile_table_ptr"]))
+    def _expand_kernel(
         y_ptr,
         z_ptr,
-        b_ptr,
+        b0_ptr,
+        slice_table_ptr,
+        tile_table_ptr,
         rows_ptr,
         block_group_ptr,
         block_start_ptr,
         offs_ptr,
         slots_ptr,
         span_start,
-        n_cols,
         rank,
-        y_col_offset,
+        z_slice_step,
         stride_y,
         stride_z,
         stride_z_col,
-        stride_b_slot,
         stride_b_out,
         stride_b_rank,
         USE_SPAN: tl.constexpr,
+        ALIGNED: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        """y[row(m), y_col_offset + n] += z[m] · B[slot][n] for this program's rows and columns."""
+        """y[row(m), slice's first column + n] += z[m, s·z_slice_step :][:rank] · B_s[slot][n]: every slice at once.
+
+        Program (block, t): row block `block`, and t's entry of the tile table (slice s, its first column
+        n0), BLOCK_N columns. The slice table holds, per slice: B's offset from b0 in elements, B's slot
+        stride, the slice's width and its first column in y.
+        """
         m, rows, mask_m, slot = _group_rows(
             tl.program_id(0),
             rows_ptr,
@@ -266,12 +273,23 @@ if triton is not None:
             USE_SPAN,
             BLOCK_M,
         )
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tile = tl.program_id(1)
+        s = tl.load(tile_table_ptr + 2 * tile)
+        n0 = tl.load(tile_table_ptr + 2 * tile + 1)
+        entry = slice_table_ptr + 4 * s
+        b_ptr = b0_ptr + tl.load(entry)
+        stride_b_slot = tl.load(entry + 1)
+        width = tl.load(entry + 2)
+        y_offset = tl.load(entry + 3)
+        if ALIGNED:  # every slice's width and first column are multiples of 16: y's rows load in vectors
+            width = tl.multiple_of(width, 16)
+            y_offset = tl.multiple_of(y_offset, 16)
+        n = n0 + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
-        mask_n = n < n_cols
+        mask_n = n < width
         mask_k = k < rank
         z = tl.load(
-            z_ptr + m[:, None].to(tl.int64) * stride_z + k[None, :] * stride_z_col,
+            z_ptr + m[:, None].to(tl.int64) * stride_z + (s * z_slice_step + k)[None, :] * stride_z_col,
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )
@@ -281,7 +299,7 @@ if triton is not None:
             other=0.0,
         )
         acc = tl.dot(z.to(b.dtype), b, input_precision=PRECISION)
-        _add_rows(y_ptr, rows, mask_m, y_col_offset + n, mask_n, stride_y, acc)
+        _add_rows(y_ptr, rows, mask_m, y_offset + n, mask_n, stride_y, acc)
 
     @triton.jit(**_jit_options(["cols_per_program"], ["slice_table_ptr", "tile_table_ptr"]))
     def _lora_kernel(
@@ -419,12 +437,17 @@ def shrink(x2: torch.Tensor, a: Sequence[torch.Tensor], scale: float, groups: Sl
 
     x2: [tokens, in] (token rows); a: per slice [slots, R, in].
     """
+    return _shrink(x2, a, _pointer_table(a), scale, groups)
+
+
+def _shrink(
+    x2: torch.Tensor, a: Sequence[torch.Tensor], a_table: torch.Tensor, scale: float, groups: SlotGroups
+) -> torch.Tensor:
     rank, n = groups.rank, groups.rows.shape[0]
     z = torch.empty(n, len(a) * rank, device=x2.device, dtype=x2.dtype)
-    grid = (groups.block_group.shape[0], len(a))
-    _shrink_kernel[grid](
+    _shrink_kernel[(groups.block_group.shape[0], len(a))](
         x2,
-        _pointer_table(a),
+        a_table,
         z,
         *_group_args(groups),
         x2.shape[1],
@@ -443,6 +466,72 @@ def shrink(x2: torch.Tensor, a: Sequence[torch.Tensor], scale: float, groups: Sl
     return z
 
 
+@dataclass(frozen=True)
+class _ExpandPlan:
+    """The expand kernel's tables for some output slices of one module (its weights stay where they are)."""
+
+    b0: torch.Tensor  # the first slice's B, [slots, out, R]: the typed address the table's offsets count from
+    slices: torch.Tensor  # int64 [S, 4]: B's offset from b0 (elements), B's slot stride, width, first column in y
+    tiles: torch.Tensor  # int64 [T, 2]: slice, first column (in the slice); one program per row block and tile
+    stride_b_out: int
+    stride_b_rank: int
+    aligned: bool  # every width and first column a multiple of 16
+
+
+def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) -> _ExpandPlan | None:
+    """The tables for these slices' B ([slots, out, R] each) and (first column, width) in y; None when their
+    B differ in dtype or row layout (one launch reads them all with b0's type and strides)."""
+    first = b[0]
+    size = first.element_size()
+    if any(t.dtype != first.dtype or t.stride()[1:] != first.stride()[1:] for t in b):
+        return None
+    if any((t.data_ptr() - first.data_ptr()) % size for t in b):
+        return None
+    widths = [max(0, width) for _, width in columns]
+    tiles = tuple(v for s, width in enumerate(widths) for n0 in range(0, width, _BLOCK_N) for v in (s, n0))
+    if not tiles:
+        return None
+    table = tuple(
+        v
+        for t, (offset, _), width in zip(b, columns, widths, strict=True)
+        for v in ((t.data_ptr() - first.data_ptr()) // size, t.stride(0), width, offset)
+    )
+    return _ExpandPlan(
+        b0=first,
+        slices=_table(table, first.device),
+        tiles=_table(tiles, first.device),
+        stride_b_out=first.stride(1),
+        stride_b_rank=first.stride(2),
+        aligned=all(v % 16 == 0 for v in (*widths, *(offset for offset, _ in columns))),
+    )
+
+
+def _expand(y2: torch.Tensor, z: torch.Tensor, plan: _ExpandPlan, z_slice_step: int, groups: SlotGroups) -> None:
+    """y2[rows, each slice's columns] += z[:, s·z_slice_step :][:, :rank] @ B_s[slot]ᵀ: one launch."""
+    rank = groups.rank
+    _expand_kernel[(groups.block_group.shape[0], plan.tiles.shape[0] // 2)](
+        y2,
+        z,
+        plan.b0,
+        plan.slices,
+        plan.tiles,
+        *_group_args(groups),
+        rank,
+        z_slice_step,
+        y2.stride(0),
+        z.stride(0),
+        z.stride(1),
+        plan.stride_b_out,
+        plan.stride_b_rank,
+        USE_SPAN=groups.span is not None,
+        ALIGNED=plan.aligned,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_K=_block(rank),
+        PRECISION=_precision(plan.b0.dtype),
+    )
+
+
 def expand_add(
     y2: torch.Tensor,
     z: torch.Tensor,
@@ -455,28 +544,66 @@ def expand_add(
 
     y2: [tokens, cols] (token rows); z: [n, ≥ rank] in group order; b: [slots, out, R]; any strides.
     """
-    rank = groups.rank
-    grid = (groups.block_group.shape[0], -(-width // _BLOCK_N))
-    _expand_add_kernel[grid](
-        y2,
-        z,
-        b,
-        *_group_args(groups),
-        width,
-        rank,
-        y_col_offset,
-        y2.stride(0),
-        z.stride(0),
-        z.stride(1),
-        b.stride(0),
-        b.stride(1),
-        b.stride(2),
-        USE_SPAN=groups.span is not None,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=_BLOCK_N,
-        BLOCK_K=_block(rank),
-        PRECISION=_precision(b.dtype),
+    key = ("expand", b.data_ptr(), b.dtype, *b.stride(), y_col_offset, width)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _expand_plan([b], [(y_col_offset, width)])
+    if plan is not None:  # (None: no columns to add)
+        _expand(y2, z, plan, 0, groups)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """One LoRA linear on the shrink and expand kernels: two launches, whatever its number of slices."""
+
+    a: tuple[torch.Tensor, ...]  # per slice [slots, R, in]
+    a_table: torch.Tensor  # their addresses
+    expand: _ExpandPlan
+    b: tuple[torch.Tensor, ...]  # held, as `a` is: no other tensor can take their addresses (the plan's key)
+
+
+def split_plan(
+    y2: torch.Tensor,
+    x2: torch.Tensor,
+    a_stacked: Sequence[torch.Tensor],
+    b_stacked: Sequence[torch.Tensor],
+    output_slices: Sequence[int],
+) -> SplitPlan | None:
+    """The plan for this module's weights (vLLM's stacked [slots, (1,) R, in] / [slots, (1,) out, R]), kept
+    per module: None when the kernels cannot take them (the caller then serves it otherwise).
+
+    Looked up on every call, so its key is cheap: the weights' addresses and shapes (a plan holds its weights,
+    so while it is kept no other tensor has those addresses), the first's strides, and x's and y's layout."""
+    key = (
+        "split",
+        x2.shape[1],
+        x2.stride(0),
+        y2.shape[1],
+        *output_slices,
+        *(t.data_ptr() for t in a_stacked),
+        *(t.data_ptr() for t in b_stacked),
+        *(t.shape for t in a_stacked),
+        *(t.shape for t in b_stacked),
+        a_stacked[0].stride(),
+        b_stacked[0].stride(),
     )
+    if key in _PLANS:
+        return _PLANS[key]
+    a = tuple(t.squeeze(1) if t.dim() == 4 else t for t in a_stacked)
+    b = tuple(t.squeeze(1) if t.dim() == 4 else t for t in b_stacked)
+    plan = None
+    if can_shrink(x2, a):
+        expand = _expand_plan(b, slice_columns(output_slices, b, y2.shape[1]))
+        if expand is not None:
+            plan = SplitPlan(a=a, a_table=_pointer_table(a), expand=expand, b=b)
+    _PLANS[key] = plan
+    return plan
+
+
+def split_linear(y2: torch.Tensor, x2: torch.Tensor, plan: SplitPlan, scale: float, groups: SlotGroups) -> None:
+    """y2[rows, slice i] += (scale · x2[rows] @ A_i[slot]ᵀ) @ B_i[slot]ᵀ for every slice: shrink, then expand."""
+    z = _shrink(x2, plan.a, plan.a_table, scale, groups)
+    _expand(y2, z, plan.expand, groups.rank, groups)
 
 
 def can_fuse(x2: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
@@ -594,7 +721,7 @@ def compiled_variants() -> int | None:
     if triton is None:
         return None
     try:
-        kernels = (_shrink_kernel, _expand_add_kernel, _lora_kernel)
+        kernels = (_shrink_kernel, _expand_kernel, _lora_kernel)
         return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
     except (AttributeError, IndexError, TypeError):  # another Triton's JIT layout
         return None

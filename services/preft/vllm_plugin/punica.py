@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from preft.vllm_plugin import compat, ops  # noqa: F401  (ops registers the torch.ops.preft namespace)
+from preft.vllm_plugin.worker_patch import mapping_ids
 
 
 def _ids_to_slots(ids: Any, lora_index_to_id: list[int | None]) -> np.ndarray:
@@ -63,8 +64,9 @@ class _PreftOps:
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs: Any) -> None:
         self.is_prefill = mapping.is_prefill
-        token_slots = _ids_to_slots(mapping.index_mapping, lora_index_to_id)
-        sampled_slots = _ids_to_slots(mapping.prompt_mapping, lora_index_to_id)
+        token_ids, sampled_ids = mapping_ids(mapping)
+        token_slots = _ids_to_slots(token_ids, lora_index_to_id)
+        sampled_slots = _ids_to_slots(sampled_ids, lora_index_to_id)
         lora_tokens, lora_sampled = self.preft_state.set_step(token_slots, sampled_slots)
         _write_base_metadata(self, lora_tokens, lora_sampled, max_loras, vocab_size)
 

@@ -4,7 +4,8 @@
   with the request through vLLM's own swap/condense bookkeeping of that array.
 - ``set_active_loras`` (patch #1) maps each scheduled token from its position: prompt positions of a
   prefill-mode request carry the adapter, generated positions map to "no adapter", and only adapters with
-  tokens in the step are activated.
+  tokens in the step are activated. The step's mapping reaches vLLM's LoRA manager as numpy arrays
+  (``ArrayLoRAMapping``), which our punica wrapper reads as they are.
 - Only adapters not already in a slot go through vLLM's adapter loading; resident ones are only touched in
   the LRU caches (vLLM's own path rebuilds the set of loaded adapters once per request per step).
 - CUDA-graph dispatch (patch #3): a step with adapted tokens runs eagerly (our ops group its tokens by slot
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -45,7 +47,7 @@ def _remove_request(original):
 
 
 def _set_active_loras(original):
-    def set_active_loras(self, input_batch, num_scheduled_tokens, num_sampled_tokens=None, *args, **kwargs):
+    def set_active_loras(self, input_batch, num_scheduled_tokens, num_sampled_tokens=None, mapping_type=None):
         if num_sampled_tokens is None:
             num_sampled_tokens = np.ones_like(num_scheduled_tokens, dtype=np.int32)
         n = len(num_scheduled_tokens)
@@ -57,15 +59,58 @@ def _set_active_loras(original):
             num_sampled_tokens,
         )
         requests = [input_batch.lora_id_to_lora_request[int(i)] for i in step.active_ids]
-        return self._set_active_loras(
-            tuple(step.sampled_ids.tolist()),
-            tuple(step.token_ids.tolist()),
-            not_resident(self.lora_manager, requests),
-            *args,
-            **kwargs,
-        )
+        self._ensure_lora_enabled()
+        mapping = array_mapping(step.token_ids, step.sampled_ids, mapping_type)
+        self.lora_manager.set_active_adapters(not_resident(self.lora_manager, requests), mapping)
 
     return set_active_loras
+
+
+@functools.cache
+def _array_mapping_cls() -> type:
+    """vLLM's LoRAMapping over numpy arrays (see compat's LoRAMapping touch point)."""
+    base, types = compat.lora_mapping_classes()
+
+    class ArrayLoRAMapping(base):
+        """A step's LoRA ids per token and per sampled row; is_prefill, as vLLM's model runner always sets it."""
+
+        __hash__ = None  # as the dataclass it derives from (mutable, compared by value)
+
+        def __init__(self, token_ids: np.ndarray, sampled_ids: np.ndarray, mapping_type=None) -> None:
+            self.token_ids, self.sampled_ids = token_ids, sampled_ids
+            self.is_prefill, self.type = True, mapping_type or types.LANGUAGE
+
+        @property
+        def index_mapping(self) -> tuple[int, ...]:
+            return tuple(self.token_ids.tolist())
+
+        @property
+        def prompt_mapping(self) -> tuple[int, ...]:
+            return tuple(self.sampled_ids.tolist())
+
+        def __eq__(self, other: object) -> bool:
+            if not isinstance(other, ArrayLoRAMapping):
+                return NotImplemented
+            return (
+                (self.is_prefill, self.type) == (other.is_prefill, other.type)
+                and np.array_equal(self.token_ids, other.token_ids)
+                and np.array_equal(self.sampled_ids, other.sampled_ids)
+            )
+
+    return ArrayLoRAMapping
+
+
+def array_mapping(token_ids: np.ndarray, sampled_ids: np.ndarray, mapping_type=None):
+    """A vLLM LoRAMapping of these ids that keeps them as numpy arrays: no per-token tuple is built or compared."""
+    return _array_mapping_cls()(token_ids, sampled_ids, mapping_type)
+
+
+def mapping_ids(mapping) -> tuple[np.ndarray, np.ndarray]:
+    """(per-token, per-sampled-row) LoRA ids of a mapping: ours as they are, vLLM's (its dummy-LoRA warm-up
+    builds its own) from their tuples."""
+    if isinstance(mapping, _array_mapping_cls()):
+        return mapping.token_ids, mapping.sampled_ids
+    return np.asarray(mapping.index_mapping, dtype=np.int64), np.asarray(mapping.prompt_mapping, dtype=np.int64)
 
 
 def not_resident(worker_manager, requests: list) -> set:

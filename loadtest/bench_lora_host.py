@@ -1,0 +1,128 @@
+"""The host's work to issue one decoder layer's LoRA on the kernel paths, launches left out: runs without a GPU.
+
+    .venv/bin/python -m loadtest.bench_lora_host          # any machine; CPU tensors, no kernel runs
+
+On a prefill step of Qwen2.5-0.5B the LoRA kernels are host-bound: issuing them takes as long as running them
+(README, "The LoRA kernels"). This times `groups.lora_linear` over a layer's four LoRA linears (fused q/k/v,
+o, fused gate/up, down) on a full step (16,384 tokens in groups of 1,024, 512 slots) with every Triton kernel
+replaced by a no-op that counts its launches: what remains is our Python between the launches, the part a
+change to it moves. Prints µs per layer and launches per layer for the default choice (shrink + expand) and
+the fused kernel. Triton's own launch cost comes on top (on the H200: `loadtest/bench_lora_kernels.py`'s host
+times). Also times one adapted step's LoRA mapping, vLLM's tuples against our numpy arrays (`bench_mapping`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from unittest import mock
+
+import numpy as np
+import torch
+
+from loadtest.bench_lora_kernels import SHAPES, _layer
+from preft.vllm_plugin import groups as g
+from preft.vllm_plugin import lora_kernels
+
+CHOICES = {"expand+shrink": ("expand", "shrink"), "fused": ("fused",)}  # ("expand" alone runs a torch shrink)
+
+
+class _CountedLaunch:
+    """Stands in for a Triton kernel: `kernel[grid](...)` counts and returns."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = counts
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs) -> None:
+            self.counts[0] += 1
+
+        return launch
+
+
+def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, iters: int) -> dict:
+    token_slots = np.repeat(np.random.default_rng(rank).integers(0, slots, tokens // group_size), group_size)
+    groups = g.SlotGroups.build(token_slots, "cpu", slot_ranks=np.full(slots, rank), max_rank=rank)
+    modules = []
+    for width, slices in _layer(*SHAPES[model]):  # the weights' values do not matter: nothing is computed
+        x, y = torch.empty(tokens, width, dtype=torch.bfloat16), torch.empty(tokens, sum(slices), dtype=torch.bfloat16)
+        a = [torch.empty(slots, 1, rank, width, dtype=torch.bfloat16) for _ in slices]
+        b = [torch.empty(slots, 1, out, rank, dtype=torch.bfloat16) for out in slices]
+        modules.append((y, x, a, b, list(slices)))
+
+    def layer() -> None:
+        for y, x, a, b, slices in modules:
+            g.lora_linear(y, x, a, b, slices, 1.0, groups)
+
+    row = {"model": model, "rank": rank, "tokens": tokens, "group_size": group_size, "slots": slots}
+    counts = [0]
+    stub = _CountedLaunch(counts)
+    kernels = {name: stub for name in ("_shrink_kernel", "_expand_kernel", "_lora_kernel")}
+    with mock.patch.multiple(lora_kernels, supported=lambda y: True, **kernels):
+        for choice, picked in CHOICES.items():
+            with mock.patch.object(lora_kernels, "_KERNELS", frozenset(picked)):
+                for _ in range(20):
+                    layer()
+                counts[0] = 0
+                start = time.perf_counter()
+                for _ in range(iters):
+                    layer()
+                row[f"{choice}_host_us_per_layer"] = (time.perf_counter() - start) / iters * 1e6
+                row[f"{choice}_launches_per_layer"] = counts[0] / iters
+    return row
+
+
+def bench_mapping(tokens: int, group_size: int, slots: int, iters: int) -> dict:
+    """One adapted step's LoRA mapping, as vLLM's LoRA manager and our punica wrapper handle it: built,
+    compared with the step before (`LoRAModelManager.set_adapter_mapping`) and read back as arrays.
+
+    vLLM's own mapping holds per-token tuples (its model runner builds them with `tuple(array)`, we read them
+    with `np.asarray`); ours keeps the numpy arrays (`worker_patch.array_mapping`)."""
+    from vllm.lora.layers import LoRAMapping
+
+    from preft.vllm_plugin.worker_patch import array_mapping, mapping_ids
+
+    rng = np.random.default_rng(0)
+    token_ids = np.repeat(rng.integers(1, slots + 1, tokens // group_size), group_size)
+    sampled_ids = token_ids[group_size - 1 :: group_size].copy()
+
+    def vllms(last):
+        mapping = LoRAMapping(tuple(token_ids.tolist()), tuple(sampled_ids.tolist()), is_prefill=True)
+        changed = last != mapping
+        return mapping, changed, np.asarray(mapping.index_mapping), np.asarray(mapping.prompt_mapping)
+
+    def ours(last):
+        mapping = array_mapping(token_ids, sampled_ids)
+        return mapping, last != mapping, *mapping_ids(mapping)
+
+    row = {"tokens": tokens}
+    for name, step in (("vllm_tuples", vllms), ("numpy_arrays", ours)):
+        last = step(None)[0]
+        start = time.perf_counter()
+        for _ in range(iters):
+            step(last)
+        row[f"mapping_{name}_us"] = (time.perf_counter() - start) / iters * 1e6
+    row["mapping_speedup"] = row["mapping_vllm_tuples_us"] / row["mapping_numpy_arrays_us"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen05,llama8b")
+    ap.add_argument("--ranks", default="8,16")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--group-size", type=int, default=1024, help="tokens per group (a prompt of 1024+128)")
+    ap.add_argument("--slots", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=500)
+    args = ap.parse_args()
+    for model in args.models.split(","):
+        for rank in (int(r) for r in args.ranks.split(",")):
+            row = bench(model, rank, args.tokens, args.group_size, args.slots, args.iters)
+            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    row = bench_mapping(args.tokens, args.group_size, args.slots, 50)
+    print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

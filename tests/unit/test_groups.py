@@ -142,6 +142,13 @@ def test_loop_fallback_matches_grouped_mm():
     torch.testing.assert_close(fast, slow)
 
 
+def test_staged_puts_host_arrays_end_to_end_in_one_int64_tensor():
+    parts = (np.array([1, 2], dtype=np.int32), np.array([[3, 4], [5, 6]]), np.zeros(0, dtype=np.int64))
+    host = g.staged(parts, pinned=False)
+    assert host.dtype == torch.int64 and host.tolist() == [1, 2, 3, 4, 5, 6]
+    assert [t.tolist() for t in g.to_device(parts[:1] + parts[2:], torch.device("cpu"))] == [[1, 2], []]
+
+
 def test_row_blocks_cut_each_group_into_kernel_blocks():
     block_group, block_start = g._row_blocks(np.array([0, 1, 3]), np.array([1, 3, 140]), 64)
     assert block_group.tolist() == [0, 1, 2, 2, 2]

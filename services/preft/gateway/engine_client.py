@@ -5,10 +5,11 @@ to a replica that already holds the adapter. A request is retried once, at once,
 reached (connect errors, a pooled connection the engine had closed), answered 503 (replica draining, queue
 full, adapter not fetchable there) or answered a 500 outside the contract (Ray Serve's proxy answers a bare
 "Internal Server Error" when the replica handling the request died), as long as no token has reached the
-client: for a stream, until its first chunk has arrived. A second failure is a 503 to the client, or a 500
-after a second 500. Engine 400s become 400s with the engine's message; other engine failures (an EngineError
-of type "internal") become a 500 that says the engine failed, not retried. A stream that fails after its
-status was sent ends with an EngineError line, which raises the same errors.
+client: for a stream, until its first chunk has arrived (each retry is counted and logged with what failed).
+A second failure is a 503 to the client, or a 500 after a second 500. Engine 400s become 400s with the
+engine's message; other engine failures (an EngineError of type "internal") become a 500 that says the engine
+failed, not retried. A stream that fails after its status was sent ends with an EngineError line, which
+raises the same errors.
 
 The client is aiohttp, not httpx: posting to the engine stub (`testing`) on a 2-core machine, httpx 0.28 /
 httpcore 1.0.9 went from ~1,000 requests/s with 1 request in flight to ~300 with 32, its CPU spent in the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 
 import aiohttp
 from pydantic import ValidationError
@@ -27,6 +29,8 @@ from pydantic import ValidationError
 from preft.common.errors import InvalidArgument, PreftError, Unavailable
 from preft.common.metrics import ENGINE_RETRIES
 from preft.engine.contract import MULTIPLEX_HEADER, EngineChunk, EngineError, EngineRequest, EngineResponse
+
+logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/generate"
 ERROR_STATUS = {"invalid_request": 400, "unavailable": 503, "internal": 500}  # EngineError.type -> its status
@@ -81,13 +85,13 @@ class EngineClient:
                     status, body = resp.status, await resp.read()
             except RETRYABLE_ERRORS as e:
                 if attempt == 1:
-                    ENGINE_RETRIES.labels(reason="connect").inc()
+                    _retrying("connect", e)
                     continue
                 raise Unavailable("the engine is unreachable; retry later") from e
             except (aiohttp.ClientError, TimeoutError) as e:
                 raise _transport_error(e) from e
             if attempt == 1 and (reason := _retry_reason(status, body)):
-                ENGINE_RETRIES.labels(reason=reason).inc()
+                _retrying(reason, f"HTTP {status}")
                 continue
             if status != 200:
                 raise _error_from(status, body)
@@ -111,20 +115,20 @@ class EngineClient:
                     body = await resp.read()
                     _drop(resp)
                     if attempt == 1 and (reason := _retry_reason(resp.status, body)):
-                        ENGINE_RETRIES.labels(reason=reason).inc()
+                        _retrying(reason, f"HTTP {resp.status}")
                         continue
                     raise _error_from(resp.status, body)
                 first = await _next_chunk(resp)
-            except Unavailable:
+            except Unavailable as e:
                 _drop(resp)
                 if attempt == 1:  # an error line before any chunk: nothing reached the client yet
-                    ENGINE_RETRIES.labels(reason="unavailable").inc()
+                    _retrying("unavailable", e)
                     continue
                 raise
             except RETRYABLE_ERRORS as e:
                 _drop(resp)
                 if attempt == 1:
-                    ENGINE_RETRIES.labels(reason="connect").inc()
+                    _retrying("connect", e)
                     continue
                 raise Unavailable("the engine is unreachable; retry later") from e
             except (aiohttp.ClientError, TimeoutError) as e:
@@ -204,6 +208,12 @@ def _transport_error(e: BaseException) -> Unavailable:
     if isinstance(e, TimeoutError | asyncio.TimeoutError):
         return Unavailable("the engine did not answer in time")
     return Unavailable("the connection to the engine broke")
+
+
+def _retrying(reason: str, cause: object) -> None:
+    """Count and log a retry (a flaky engine shows in the log with what failed, not only in the metric)."""
+    ENGINE_RETRIES.labels(reason=reason).inc()
+    logger.warning("engine request failed before any token (%s: %r); retrying once", reason, cause)
 
 
 def _retry_reason(status: int, body: bytes) -> str | None:

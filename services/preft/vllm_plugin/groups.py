@@ -10,6 +10,7 @@ the adapted tokens, not the number of slots or adapters.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,17 +106,27 @@ def _row_blocks(starts: np.ndarray, ends: np.ndarray, size: int) -> tuple[np.nda
     return block_group, block_start
 
 
+def staged(arrays: Sequence[np.ndarray], pinned: bool) -> torch.Tensor:
+    """Host arrays end to end in one new int64 host tensor (pinned: for a copy to CUDA), written by numpy.
+
+    One allocation and one pass: ``pin_memory()`` of an array allocates and copies again, and torch splits a
+    long CPU copy across its thread pool, whose threads then spin, on every adapted step.
+    """
+    sizes = [np.size(a) for a in arrays]
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=pinned)
+    np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays], out=host.numpy())
+    return host
+
+
 def to_device(arrays: tuple[np.ndarray, ...], device: torch.device) -> list[torch.Tensor]:
     """int64 host arrays as device tensors, through one staging buffer and one copy.
 
     On CUDA the buffer is pinned: a copy from pageable memory first waits for all work queued on the stream,
     and with vLLM's async scheduling the next step is prepared while the current one runs on the GPU.
     """
-    host = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]))
-    if device.type == "cuda":
-        host = host.pin_memory().to(device, non_blocking=True)
-    elif device.type != "cpu":
-        host = host.to(device)
+    host = staged(arrays, pinned=device.type == "cuda")
+    if device.type != "cpu":
+        host = host.to(device, non_blocking=True)
     return list(torch.split(host, [len(a) for a in arrays]))
 
 

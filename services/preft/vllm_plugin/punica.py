@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from preft.vllm_plugin import compat, ops  # noqa: F401  (ops registers the torch.ops.preft namespace)
+from preft.vllm_plugin.groups import staged
 from preft.vllm_plugin.worker_patch import mapping_ids
 
 
@@ -46,14 +47,13 @@ def _write_base_metadata(wrapper, token_slots: np.ndarray, sampled_slots: np.nda
     padded = np.where(sampled_slots >= 0, sampled_slots, max_loras - 1)
     padded = np.arange(m, dtype=np.int64) + padded * m
 
-    def put(dst: torch.Tensor, src: np.ndarray) -> None:
-        host = torch.from_numpy(src)  # pinned on CUDA, so the copy does not wait for the step in flight
-        dst.copy_(host.pin_memory() if dst.is_cuda else host, non_blocking=True)
-
-    put(wrapper._token_lora_indices[:n], token_slots)
-    put(wrapper._sampler_indices[:m], sampled_slots)
-    put(wrapper._sampler_indices_padded[:m], padded)
-    put(wrapper._embeddings_indices[:, :n], embeddings)
+    # One host buffer for the four (pinned on CUDA, so the copies do not wait for the step in flight).
+    host = staged((token_slots, sampled_slots, padded, embeddings), pinned=wrapper._token_lora_indices.is_cuda)
+    tokens, sampled, sampled_padded, embedding = torch.split(host, [n, m, m, 2 * n])
+    wrapper._token_lora_indices[:n].copy_(tokens, non_blocking=True)
+    wrapper._sampler_indices[:m].copy_(sampled, non_blocking=True)
+    wrapper._sampler_indices_padded[:m].copy_(sampled_padded, non_blocking=True)
+    wrapper._embeddings_indices[:, :n].copy_(embedding.view(2, n), non_blocking=True)
     wrapper.indices_len[:] = [n, m, m, n]
 
 

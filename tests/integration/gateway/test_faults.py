@@ -98,12 +98,15 @@ def registry_settings_for(registry, redis_url, port):
     return registry.settings.model_copy(update={"listen_address": f"127.0.0.1:{port}"})
 
 
-def test_engine_503_is_retried_once(gateway, registry, stub):
+def test_engine_503_is_retried_once(gateway, registry, stub, caplog):
     client = gateway.openai(registry.tenant("acme"))
+    client.completions.create(model=BASE, prompt="hi", max_tokens=1)  # the gateway's first connection opened
+    stub.received.clear()
     before = _retries("unavailable")
     stub.fail_next(503)
     assert client.completions.create(model=BASE, prompt="hi", max_tokens=2).usage.completion_tokens == 2
     assert len(stub.received) == 2 and _retries("unavailable") == before + 1
+    assert "(unavailable: 'HTTP 503'); retrying once" in caplog.text
 
     stub.fail_next(503)
     chunks = list(client.completions.create(model=BASE, prompt="hi", max_tokens=3, stream=True))

@@ -163,6 +163,17 @@ if triton is not None:
         return (acc * scale).to(x_ptr.dtype.element_ty)
 
     @triton.jit
+    def _slice_entry(entry, ALIGNED: tl.constexpr):
+        """A slice table entry's last three fields: B's slot stride, the slice's width and its first column in y."""
+        stride_b_slot = tl.load(entry)
+        width = tl.load(entry + 1)
+        y_offset = tl.load(entry + 2)
+        if ALIGNED:  # every slice's width and first column are multiples of 16: y's rows load in vectors
+            width = tl.multiple_of(width, 16)
+            y_offset = tl.multiple_of(y_offset, 16)
+        return stride_b_slot, width, y_offset
+
+    @triton.jit
     def _add_rows(y_ptr, rows, mask_m, cols, mask_n, stride_y, delta):
         """y[rows, cols] += delta (float32), rounded once to y's dtype."""
         ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
@@ -278,12 +289,7 @@ if triton is not None:
         n0 = tl.load(tile_table_ptr + 2 * tile + 1)
         entry = slice_table_ptr + 4 * s
         b_ptr = b0_ptr + tl.load(entry)
-        stride_b_slot = tl.load(entry + 1)
-        width = tl.load(entry + 2)
-        y_offset = tl.load(entry + 3)
-        if ALIGNED:  # every slice's width and first column are multiples of 16: y's rows load in vectors
-            width = tl.multiple_of(width, 16)
-            y_offset = tl.multiple_of(y_offset, 16)
+        stride_b_slot, width, y_offset = _slice_entry(entry + 1, ALIGNED)
         n = n0 + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
         mask_n = n < width
@@ -355,12 +361,7 @@ if triton is not None:
         entry = slice_table_ptr + 5 * s
         a_ptr = tl.load(entry).to(tl.pointer_type(x_ptr.dtype.element_ty))
         b_ptr = tl.load(entry + 1).to(tl.pointer_type(x_ptr.dtype.element_ty))
-        stride_b_slot = tl.load(entry + 2)
-        width = tl.load(entry + 3)
-        y_offset = tl.load(entry + 4)
-        if ALIGNED:  # every slice's width and first column are multiples of 16: y's rows load in vectors
-            width = tl.multiple_of(width, 16)
-            y_offset = tl.multiple_of(y_offset, 16)
+        stride_b_slot, width, y_offset = _slice_entry(entry + 2, ALIGNED)
         z = _shrink_rows(
             x_ptr,
             a_ptr,

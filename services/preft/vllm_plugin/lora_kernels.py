@@ -546,10 +546,10 @@ def expand_add(
     y2: [tokens, cols] (token rows); z: [n, ≥ rank] in group order; b: [slots, out, R]; any strides.
     """
     key = ("expand", b.data_ptr(), b.dtype, *b.stride(), y_col_offset, width)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _expand_plan([b], [(y_col_offset, width)])
-    if plan is not None:  # (None: no columns to add)
+    if key not in _PLANS:  # (a kept None: no columns to add)
+        _PLANS[key] = _expand_plan([b], [(y_col_offset, width)])
+    plan = _PLANS[key]
+    if plan is not None:
         _expand(y2, z, plan, 0, groups)
 
 
@@ -573,12 +573,13 @@ def split_plan(
     """The plan for this module's weights (vLLM's stacked [slots, (1,) R, in] / [slots, (1,) out, R]), kept
     per module: None when the kernels cannot take them (the caller then serves it otherwise).
 
-    Looked up on every call, so its key is cheap: the weights' addresses and shapes (a plan holds its weights,
-    so while it is kept no other tensor has those addresses), the first's strides, and x's and y's layout."""
+    Looked up on every call, so its key is cheap: what the plan is made from. The weights' addresses and shapes
+    (a plan holds its weights, so while it is kept no other tensor has those addresses), the first's strides,
+    x's dtype and column stride (``can_shrink``) and y's width (each slice's columns)."""
     key = (
         "split",
-        x2.shape[1],
-        x2.stride(0),
+        x2.dtype,
+        x2.stride(-1),
         y2.shape[1],
         *output_slices,
         *(t.data_ptr() for t in a_stacked),

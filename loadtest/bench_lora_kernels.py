@@ -54,7 +54,11 @@ def _timed(fn, device: torch.device, iters: int) -> tuple[float, float]:
     return (time.perf_counter() - start) / iters, (issued - start) / iters
 
 
-def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, device: torch.device, iters: int) -> dict:
+def step(
+    model: str, rank: int, tokens: int, group_size: int, slots: int, device: torch.device, **build
+) -> tuple[list, list[torch.Tensor], g.SlotGroups]:
+    """One prefill step of this model's layer: (x, W, A, B, slices) per LoRA linear, their outputs y (zeros), and
+    the step's groups (`group_size` tokens each, drawn from `slots` slots; `build`: SlotGroups.build's options)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device).manual_seed(rank)
 
@@ -62,7 +66,7 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
         return torch.randn(*shape, generator=gen, device=device).div_(fan_in**0.5).to(dtype)
 
     token_slots = np.repeat(np.random.default_rng(rank).integers(0, slots, tokens // group_size), group_size)
-    groups = g.SlotGroups.build(token_slots, device, slot_ranks=np.full(slots, rank), max_rank=rank)
+    groups = g.SlotGroups.build(token_slots, device, slot_ranks=np.full(slots, rank), max_rank=rank, **build)
     modules = []
     for width, slices in _layer(*SHAPES[model]):
         x, w = randn(tokens, width, fan_in=1), randn(sum(slices), width, fan_in=width)
@@ -70,6 +74,11 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
         b = [randn(slots, 1, out, rank, fan_in=rank) for out in slices]
         modules.append((x, w, a, b, list(slices)))
     ys = [torch.zeros(tokens, sum(m[4]), device=device, dtype=dtype) for m in modules]
+    return modules, ys, groups
+
+
+def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, device: torch.device, iters: int) -> dict:
+    modules, ys, groups = step(model, rank, tokens, group_size, slots, device)
 
     def base():
         for (x, w, *_), y in zip(modules, ys, strict=True):

@@ -21,3 +21,25 @@ def test_host_bench_counts_two_launches_per_lora_linear_on_the_default_kernels()
     assert row["expand+shrink_launches_per_layer"] == 8 and row["fused_launches_per_layer"] == 4
     assert row["expand+shrink_host_us_per_layer"] > 0
     assert bench_lora_host.bench_mapping(256, 64, 8, 2)["mapping_speedup"] > 0  # (times: printed, not asserted)
+
+
+def test_tiles_sweep_times_each_kernel_per_linear_and_checks_every_shape(lora_kernels_interpreted, monkeypatch):
+    """On a layer of small widths, two shapes per kernel: every linear gets a time and a check per shape."""
+    from loadtest import bench_lora_kernels as kernels
+    from loadtest import bench_lora_tiles
+
+    from preft.vllm_plugin import lora_kernels
+
+    monkeypatch.setitem(kernels.SHAPES, "tiny", (64, (64, 16, 16), 128))
+    other = lora_kernels.Tiles(rows=32, cols=32, warps=4, stages=2)
+    monkeypatch.setattr(bench_lora_tiles, "shapes", lambda kernel: [lora_kernels._TILES[kernel], other])
+    row = bench_lora_tiles.sweep("tiny", 8, 256, 128, 4, torch.device("cpu"), 1)
+    assert list(row["linears"]) == ["qkv", "o", "gate_up", "down"]
+    for linear in row["linears"].values():
+        for kernel in ("shrink", "expand"):
+            shapes = linear[kernel]["shapes"]
+            assert set(shapes) == {linear[kernel]["default"], "32x32 w4 s2"}
+            assert all(s["us"] > 0 and s["max_rel_diff"] < 1e-5 for s in shapes.values())
+    summary = row["summary"]
+    assert summary["shrink"]["per_linear_best_us"] <= summary["shrink"]["uniform_best_us"]
+    assert summary["expand"]["uniform_best_us"] <= summary["expand"]["default_us"]

@@ -12,8 +12,11 @@ from preft.vllm_plugin import lora_kernels
 SLOTS, RANK, IN, OUT = 5, 16, 24, 40
 
 
-def _groups(token_slots, ranks=(8, 8, 16, 8, 8)):
-    return g.SlotGroups.build(np.asarray(token_slots), "cpu", slot_ranks=np.asarray([*ranks, 0]), max_rank=RANK)
+def _groups(token_slots, ranks=(8, 8, 16, 8, 8), block_rows=lora_kernels.ROW_BLOCK):
+    slot_ranks = np.asarray([*ranks, 0])
+    return g.SlotGroups.build(
+        np.asarray(token_slots), "cpu", slot_ranks=slot_ranks, max_rank=RANK, block_rows=block_rows
+    )
 
 
 def _stacked(gen, rows, cols, ranks=(8, 8, 16, 8, 8), rank_dim=-2):
@@ -69,7 +72,7 @@ def test_lora_linear_matches_per_token_reference(token_slots, dtype):
     assert not g._fast_path_failed
 
 
-def _check_lora_linear(token_slots, slices=(OUT, 8), in_cols=IN, **tolerance):
+def _check_lora_linear(token_slots, slices=(OUT, 8), in_cols=IN, block_rows=lora_kernels.ROW_BLOCK, **tolerance):
     gen = torch.Generator().manual_seed(0)
     n = len(token_slots)
     x = torch.randn(n, in_cols, generator=gen, dtype=torch.get_default_dtype())
@@ -84,7 +87,7 @@ def _check_lora_linear(token_slots, slices=(OUT, 8), in_cols=IN, **tolerance):
         for ai, bi, size in zip(a, b, slices, strict=True):
             expected[t, offset : offset + size] += (x[t] @ ai[slot, 0].T * 0.5) @ bi[slot, 0].T
             offset += size
-    g.lora_linear(y, x, a, b, list(slices), 0.5, _groups(token_slots))
+    g.lora_linear(y, x, a, b, list(slices), 0.5, _groups(token_slots, block_rows=block_rows))
     torch.testing.assert_close(y, expected, **tolerance)
 
 
@@ -192,6 +195,35 @@ def test_shrink_and_expand_kernels_make_two_launches_per_lora_linear(lora_kernel
         _check_lora_linear(LONG_RUNS[60:], slices=(272, 16, 16), in_cols=32)
         _check_lora_linear([2, -1, 0, 2], slices=(OUT,))
     assert launches == ["_shrink", "_expand"] * 3
+
+
+@pytest.mark.parametrize(
+    ("block_rows", "shrink", "expand"),
+    [
+        (64, lora_kernels.Tiles(rows=32, cols=16), lora_kernels.Tiles(rows=16, cols=32, stages=1)),
+        (128, lora_kernels.Tiles(rows=128, cols=32, stages=4), lora_kernels.Tiles(rows=64, cols=256, warps=8)),
+    ],
+)
+def test_lora_kernels_in_other_tiles_match_the_reference(lora_kernels_interpreted, block_rows, shrink, expand):
+    """Several programs per row block, wider and narrower tiles: what a tuning sweep tries."""
+    with lora_kernels.using("expand", "shrink"), lora_kernels.tiled(shrink=shrink, expand=expand):
+        _check_lora_linear(LONG_RUNS, slices=(OUT, 8, 16), block_rows=block_rows)
+        _check_lora_linear(LONG_RUNS[60:], slices=(272, 16, 16), in_cols=32, block_rows=block_rows)
+        _check_lora_linear([2, -1, 0, 2, 4, -1, 1, 1, 3], block_rows=block_rows)
+
+
+def test_tiled_restores_the_tiles_and_refuses_what_cannot_run(lora_kernels_interpreted):
+    before = dict(lora_kernels._TILES)
+    with pytest.raises(ValueError, match="unknown kernels"), lora_kernels.tiled(fused=lora_kernels.Tiles(8, 8)):
+        pass
+    odd = lora_kernels.Tiles(rows=48, cols=16)  # 48 rows per program do not divide the row block of 64
+    with (
+        lora_kernels.using("expand", "shrink"),
+        lora_kernels.tiled(shrink=odd),
+        pytest.raises(ValueError, match="divide"),
+    ):
+        _check_lora_linear(LONG_RUNS)
+    assert before == lora_kernels._TILES
 
 
 def test_column_ranges_bound_the_rereads_of_x():

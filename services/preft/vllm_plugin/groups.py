@@ -38,11 +38,12 @@ class SlotGroups:
     slots: torch.Tensor  # int64 [G]: the slot of each group
     offs: torch.Tensor  # int32 [G]: cumulative end of each group in rows (grouped-matmul offsets)
     row_group: torch.Tensor  # int64 [n]: the group of each row
-    block_group: torch.Tensor  # int64 [B]: the group of each block of ≤ BLOCK_M rows (the expand kernel's grid)
+    block_group: torch.Tensor  # int64 [B]: the group of each block of ≤ block_rows rows (the kernels' grid)
     block_start: torch.Tensor  # int64 [B]: the block's first row (position in rows)
     bounds: tuple[tuple[int, int, int], ...]  # host copy: (slot, start, end) per group
     rank: int  # weight rows in use: the largest rank among these slots, rounded up (0 when empty)
     span: tuple[int, int] | None = None  # rows == range(*span)
+    block_rows: int = lora_kernels.ROW_BLOCK
 
     @property
     def empty(self) -> bool:
@@ -50,9 +51,16 @@ class SlotGroups:
 
     @classmethod
     def build(
-        cls, token_slots: np.ndarray, device: torch.device | str, *, slot_ranks: np.ndarray, max_rank: int
+        cls,
+        token_slots: np.ndarray,
+        device: torch.device | str,
+        *,
+        slot_ranks: np.ndarray,
+        max_rank: int,
+        block_rows: int = lora_kernels.ROW_BLOCK,
     ) -> SlotGroups:
-        """Group the tokens whose slot is >= 0; `slot_ranks[s]` is the rank of what slot s holds."""
+        """Group the tokens whose slot is >= 0; `slot_ranks[s]` is the rank of what slot s holds. The kernels'
+        programs take each group's rows in blocks of `block_rows` (or parts of those blocks)."""
         token_slots = np.asarray(token_slots, dtype=np.int64)
         rows = np.flatnonzero(token_slots >= 0)
         if rows.size == 0:
@@ -70,7 +78,7 @@ class SlotGroups:
         rank = int(slot_ranks[slots].max())
         rank = min(max_rank, -(-max(rank, 1) // RANK_ALIGNMENT) * RANK_ALIGNMENT)
         row_group = np.repeat(np.arange(slots.size, dtype=np.int64), ends - starts)
-        block_group, block_start = _row_blocks(starts, ends, lora_kernels.BLOCK_M)
+        block_group, block_start = _row_blocks(starts, ends, block_rows)
         arrays = (rows, slots, ends, row_group, block_group, block_start)
         rows_t, slots_t, ends_t, row_group_t, block_group_t, block_start_t = to_device(arrays, torch.device(device))
         return cls(
@@ -83,6 +91,7 @@ class SlotGroups:
             bounds=tuple(zip(slots.tolist(), starts.tolist(), ends.tolist(), strict=True)),
             rank=rank,
             span=span,
+            block_rows=block_rows,
         )
 
     def take(self, t: torch.Tensor) -> torch.Tensor:

@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BLOCK_M = 64  # rows per program; SlotGroups cuts its row blocks to this size
-_BLOCK_N = 128  # output columns per tile (the expand kernel: per program)
-_BLOCK_C = 64  # shrink: input columns per iteration
+ROW_BLOCK = 64  # SlotGroups cuts each group's rows into blocks of this many; programs take a block or part of one
+_BLOCK_N = 128  # the fused kernel: output columns per tile
+_BLOCK_C = 64  # the fused kernel: input columns per iteration
 KERNELS = ("expand", "shrink", "fused")
 DEFAULT = "expand,shrink"
 
@@ -57,6 +57,26 @@ def _picked(setting: str) -> frozenset[str]:
 
 
 _KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", DEFAULT))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The launch shape of the shrink or the expand kernel.
+
+    rows: rows per program, a divisor of the groups' row block (each block gets block ÷ rows programs); cols:
+    the expand's output columns per program, the shrink's input columns per iteration of its loop; warps
+    and stages: Triton's num_warps and num_stages (the pipeline depth of the shrink's loop).
+    """
+
+    rows: int
+    cols: int
+    warps: int = 4
+    stages: int = 3
+
+
+# The fastest over a layer of Qwen2.5-0.5B's and Llama-3.1-8B's shapes on the H200, at ranks 8 and 16, in the
+# sweep of loadtest/bench_lora_tiles (README "The LoRA kernels' launch shapes")
+_TILES = {"shrink": Tiles(rows=64, cols=128), "expand": Tiles(rows=64, cols=64, warps=8)}
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values
 _PLANS: dict[tuple, object] = {}  # each LoRA linear's kernel plan, by its weights' addresses (they stay put)
 _ENGINES: set[tuple[torch.device, torch.dtype, int, int]] = set()  # warm_up's arguments, for `using`
@@ -70,6 +90,27 @@ def supported(y: torch.Tensor) -> bool:
 def available(y: torch.Tensor, kernel: str = "expand") -> bool:
     """Whether `kernel` serves this output: picked (PREFT_LORA_KERNELS or `using`) and supported."""
     return kernel in _KERNELS and supported(y)
+
+
+@contextlib.contextmanager
+def tiled(**tiles: Tiles) -> Iterator[None]:
+    """These launch shapes (``shrink=``, ``expand=``) for everything run in this process meanwhile (tuning)."""
+    if set(tiles) - set(_TILES):
+        raise ValueError(f"unknown kernels {sorted(set(tiles) - set(_TILES))}: tiled takes {sorted(_TILES)}")
+    before = dict(_TILES)
+    _TILES.update(tiles)
+    try:
+        yield
+    finally:
+        _TILES.update(before)
+
+
+def _split(groups: SlotGroups, tiles: Tiles) -> tuple[int, int]:
+    """(programs per row block, rows per program) of these tiles over these groups' row blocks."""
+    rows = min(tiles.rows, groups.block_rows)
+    if groups.block_rows % rows:
+        raise ValueError(f"{rows} rows per program do not divide the groups' row block of {groups.block_rows}")
+    return groups.block_rows // rows, rows
 
 
 @contextlib.contextmanager
@@ -114,11 +155,14 @@ if triton is not None:
         slots_ptr,
         span_start,
         USE_SPAN: tl.constexpr,
+        SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
     ):
-        """Row block pid_m's rows: positions in group order, their token rows, the mask, and the group's slot."""
-        group = tl.load(block_group_ptr + pid_m)
-        m = tl.load(block_start_ptr + pid_m) + tl.arange(0, BLOCK_M)
+        """Program pid_m's rows (part pid_m % SPLIT of row block pid_m // SPLIT, BLOCK_M rows): positions in
+        group order, their token rows, the mask, and the group's slot."""
+        block = pid_m // SPLIT
+        group = tl.load(block_group_ptr + block)
+        m = tl.load(block_start_ptr + block) + (pid_m % SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = m < tl.load(offs_ptr + group)
         if USE_SPAN:  # noqa: SIM108  (a constexpr branch: Triton compiles only the one taken)
             rows = (span_start + m).to(tl.int64)
@@ -200,6 +244,7 @@ if triton is not None:
         stride_a_rank,
         stride_z,
         USE_SPAN: tl.constexpr,
+        SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,
@@ -215,6 +260,7 @@ if triton is not None:
             slots_ptr,
             span_start,
             USE_SPAN,
+            SPLIT,
             BLOCK_M,
         )
         s = tl.program_id(1)
@@ -262,6 +308,7 @@ if triton is not None:
         stride_b_rank,
         USE_SPAN: tl.constexpr,
         ALIGNED: tl.constexpr,
+        SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -269,9 +316,9 @@ if triton is not None:
     ):
         """y[row(m), slice's first column + n] += z[m, s·z_slice_step :][:rank] · B_s[slot][n]: every slice at once.
 
-        Program (block, t): row block `block`, and t's entry of the tile table (slice s, its first column
-        n0), BLOCK_N columns. The slice table holds, per slice: B's offset from b0 in elements, B's slot
-        stride, the slice's width and its first column in y.
+        Program (block, t): row block `block` (or a part of it), and t's entry of the tile table (slice s, its
+        first column n0), BLOCK_N columns. The slice table holds, per slice: B's offset from b0 in elements,
+        B's slot stride, the slice's width and its first column in y.
         """
         m, rows, mask_m, slot = _group_rows(
             tl.program_id(0),
@@ -282,6 +329,7 @@ if triton is not None:
             slots_ptr,
             span_start,
             USE_SPAN,
+            SPLIT,
             BLOCK_M,
         )
         tile = tl.program_id(1)
@@ -331,6 +379,7 @@ if triton is not None:
         stride_b_rank,
         USE_SPAN: tl.constexpr,
         ALIGNED: tl.constexpr,
+        SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,
@@ -353,6 +402,7 @@ if triton is not None:
             slots_ptr,
             span_start,
             USE_SPAN,
+            SPLIT,
             BLOCK_M,
         )
         tile = tl.program_id(0)
@@ -446,7 +496,9 @@ def _shrink(
 ) -> torch.Tensor:
     rank, n = groups.rank, groups.rows.shape[0]
     z = torch.empty(n, len(a) * rank, device=x2.device, dtype=x2.dtype)
-    _shrink_kernel[(groups.block_group.shape[0], len(a))](
+    tiles = _TILES["shrink"]
+    split, rows = _split(groups, tiles)
+    _shrink_kernel[(groups.block_group.shape[0] * split, len(a))](
         x2,
         a_table,
         z,
@@ -459,10 +511,13 @@ def _shrink(
         a[0].stride(1),
         z.stride(0),
         USE_SPAN=groups.span is not None,
-        BLOCK_M=BLOCK_M,
+        SPLIT=split,
+        BLOCK_M=rows,
         BLOCK_R=_block(rank),
-        BLOCK_C=_BLOCK_C,
+        BLOCK_C=tiles.cols,
         PRECISION=_precision(x2.dtype),
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
     )
     return z
 
@@ -477,11 +532,13 @@ class _ExpandPlan:
     stride_b_out: int
     stride_b_rank: int
     aligned: bool  # every width and first column a multiple of 16
+    block_n: int  # the tiles' width: the expand's columns per program when the plan was made
 
 
 def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) -> _ExpandPlan | None:
-    """The tables for these slices' B ([slots, out, R] each) and (first column, width) in y; None when their
-    B differ in dtype or row layout (one launch reads them all with b0's type and strides)."""
+    """The tables for these slices' B ([slots, out, R] each) and (first column, width) in y, in tiles of the
+    expand's current width; None when their B differ in dtype or row layout (one launch reads them all with
+    b0's type and strides)."""
     first = b[0]
     size = first.element_size()
     if any(t.dtype != first.dtype or t.stride()[1:] != first.stride()[1:] for t in b):
@@ -489,7 +546,8 @@ def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) 
     if any((t.data_ptr() - first.data_ptr()) % size for t in b):
         return None
     widths = [max(0, width) for _, width in columns]
-    tiles = tuple(v for s, width in enumerate(widths) for n0 in range(0, width, _BLOCK_N) for v in (s, n0))
+    block_n = _TILES["expand"].cols
+    tiles = tuple(v for s, width in enumerate(widths) for n0 in range(0, width, block_n) for v in (s, n0))
     if not tiles:
         return None
     table = tuple(
@@ -504,13 +562,17 @@ def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) 
         stride_b_out=first.stride(1),
         stride_b_rank=first.stride(2),
         aligned=all(v % 16 == 0 for v in (*widths, *(offset for offset, _ in columns))),
+        block_n=block_n,
     )
 
 
 def _expand(y2: torch.Tensor, z: torch.Tensor, plan: _ExpandPlan, z_slice_step: int, groups: SlotGroups) -> None:
     """y2[rows, each slice's columns] += z[:, s·z_slice_step :][:, :rank] @ B_s[slot]ᵀ: one launch."""
-    rank = groups.rank
-    _expand_kernel[(groups.block_group.shape[0], plan.tiles.shape[0] // 2)](
+    rank, tiles = groups.rank, _TILES["expand"]
+    if plan.block_n != tiles.cols:
+        raise ValueError(f"the plan's tiles are {plan.block_n} columns wide, the expand's {tiles.cols}")
+    split, rows = _split(groups, tiles)
+    _expand_kernel[(groups.block_group.shape[0] * split, plan.tiles.shape[0] // 2)](
         y2,
         z,
         plan.b0,
@@ -526,10 +588,13 @@ def _expand(y2: torch.Tensor, z: torch.Tensor, plan: _ExpandPlan, z_slice_step: 
         plan.stride_b_rank,
         USE_SPAN=groups.span is not None,
         ALIGNED=plan.aligned,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=_BLOCK_N,
+        SPLIT=split,
+        BLOCK_M=rows,
+        BLOCK_N=tiles.cols,
         BLOCK_K=_block(rank),
         PRECISION=_precision(plan.b0.dtype),
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
     )
 
 
@@ -545,7 +610,7 @@ def expand_add(
 
     y2: [tokens, cols] (token rows); z: [n, ≥ rank] in group order; b: [slots, out, R]; any strides.
     """
-    key = ("expand", b.data_ptr(), b.dtype, *b.stride(), y_col_offset, width)
+    key = ("expand", _TILES["expand"].cols, b.data_ptr(), b.dtype, *b.stride(), y_col_offset, width)
     if key not in _PLANS:  # (a kept None: no columns to add)
         _PLANS[key] = _expand_plan([b], [(y_col_offset, width)])
     plan = _PLANS[key]
@@ -575,9 +640,11 @@ def split_plan(
 
     Looked up on every call, so its key is cheap: what the plan is made from. The weights' addresses and shapes
     (a plan holds its weights, so while it is kept no other tensor has those addresses), the first's strides,
-    x's dtype and column stride (``can_shrink``) and y's width (each slice's columns)."""
+    x's dtype and column stride (``can_shrink``), y's width (each slice's columns) and the expand's tile
+    width."""
     key = (
         "split",
+        _TILES["expand"].cols,
         x2.dtype,
         x2.stride(-1),
         y2.shape[1],
@@ -708,7 +775,8 @@ def lora_linear(
         b[0].stride(2),
         USE_SPAN=groups.span is not None,
         ALIGNED=plan.aligned,
-        BLOCK_M=BLOCK_M,
+        SPLIT=1,
+        BLOCK_M=groups.block_rows,
         BLOCK_R=_block(rank),
         BLOCK_C=_BLOCK_C,
         BLOCK_N=_BLOCK_N,
@@ -747,7 +815,7 @@ def _compile(device: torch.device, dtype: torch.dtype, width: int, max_rank: int
     global _KERNELS
     if not _KERNELS:
         return
-    tokens = BLOCK_M + 1
+    tokens = ROW_BLOCK + 1
     y2 = torch.zeros(tokens, width, device=device, dtype=dtype)
     a = [torch.zeros(2, max_rank, width, device=device, dtype=dtype)]
     b = torch.zeros(2, width, max_rank, device=device, dtype=dtype)

@@ -64,14 +64,16 @@ class Tiles:
     """The launch shape of the shrink or the expand kernel.
 
     rows: rows per program, a divisor of the groups' row block (each block gets block ÷ rows programs); cols:
-    the expand's output columns per program, the shrink's input columns per iteration of its loop; warps
-    and stages: Triton's num_warps and num_stages (the pipeline depth of the shrink's loop).
+    the expand's output columns per tile, the shrink's input columns per iteration of its loop; warps and
+    stages: Triton's num_warps and num_stages (the pipeline depth of the shrink's loop); per_program: the
+    expand's tiles per program (its row block's group, slot and rows loaded once for all of them).
     """
 
     rows: int
     cols: int
     warps: int = 4
     stages: int = 3
+    per_program: int = 1
 
 
 # The fastest over a layer of Qwen2.5-0.5B's and Llama-3.1-8B's shapes on the H200, at ranks 8 and 16, in the
@@ -312,13 +314,15 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        TILES: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         """y[row(m), slice's first column + n] += z[m, s·z_slice_step :][:rank] · B_s[slot][n]: every slice at once.
 
-        Program (block, t): row block `block` (or a part of it), and t's entry of the tile table (slice s, its
-        first column n0), BLOCK_N columns. The slice table holds, per slice: B's offset from b0 in elements,
-        B's slot stride, the slice's width and its first column in y.
+        Program (block, j): row block `block` (or a part of it), and the tile table's entries j·TILES to
+        j·TILES + TILES - 1 (each a slice s and its first column n0, BLOCK_N columns; the table is padded to a
+        multiple of TILES with entries past their slice's end). The slice table holds, per slice: B's offset
+        from b0 in elements, B's slot stride, the slice's width and its first column in y.
         """
         m, rows, mask_m, slot = _group_rows(
             tl.program_id(0),
@@ -332,28 +336,29 @@ if triton is not None:
             SPLIT,
             BLOCK_M,
         )
-        tile = tl.program_id(1)
-        s = tl.load(tile_table_ptr + 2 * tile)
-        n0 = tl.load(tile_table_ptr + 2 * tile + 1)
-        entry = slice_table_ptr + 4 * s
-        b_ptr = b0_ptr + tl.load(entry)
-        stride_b_slot, width, y_offset = _slice_entry(entry + 1, ALIGNED)
-        n = n0 + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
-        mask_n = n < width
         mask_k = k < rank
-        z = tl.load(
-            z_ptr + m[:, None].to(tl.int64) * stride_z + (s * z_slice_step + k)[None, :] * stride_z_col,
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + slot * stride_b_slot + n[None, :].to(tl.int64) * stride_b_out + k[:, None] * stride_b_rank,
-            mask=mask_k[:, None] & mask_n[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(z.to(b.dtype), b, input_precision=PRECISION)
-        _add_rows(y_ptr, rows, mask_m, y_offset + n, mask_n, stride_y, acc)
+        for i in tl.static_range(TILES):  # (unrolled: TILES 1 is the kernel of one tile)
+            tile = tl.program_id(1) * TILES + i
+            s = tl.load(tile_table_ptr + 2 * tile)
+            n0 = tl.load(tile_table_ptr + 2 * tile + 1)
+            entry = slice_table_ptr + 4 * s
+            b_ptr = b0_ptr + tl.load(entry)
+            stride_b_slot, width, y_offset = _slice_entry(entry + 1, ALIGNED)
+            n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = n < width
+            z = tl.load(
+                z_ptr + m[:, None].to(tl.int64) * stride_z + (s * z_slice_step + k)[None, :] * stride_z_col,
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                b_ptr + slot * stride_b_slot + n[None, :].to(tl.int64) * stride_b_out + k[:, None] * stride_b_rank,
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(z.to(b.dtype), b, input_precision=PRECISION)
+            _add_rows(y_ptr, rows, mask_m, y_offset + n, mask_n, stride_y, acc)
 
     @triton.jit(**_jit_options(["cols_per_program"], ["slice_table_ptr", "tile_table_ptr"]))
     def _lora_kernel(
@@ -532,7 +537,8 @@ class _ExpandPlan:
     stride_b_out: int
     stride_b_rank: int
     aligned: bool  # every width and first column a multiple of 16
-    block_n: int  # the tiles' width: the expand's columns per program when the plan was made
+    block_n: int  # the expand's tile width when the plan was made,
+    per_program: int  # and its tiles per program (the tile table is padded to a multiple of it)
 
 
 def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) -> _ExpandPlan | None:
@@ -546,10 +552,11 @@ def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) 
     if any((t.data_ptr() - first.data_ptr()) % size for t in b):
         return None
     widths = [max(0, width) for _, width in columns]
-    block_n = _TILES["expand"].cols
+    block_n, per_program = _TILES["expand"].cols, _TILES["expand"].per_program
     tiles = tuple(v for s, width in enumerate(widths) for n0 in range(0, width, block_n) for v in (s, n0))
     if not tiles:
         return None
+    tiles += (0, widths[0]) * (-(len(tiles) // 2) % per_program)  # past slice 0's end: adds nothing
     table = tuple(
         v
         for t, (offset, _), width in zip(b, columns, widths, strict=True)
@@ -563,16 +570,17 @@ def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) 
         stride_b_rank=first.stride(2),
         aligned=all(v % 16 == 0 for v in (*widths, *(offset for offset, _ in columns))),
         block_n=block_n,
+        per_program=per_program,
     )
 
 
 def _expand(y2: torch.Tensor, z: torch.Tensor, plan: _ExpandPlan, z_slice_step: int, groups: SlotGroups) -> None:
     """y2[rows, each slice's columns] += z[:, s·z_slice_step :][:, :rank] @ B_s[slot]ᵀ: one launch."""
     rank, tiles = groups.rank, _TILES["expand"]
-    if plan.block_n != tiles.cols:
-        raise ValueError(f"the plan's tiles are {plan.block_n} columns wide, the expand's {tiles.cols}")
+    if (plan.block_n, plan.per_program) != (tiles.cols, tiles.per_program):
+        raise ValueError(f"the plan's tiles ({plan.block_n} columns, {plan.per_program} a program) are not {tiles}")
     split, rows = _split(groups, tiles)
-    _expand_kernel[(groups.block_group.shape[0] * split, plan.tiles.shape[0] // 2)](
+    _expand_kernel[(groups.block_group.shape[0] * split, plan.tiles.shape[0] // 2 // tiles.per_program)](
         y2,
         z,
         plan.b0,
@@ -592,6 +600,7 @@ def _expand(y2: torch.Tensor, z: torch.Tensor, plan: _ExpandPlan, z_slice_step: 
         BLOCK_M=rows,
         BLOCK_N=tiles.cols,
         BLOCK_K=_block(rank),
+        TILES=tiles.per_program,
         PRECISION=_precision(plan.b0.dtype),
         num_warps=tiles.warps,
         num_stages=tiles.stages,
@@ -610,7 +619,16 @@ def expand_add(
 
     y2: [tokens, cols] (token rows); z: [n, ≥ rank] in group order; b: [slots, out, R]; any strides.
     """
-    key = ("expand", _TILES["expand"].cols, b.data_ptr(), b.dtype, *b.stride(), y_col_offset, width)
+    key = (
+        "expand",
+        _TILES["expand"].cols,
+        _TILES["expand"].per_program,
+        b.data_ptr(),
+        b.dtype,
+        *b.stride(),
+        y_col_offset,
+        width,
+    )
     if key not in _PLANS:  # (a kept None: no columns to add)
         _PLANS[key] = _expand_plan([b], [(y_col_offset, width)])
     plan = _PLANS[key]
@@ -640,11 +658,12 @@ def split_plan(
 
     Looked up on every call, so its key is cheap: what the plan is made from. The weights' addresses and shapes
     (a plan holds its weights, so while it is kept no other tensor has those addresses), the first's strides,
-    x's dtype and column stride (``can_shrink``), y's width (each slice's columns) and the expand's tile
-    width."""
+    x's dtype and column stride (``can_shrink``), y's width (each slice's columns) and the expand's tiles
+    (their width, and how many a program takes)."""
     key = (
         "split",
         _TILES["expand"].cols,
+        _TILES["expand"].per_program,
         x2.dtype,
         x2.stride(-1),
         y2.shape[1],

@@ -21,7 +21,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from loadtest.bench_lora_kernels import SHAPES, _layer
+from loadtest.bench_lora_kernels import SHAPES, _layer, step_groups
 from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_kernels
 
@@ -42,8 +42,7 @@ class _CountedLaunch:
 
 
 def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, iters: int) -> dict:
-    token_slots = np.repeat(np.random.default_rng(rank).integers(0, slots, tokens // group_size), group_size)
-    groups = g.SlotGroups.build(token_slots, "cpu", slot_ranks=np.full(slots, rank), max_rank=rank)
+    groups = step_groups(rank, tokens, group_size, slots, "cpu")
     modules = []
     for width, slices in _layer(*SHAPES[model]):  # the weights' values do not matter: nothing is computed
         x, y = torch.empty(tokens, width, dtype=torch.bfloat16), torch.empty(tokens, sum(slices), dtype=torch.bfloat16)

@@ -54,6 +54,12 @@ def _timed(fn, device: torch.device, iters: int) -> tuple[float, float]:
     return (time.perf_counter() - start) / iters, (issued - start) / iters
 
 
+def step_groups(rank: int, tokens: int, group_size: int, slots: int, device, **build) -> g.SlotGroups:
+    """The step's groups: `group_size` tokens each, their slots drawn from `slots` (seeded by the rank)."""
+    token_slots = np.repeat(np.random.default_rng(rank).integers(0, slots, tokens // group_size), group_size)
+    return g.SlotGroups.build(token_slots, device, slot_ranks=np.full(slots, rank), max_rank=rank, **build)
+
+
 def step(
     model: str, rank: int, tokens: int, group_size: int, slots: int, device: torch.device, **build
 ) -> tuple[list, list[torch.Tensor], g.SlotGroups]:
@@ -65,8 +71,7 @@ def step(
     def randn(*shape: int, fan_in: int) -> torch.Tensor:  # drawn on the device: 512 slots of 8B-sized weights
         return torch.randn(*shape, generator=gen, device=device).div_(fan_in**0.5).to(dtype)
 
-    token_slots = np.repeat(np.random.default_rng(rank).integers(0, slots, tokens // group_size), group_size)
-    groups = g.SlotGroups.build(token_slots, device, slot_ranks=np.full(slots, rank), max_rank=rank, **build)
+    groups = step_groups(rank, tokens, group_size, slots, device, **build)
     modules = []
     for width, slices in _layer(*SHAPES[model]):
         x, w = randn(tokens, width, fan_in=1), randn(sum(slices), width, fan_in=width)

@@ -197,21 +197,16 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: SlotGroups) -> torch.Te
 # --- adapter computations over the groups ---------------------------------------------------------------------
 
 
-def _as_slot_matrices(stacked: torch.Tensor) -> torch.Tensor:
-    """vLLM's stacked LoRA weights [slots, 1, rows, cols] (or [slots, rows, cols]) as [slots, rows, cols]."""
-    return stacked.squeeze(1) if stacked.dim() == 4 else stacked
-
-
 def shrink(xs: torch.Tensor, a_stacked: torch.Tensor, groups: SlotGroups, scale: float = 1.0) -> torch.Tensor:
     """[n, rank]: each row times its slot's A (stacked [slots, (1,) R, in]) transposed, times scale."""
-    a = _as_slot_matrices(a_stacked).index_select(0, groups.slots)[:, : groups.rank]  # [G, r, in]
+    a = lora_kernels.slot_matrices(a_stacked).index_select(0, groups.slots)[:, : groups.rank]  # [G, r, in]
     z = grouped_mm(xs.to(a.dtype), a.transpose(1, 2), groups)
     return z.mul_(scale) if scale != 1.0 else z
 
 
 def expand(zs: torch.Tensor, b_stacked: torch.Tensor, groups: SlotGroups) -> torch.Tensor:
     """[n, out]: each row's z times its slot's B (stacked [slots, (1,) out, R]) transposed."""
-    b = _as_slot_matrices(b_stacked).index_select(0, groups.slots)[:, :, : groups.rank]  # [G, out, r]
+    b = lora_kernels.slot_matrices(b_stacked).index_select(0, groups.slots)[:, :, : groups.rank]  # [G, out, r]
     return grouped_mm(zs[:, : groups.rank].to(b.dtype).contiguous(), b.transpose(1, 2), groups)
 
 
@@ -234,8 +229,8 @@ def lora_linear(
     y2 = y.view(-1, y.shape[-1])
     x2 = x.reshape(-1, x.shape[-1])
     if lora_kernels.available(y2, "fused"):
-        a_slots = [_as_slot_matrices(a) for a in a_stacked]
-        b_slots = [_as_slot_matrices(b) for b in b_stacked]
+        a_slots = [lora_kernels.slot_matrices(a) for a in a_stacked]
+        b_slots = [lora_kernels.slot_matrices(b) for b in b_stacked]
         if lora_kernels.can_fuse(x2, a_slots, b_slots):
             lora_kernels.lora_linear(y2, x2, a_slots, b_slots, output_slices, scale, groups)
             return
@@ -245,7 +240,7 @@ def lora_linear(
             lora_kernels.split_linear(y2, x2, plan, scale, groups)
             return
     r = groups.rank
-    a_slots = [_as_slot_matrices(a) for a in a_stacked]
+    a_slots = [lora_kernels.slot_matrices(a) for a in a_stacked]
     if lora_kernels.available(y2, "shrink") and lora_kernels.can_shrink(x2, a_slots):
         z = lora_kernels.shrink(x2, a_slots, scale, groups)
     elif len(a_stacked) == 1:
@@ -309,7 +304,7 @@ def _add_expanded(
     target = None if in_place else groups.take(y2)
     columns = lora_kernels.slice_columns(output_slices, b_stacked, y2.shape[1], offset)
     for z, b, (col, width) in zip(zs, b_stacked, columns, strict=True):
-        b = _as_slot_matrices(b)
+        b = lora_kernels.slot_matrices(b)
         if in_place:
             lora_kernels.expand_add(y2, z, b, col, width, groups)
         else:

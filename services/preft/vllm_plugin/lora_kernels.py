@@ -481,6 +481,11 @@ def _group_args(groups: SlotGroups) -> tuple:
     return groups.rows, groups.block_group, groups.block_start, groups.offs, groups.slots, span_start
 
 
+def slot_matrices(stacked: torch.Tensor) -> torch.Tensor:
+    """vLLM's stacked LoRA weights [slots, 1, rows, cols] (or [slots, rows, cols]) as [slots, rows, cols]."""
+    return stacked.squeeze(1) if stacked.dim() == 4 else stacked
+
+
 def can_shrink(x2: torch.Tensor, a: Sequence[torch.Tensor]) -> bool:
     """Whether the shrink kernel takes these: x's dtype and unit column stride, every A laid out alike."""
     first = a[0]
@@ -677,8 +682,8 @@ def split_plan(
     )
     if key in _PLANS:
         return _PLANS[key]
-    a = tuple(t.squeeze(1) if t.dim() == 4 else t for t in a_stacked)
-    b = tuple(t.squeeze(1) if t.dim() == 4 else t for t in b_stacked)
+    a = tuple(slot_matrices(t) for t in a_stacked)
+    b = tuple(slot_matrices(t) for t in b_stacked)
     plan = None
     if can_shrink(x2, a):
         expand = _expand_plan(b, slice_columns(output_slices, b, y2.shape[1]))

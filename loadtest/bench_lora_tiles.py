@@ -5,13 +5,12 @@
 
 For each model shape and rank (the step of ``bench_lora_kernels``: 16,384 tokens in groups of one adapter,
 512 slots), times each kernel alone on each of the layer's four LoRA linears, in every launch shape of the
-sweep (``lora_kernels.Tiles``: rows per program, columns per tile or per iteration, warps, stages, the
-expand's tiles per program), the other kernel at its default. Beside them, per linear: the base matmul, and
-an in-place add over y (the expand's traffic, read and written once, at the rate torch's own kernel
-reaches). Reports each kernel's bytes per second, the default shape's and the fastest shape's time per
-linear, and the layer's LoRA time with the default shapes, with the one shape per kernel that is fastest
-over the layer, and with the fastest shape per linear. Every shape's result is checked against the torch
-path.
+sweep (``lora_kernels.Tiles``: rows per program, columns per tile or per iteration, warps, stages), the
+others at the default. Beside them, per linear: the base matmul, and an in-place add over y (the expand's
+traffic, read and written once, at the rate torch's own kernel reaches). Reports each kernel's bytes per
+second, the default shape's and the fastest shape's time per linear, and the layer's LoRA time with the
+default shapes, with the one shape per kernel that is fastest over the layer, and with the fastest shape
+per linear. Every shape's result is checked against the torch path.
 """
 
 from __future__ import annotations
@@ -35,18 +34,18 @@ BLOCK_ROWS = 128  # the step's row blocks: every rows-per-program of the sweep d
 
 def shapes(kernel: str) -> list[Tiles]:
     """The sweep's launch shapes for one kernel (the default among them)."""
+    rows = (16, 32, 64, 128)
     if kernel == "shrink":  # cols: input columns per iteration of its loop, stages: that loop's pipeline
-        product = itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4))
-        swept = [Tiles(r, c, w, s) for r, c, w, s in product]
-    else:  # cols: columns per tile, per_program: tiles per program (unrolled)
-        product = itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 4, 8))
-        swept = [Tiles(r, c, w, 3, p) for r, c, w, p in product]
+        swept = [Tiles(r, c, 4, s) for r, c, s in itertools.product(rows, (32, 64, 128), (2, 3, 4))]
+        swept += [Tiles(r, c, 8, 3) for r, c in itertools.product((64, 128), (64, 128))]
+    else:  # one tile per program: no loop to pipeline
+        swept = [Tiles(r, c, w, 3) for r, c, w in itertools.product(rows, (32, 64, 128, 256), (4, 8))]
     default = lora_kernels._TILES[kernel]
     return swept if default in swept else [default, *swept]
 
 
 def _label(t: Tiles) -> str:
-    return f"{t.rows}x{t.cols} w{t.warps} s{t.stages} p{t.per_program}"
+    return f"{t.rows}x{t.cols} w{t.warps} s{t.stages}"
 
 
 def sweep(model: str, rank: int, tokens: int, group_size: int, slots: int, device: torch.device, iters: int) -> dict:

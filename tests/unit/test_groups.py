@@ -201,13 +201,11 @@ def test_shrink_and_expand_kernels_make_two_launches_per_lora_linear(lora_kernel
     ("block_rows", "shrink", "expand"),
     [
         (64, lora_kernels.Tiles(rows=32, cols=16), lora_kernels.Tiles(rows=16, cols=32, stages=1)),
-        (64, lora_kernels.Tiles(rows=64, cols=32), lora_kernels.Tiles(rows=32, cols=32, per_program=3)),
         (128, lora_kernels.Tiles(rows=128, cols=32, stages=4), lora_kernels.Tiles(rows=64, cols=256, warps=8)),
     ],
 )
 def test_lora_kernels_in_other_tiles_match_the_reference(lora_kernels_interpreted, block_rows, shrink, expand):
-    """Several programs per row block, wider and narrower tiles, several tiles per program (a padded tile
-    table: 11 tiles over (272, 16, 16) in 4 programs of 3): what a tuning sweep tries."""
+    """Several programs per row block, wider and narrower tiles: what a tuning sweep tries."""
     with lora_kernels.using("expand", "shrink"), lora_kernels.tiled(shrink=shrink, expand=expand):
         _check_lora_linear(LONG_RUNS, slices=(OUT, 8, 16), block_rows=block_rows)
         _check_lora_linear(LONG_RUNS[60:], slices=(272, 16, 16), in_cols=32, block_rows=block_rows)

@@ -64,16 +64,14 @@ class Tiles:
     """The launch shape of the shrink or the expand kernel.
 
     rows: rows per program, a divisor of the groups' row block (each block gets block ÷ rows programs); cols:
-    the expand's output columns per tile, the shrink's input columns per iteration of its loop; warps and
-    stages: Triton's num_warps and num_stages (the pipeline depth of the shrink's loop); per_program: the
-    expand's tiles per program (its row block's group, slot and rows loaded once for all of them).
+    the expand's output columns per program, the shrink's input columns per iteration of its loop; warps
+    and stages: Triton's num_warps and num_stages (the pipeline depth of the shrink's loop).
     """
 
     rows: int
     cols: int
     warps: int = 4
     stages: int = 3
-    per_program: int = 1
 
 
 # The fastest over a layer of Qwen2.5-0.5B's and Llama-3.1-8B's shapes on the H200, at ranks 8 and 16, in the
@@ -314,15 +312,13 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        TILES: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         """y[row(m), slice's first column + n] += z[m, s·z_slice_step :][:rank] · B_s[slot][n]: every slice at once.
 
-        Program (block, j): row block `block` (or a part of it), and the tile table's entries j·TILES to
-        j·TILES + TILES - 1 (each a slice s and its first column n0, BLOCK_N columns; the table is padded to a
-        multiple of TILES with entries past their slice's end). The slice table holds, per slice: B's offset
-        from b0 in elements, B's slot stride, the slice's width and its first column in y.
+        Program (block, t): row block `block` (or a part of it), and t's entry of the tile table (slice s, its
+        first column n0), BLOCK_N columns. The slice table holds, per slice: B's offset from b0 in elements,
+        B's slot stride, the slice's width and its first column in y.
         """
         m, rows, mask_m, slot = _group_rows(
             tl.program_id(0),
@@ -336,29 +332,28 @@ if triton is not None:
             SPLIT,
             BLOCK_M,
         )
+        tile = tl.program_id(1)
+        s = tl.load(tile_table_ptr + 2 * tile)
+        n0 = tl.multiple_of(tl.load(tile_table_ptr + 2 * tile + 1), BLOCK_N)  # (tiles start at multiples)
+        entry = slice_table_ptr + 4 * s
+        b_ptr = b0_ptr + tl.load(entry)
+        stride_b_slot, width, y_offset = _slice_entry(entry + 1, ALIGNED)
+        n = n0 + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
+        mask_n = n < width
         mask_k = k < rank
-        for i in tl.static_range(TILES):  # (unrolled: TILES 1 is the kernel of one tile)
-            tile = tl.program_id(1) * TILES + i
-            s = tl.load(tile_table_ptr + 2 * tile)
-            n0 = tl.load(tile_table_ptr + 2 * tile + 1)
-            entry = slice_table_ptr + 4 * s
-            b_ptr = b0_ptr + tl.load(entry)
-            stride_b_slot, width, y_offset = _slice_entry(entry + 1, ALIGNED)
-            n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = n < width
-            z = tl.load(
-                z_ptr + m[:, None].to(tl.int64) * stride_z + (s * z_slice_step + k)[None, :] * stride_z_col,
-                mask=mask_m[:, None] & mask_k[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                b_ptr + slot * stride_b_slot + n[None, :].to(tl.int64) * stride_b_out + k[:, None] * stride_b_rank,
-                mask=mask_k[:, None] & mask_n[None, :],
-                other=0.0,
-            )
-            acc = tl.dot(z.to(b.dtype), b, input_precision=PRECISION)
-            _add_rows(y_ptr, rows, mask_m, y_offset + n, mask_n, stride_y, acc)
+        z = tl.load(
+            z_ptr + m[:, None].to(tl.int64) * stride_z + (s * z_slice_step + k)[None, :] * stride_z_col,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + slot * stride_b_slot + n[None, :].to(tl.int64) * stride_b_out + k[:, None] * stride_b_rank,
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(z.to(b.dtype), b, input_precision=PRECISION)
+        _add_rows(y_ptr, rows, mask_m, y_offset + n, mask_n, stride_y, acc)
 
     @triton.jit(**_jit_options(["cols_per_program"], ["slice_table_ptr", "tile_table_ptr"]))
     def _lora_kernel(
@@ -412,7 +407,7 @@ if triton is not None:
         )
         tile = tl.program_id(0)
         s = tl.load(tile_table_ptr + 2 * tile)
-        col0 = tl.load(tile_table_ptr + 2 * tile + 1)
+        col0 = tl.multiple_of(tl.load(tile_table_ptr + 2 * tile + 1), BLOCK_N)  # (ranges start at multiples)
         entry = slice_table_ptr + 5 * s
         a_ptr = tl.load(entry).to(tl.pointer_type(x_ptr.dtype.element_ty))
         b_ptr = tl.load(entry + 1).to(tl.pointer_type(x_ptr.dtype.element_ty))
@@ -437,9 +432,9 @@ if triton is not None:
         k = tl.arange(0, BLOCK_R)
         mask_k = k < rank
         col_end = tl.minimum(col0 + cols_per_program, width)
-        for n0 in range(col0, col_end, BLOCK_N):
+        for n0 in range(col0, col_end, BLOCK_N):  # (cols_per_program is a multiple of BLOCK_N: only width masks)
             n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = n < col_end
+            mask_n = n < width
             b = tl.load(
                 b_ptr + slot * stride_b_slot + n[None, :].to(tl.int64) * stride_b_out + k[:, None] * stride_b_rank,
                 mask=mask_k[:, None] & mask_n[None, :],
@@ -542,8 +537,7 @@ class _ExpandPlan:
     stride_b_out: int
     stride_b_rank: int
     aligned: bool  # every width and first column a multiple of 16
-    block_n: int  # the expand's tile width when the plan was made,
-    per_program: int  # and its tiles per program (the tile table is padded to a multiple of it)
+    block_n: int  # the tiles' width: the expand's columns per program when the plan was made
 
 
 def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) -> _ExpandPlan | None:
@@ -557,11 +551,10 @@ def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) 
     if any((t.data_ptr() - first.data_ptr()) % size for t in b):
         return None
     widths = [max(0, width) for _, width in columns]
-    block_n, per_program = _TILES["expand"].cols, _TILES["expand"].per_program
+    block_n = _TILES["expand"].cols
     tiles = tuple(v for s, width in enumerate(widths) for n0 in range(0, width, block_n) for v in (s, n0))
     if not tiles:
         return None
-    tiles += (0, widths[0]) * (-(len(tiles) // 2) % per_program)  # past slice 0's end: adds nothing
     table = tuple(
         v
         for t, (offset, _), width in zip(b, columns, widths, strict=True)
@@ -575,17 +568,16 @@ def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) 
         stride_b_rank=first.stride(2),
         aligned=all(v % 16 == 0 for v in (*widths, *(offset for offset, _ in columns))),
         block_n=block_n,
-        per_program=per_program,
     )
 
 
 def _expand(y2: torch.Tensor, z: torch.Tensor, plan: _ExpandPlan, z_slice_step: int, groups: SlotGroups) -> None:
     """y2[rows, each slice's columns] += z[:, s·z_slice_step :][:, :rank] @ B_s[slot]ᵀ: one launch."""
     rank, tiles = groups.rank, _TILES["expand"]
-    if (plan.block_n, plan.per_program) != (tiles.cols, tiles.per_program):
-        raise ValueError(f"the plan's tiles ({plan.block_n} columns, {plan.per_program} a program) are not {tiles}")
+    if plan.block_n != tiles.cols:
+        raise ValueError(f"the plan's tiles are {plan.block_n} columns wide, the expand's {tiles.cols}")
     split, rows = _split(groups, tiles)
-    _expand_kernel[(groups.block_group.shape[0] * split, plan.tiles.shape[0] // 2 // tiles.per_program)](
+    _expand_kernel[(groups.block_group.shape[0] * split, plan.tiles.shape[0] // 2)](
         y2,
         z,
         plan.b0,
@@ -605,7 +597,6 @@ def _expand(y2: torch.Tensor, z: torch.Tensor, plan: _ExpandPlan, z_slice_step: 
         BLOCK_M=rows,
         BLOCK_N=tiles.cols,
         BLOCK_K=_block(rank),
-        TILES=tiles.per_program,
         PRECISION=_precision(plan.b0.dtype),
         num_warps=tiles.warps,
         num_stages=tiles.stages,
@@ -624,16 +615,7 @@ def expand_add(
 
     y2: [tokens, cols] (token rows); z: [n, ≥ rank] in group order; b: [slots, out, R]; any strides.
     """
-    key = (
-        "expand",
-        _TILES["expand"].cols,
-        _TILES["expand"].per_program,
-        b.data_ptr(),
-        b.dtype,
-        *b.stride(),
-        y_col_offset,
-        width,
-    )
+    key = ("expand", _TILES["expand"].cols, b.data_ptr(), b.dtype, *b.stride(), y_col_offset, width)
     if key not in _PLANS:  # (a kept None: no columns to add)
         _PLANS[key] = _expand_plan([b], [(y_col_offset, width)])
     plan = _PLANS[key]
@@ -663,12 +645,11 @@ def split_plan(
 
     Looked up on every call, so its key is cheap: what the plan is made from. The weights' addresses and shapes
     (a plan holds its weights, so while it is kept no other tensor has those addresses), the first's strides,
-    x's dtype and column stride (``can_shrink``), y's width (each slice's columns) and the expand's tiles
-    (their width, and how many a program takes)."""
+    x's dtype and column stride (``can_shrink``), y's width (each slice's columns) and the expand's tile
+    width."""
     key = (
         "split",
         _TILES["expand"].cols,
-        _TILES["expand"].per_program,
         x2.dtype,
         x2.stride(-1),
         y2.shape[1],

@@ -1,0 +1,64 @@
+"""The LoRA kernels as the H200 runs them: compiled here for sm_90 (Triton ships ptxas), their PTX read.
+
+The expand's cost is y's read and write; before its tiles' first columns were declared multiples of the tile
+width, each thread moved y one 2-byte element at a time (half the bandwidth of torch's own add, H200 run 31).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+from preft.vllm_plugin import lora_kernels
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+# What the engine's calls specialize on: bf16 tensors, 16-aligned pointers, and strides and widths that the
+# model makes multiples of 16 (the group tables' pointers and per-step integers are left unspecialized)
+TENSORS = ("x_ptr", "y_ptr", "z_ptr", "b0_ptr")  # the rest are tables: int64, offs int32
+ALIGNED_ARGS = (*TENSORS, "stride_x", "stride_y", "in_cols", "stride_a_slot", "stride_a_rank")
+CONSTEXPRS = {
+    "_expand_kernel": {"ALIGNED": True, "BLOCK_N": 64, "BLOCK_K": 16},
+    "_lora_kernel": {"ALIGNED": True, "BLOCK_R": 16, "BLOCK_C": 128, "BLOCK_N": 64},
+}
+
+
+def global_accesses(kernel: str, use_span: bool) -> Counter[str]:
+    """How many of each global load and store instruction the kernel's sm_90 PTX holds (e.g. st.global.b16)."""
+    fn = getattr(lora_kernels, kernel)
+    names = fn.arg_names
+    constexprs = CONSTEXPRS[kernel] | {"USE_SPAN": use_span, "SPLIT": 1, "BLOCK_M": 64, "PRECISION": "tf32"}
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*bf16" if name in TENSORS else {"offs_ptr": "*i32"}.get(name, "*i64")
+        else:
+            signature[name] = {"scale": "fp32", "span_start": "i64"}.get(name, "i32")
+    source = ASTSource(
+        fn,
+        signature,
+        {(names.index(k),): v for k, v in constexprs.items()},
+        {(names.index(k),): [["tt.divisibility", 16]] for k in ALIGNED_ARGS if k in names},
+    )
+    ptx = triton.compile(source, target=HOPPER, options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
+    return Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*", ptx))
+
+
+@pytest.mark.parametrize("use_span", [False, True])
+@pytest.mark.parametrize("kernel", ["_expand_kernel", "_lora_kernel"])
+def test_y_is_read_and_written_in_16_byte_vectors(kernel, use_span):
+    try:
+        accesses = global_accesses(kernel, use_span)
+    except RuntimeError as error:  # a Triton without its CUDA backend's tools
+        pytest.skip(f"cannot compile for sm_90 here: {error}")
+    # y is the kernels' only store: every one a 16-byte vector, and as many 16-byte loads of it
+    stores = {op: n for op, n in accesses.items() if op.startswith("st.")}
+    assert stores == {"st.global.v4.b32": 2}, accesses
+    assert accesses["ld.global.v4.b32"] == 2, accesses

@@ -135,4 +135,4 @@ def test_killed_replica_loses_no_accepted_request(stack, tenants):
     failed = [r for r in results if isinstance(r, Exception)]
     # Only requests that had already streamed tokens may be lost; non-streaming requests are retried once.
     assert not failed, failed
-    assert demo.completions.create(model="demo-direft", prompt=PROMPT, max_tokens=4).choices[0].text
+    assert demo.completions.create(model="demo-direft", prompt=PROMPT, max_tokens=4).usage.completion_tokens >= 1

@@ -47,7 +47,8 @@ def test_s3_down_cold_adapters_503_resident_keep_serving(stack, tmp_path):
         with pytest.raises(openai.APIStatusError) as e:
             demo.completions.create(model="cold", prompt=PROMPT, max_tokens=2)
         assert e.value.status_code == 503
-        assert demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=2).choices[0].text
+        # served (sampled: a tiny random model's tokens may decode to no text, or end at its EOS)
+        assert demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
     finally:
         s3 = SeaweedS3(
             stack.state_dir / "s3",

@@ -1,7 +1,9 @@
 """The LoRA kernels as the H200 runs them: compiled here for sm_90 (Triton ships ptxas), their PTX read.
 
-The expand's cost is y's read and write; before its tiles' first columns were declared multiples of the tile
-width, each thread moved y one 2-byte element at a time (half the bandwidth of torch's own add, H200 run 31).
+The expand's cost is y's read and write: before its tiles' first columns were declared multiples of the tile
+width, each thread moved y one 2-byte element at a time (H200 run 31 measured it at half the bandwidth of
+torch's own add over y). The shrink's is x's and A's reads: A's address comes from a table, and until it was
+asserted aligned Triton loaded A one element at a time, outside the loop's pipeline.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import re
 from collections import Counter
 
 import pytest
+import torch
 
 from preft.vllm_plugin import lora_kernels
 
@@ -23,13 +26,15 @@ HOPPER = GPUTarget("cuda", 90, 32)
 TENSORS = ("x_ptr", "y_ptr", "z_ptr", "b0_ptr")  # the rest are tables: int64, offs int32
 ALIGNED_ARGS = (*TENSORS, "stride_x", "stride_y", "in_cols", "stride_a_slot", "stride_a_rank")
 CONSTEXPRS = {
+    "_shrink_kernel": {"BLOCK_R": 16, "BLOCK_C": 128},
     "_expand_kernel": {"ALIGNED": True, "BLOCK_N": 64, "BLOCK_K": 16},
     "_lora_kernel": {"ALIGNED": True, "BLOCK_R": 16, "BLOCK_C": 128, "BLOCK_N": 64},
 }
 
 
 def global_accesses(kernel: str, use_span: bool) -> Counter[str]:
-    """How many of each global load and store instruction the kernel's sm_90 PTX holds (e.g. st.global.b16)."""
+    """How many of each global load and store and asynchronous copy instruction the kernel's sm_90 PTX holds
+    (e.g. st.global.b16, cp.async.cg.shared.global)."""
     fn = getattr(lora_kernels, kernel)
     names = fn.arg_names
     constexprs = CONSTEXPRS[kernel] | {"USE_SPAN": use_span, "SPLIT": 1, "BLOCK_M": 64, "PRECISION": "tf32"}
@@ -48,17 +53,44 @@ def global_accesses(kernel: str, use_span: bool) -> Counter[str]:
         {(names.index(k),): [["tt.divisibility", 16]] for k in ALIGNED_ARGS if k in names},
     )
     ptx = triton.compile(source, target=HOPPER, options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
-    return Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*", ptx))
+    return Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*|cp\.async\.[a-z]+\.shared\.global", ptx))
+
+
+def _compiled(kernel: str, use_span: bool) -> Counter[str]:
+    try:
+        return global_accesses(kernel, use_span)
+    except RuntimeError as error:  # a Triton without its CUDA backend's tools
+        pytest.skip(f"cannot compile for sm_90 here: {error}")
 
 
 @pytest.mark.parametrize("use_span", [False, True])
 @pytest.mark.parametrize("kernel", ["_expand_kernel", "_lora_kernel"])
 def test_y_is_read_and_written_in_16_byte_vectors(kernel, use_span):
-    try:
-        accesses = global_accesses(kernel, use_span)
-    except RuntimeError as error:  # a Triton without its CUDA backend's tools
-        pytest.skip(f"cannot compile for sm_90 here: {error}")
+    accesses = _compiled(kernel, use_span)
     # y is the kernels' only store: every one a 16-byte vector, and as many 16-byte loads of it
     stores = {op: n for op, n in accesses.items() if op.startswith("st.")}
     assert stores == {"st.global.v4.b32": 2}, accesses
     assert accesses["ld.global.v4.b32"] == 2, accesses
+
+
+@pytest.mark.parametrize("use_span", [False, True])
+@pytest.mark.parametrize("kernel", ["_shrink_kernel", "_lora_kernel"])
+def test_x_and_a_load_in_pipelined_16_byte_copies(kernel, use_span):
+    """Each input tile, x's rows and A's (its address read from a table, asserted 16-byte aligned), is fetched
+    by cp.async ahead of the loop iteration that needs it; before, A came one bf16 at a time, every iteration
+    waiting for it."""
+    accesses = _compiled(kernel, use_span)
+    assert accesses["cp.async.cg.shared.global"] > 0, accesses
+    if kernel == "_shrink_kernel":  # (the fused kernel still loads B's few rank columns one by one)
+        assert "ld.global.b16" not in accesses, accesses
+
+
+def test_kernels_refuse_weights_that_are_not_16_byte_aligned():
+    """The kernels assert the alignment of the addresses they read from tables: what lacks it goes elsewhere."""
+    x = torch.zeros(4, 24)
+    aligned = torch.zeros(2, 8, 24)
+    shifted = torch.zeros(2 * 8 * 24 + 1)[1:].view(2, 8, 24)  # 4 bytes past an allocation's start
+    b = torch.zeros(2, 40, 8)
+    assert lora_kernels.can_shrink(x, [aligned, aligned]) and lora_kernels.can_fuse(x, [aligned], [b])
+    assert not lora_kernels.can_shrink(x, [aligned, shifted])
+    assert not lora_kernels.can_fuse(x, [aligned], [torch.zeros(2 * 40 * 8 + 1)[1:].view(2, 40, 8)])

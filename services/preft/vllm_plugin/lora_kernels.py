@@ -264,7 +264,7 @@ if triton is not None:
             BLOCK_M,
         )
         s = tl.program_id(1)
-        a_ptr = tl.load(a_table_ptr + s).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        a_ptr = tl.multiple_of(tl.load(a_table_ptr + s).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)  # (can_shrink)
         z = _shrink_rows(
             x_ptr,
             a_ptr,
@@ -409,8 +409,8 @@ if triton is not None:
         s = tl.load(tile_table_ptr + 2 * tile)
         col0 = tl.multiple_of(tl.load(tile_table_ptr + 2 * tile + 1), BLOCK_N)  # (ranges start at multiples)
         entry = slice_table_ptr + 5 * s
-        a_ptr = tl.load(entry).to(tl.pointer_type(x_ptr.dtype.element_ty))
-        b_ptr = tl.load(entry + 1).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        a_ptr = tl.multiple_of(tl.load(entry).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)  # (can_fuse)
+        b_ptr = tl.multiple_of(tl.load(entry + 1).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
         stride_b_slot, width, y_offset = _slice_entry(entry + 2, ALIGNED)
         z = _shrink_rows(
             x_ptr,
@@ -481,11 +481,18 @@ def slot_matrices(stacked: torch.Tensor) -> torch.Tensor:
     return stacked.squeeze(1) if stacked.dim() == 4 else stacked
 
 
+def _aligned(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor starts at a multiple of 16 bytes (torch's allocations do; the kernels, reading
+    these addresses from a table, assert it so that Triton loads their rows in vectors and pipelines them)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def can_shrink(x2: torch.Tensor, a: Sequence[torch.Tensor]) -> bool:
-    """Whether the shrink kernel takes these: x's dtype and unit column stride, every A laid out alike."""
+    """Whether the shrink kernel takes these: x's dtype and unit column stride, every A laid out alike and
+    16-byte aligned."""
     first = a[0]
     alike = all(t.shape == first.shape and t.stride() == first.stride() and t.dtype == x2.dtype for t in a)
-    return alike and x2.stride(-1) == 1 and first.stride(-1) == 1
+    return alike and x2.stride(-1) == 1 and first.stride(-1) == 1 and _aligned(a)
 
 
 def shrink(x2: torch.Tensor, a: Sequence[torch.Tensor], scale: float, groups: SlotGroups) -> torch.Tensor:
@@ -681,10 +688,11 @@ def split_linear(y2: torch.Tensor, x2: torch.Tensor, plan: SplitPlan, scale: flo
 
 
 def can_fuse(x2: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
-    """Whether the fused kernel takes these: as the shrink kernel, and every B in x's dtype with one row layout."""
+    """Whether the fused kernel takes these: as the shrink kernel, and every B in x's dtype with one row layout,
+    16-byte aligned."""
     first = b[0]
     alike = all(t.dtype == x2.dtype and t.stride()[1:] == first.stride()[1:] for t in b)
-    return alike and can_shrink(x2, a)
+    return alike and can_shrink(x2, a) and _aligned(b)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from loadtest.bench_lora_kernels import SHAPES, _layer, step_groups
+from loadtest.bench_lora_kernels import SHAPES, _layer, add_step_arguments, models_and_ranks, step_groups
 from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_kernels
 
@@ -108,17 +108,11 @@ def bench_mapping(tokens: int, group_size: int, slots: int, iters: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="qwen05,llama8b")
-    ap.add_argument("--ranks", default="8,16")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--group-size", type=int, default=1024, help="tokens per group (a prompt of 1024+128)")
-    ap.add_argument("--slots", type=int, default=512)
-    ap.add_argument("--iters", type=int, default=500)
+    add_step_arguments(ap, ranks="8,16", group_size=1024, iters=500)
     args = ap.parse_args()
-    for model in args.models.split(","):
-        for rank in (int(r) for r in args.ranks.split(",")):
-            row = bench(model, rank, args.tokens, args.group_size, args.slots, args.iters)
-            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    for model, rank in models_and_ranks(args):
+        row = bench(model, rank, args.tokens, args.group_size, args.slots, args.iters)
+        print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     row = bench_mapping(args.tokens, args.group_size, args.slots, 50)
     print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 

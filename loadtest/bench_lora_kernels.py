@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,24 @@ def _timed(fn, device: torch.device, iters: int) -> tuple[float, float]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / iters, (issued - start) / iters
+
+
+def add_step_arguments(ap: argparse.ArgumentParser, *, ranks: str, group_size: int, iters: int) -> None:
+    """The benchmark step's options, shared by the LoRA kernel benches: models, ranks, tokens, group size,
+    slots, and the timed iterations (with these defaults)."""
+    ap.add_argument("--models", default="qwen05,llama8b")
+    ap.add_argument("--ranks", default=ranks)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--group-size", type=int, default=group_size, help="tokens per group (a prompt of the workload)")
+    ap.add_argument("--slots", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=iters)
+
+
+def models_and_ranks(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
+    """Each (model, rank) of --models and --ranks, models outermost."""
+    for model in args.models.split(","):
+        for rank in args.ranks.split(","):
+            yield model, int(rank)
 
 
 def step_groups(rank: int, tokens: int, group_size: int, slots: int, device, **build) -> g.SlotGroups:
@@ -144,23 +163,17 @@ def write_plot(report: dict, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="qwen05,llama8b")
-    ap.add_argument("--ranks", default="8,16,64")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--group-size", type=int, default=256, help="tokens per group (a prompt of the workload)")
-    ap.add_argument("--slots", type=int, default=512)
-    ap.add_argument("--iters", type=int, default=20)
+    add_step_arguments(ap, ranks="8,16,64", group_size=256, iters=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tolerance", type=float, default=0.02, help="largest relative difference of the two paths")
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json")
     args = ap.parse_args()
     device = torch.device(args.device)
     rows = []
-    for model in args.models.split(","):
-        for rank in (int(r) for r in args.ranks.split(",")):
-            row = bench(model, rank, args.tokens, args.group_size, args.slots, device, args.iters)
-            rows.append(row)
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    for model, rank in models_and_ranks(args):
+        row = bench(model, rank, args.tokens, args.group_size, args.slots, device, args.iters)
+        rows.append(row)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loadtest.bench_lora_kernels import _timed, step
+from loadtest.bench_lora_kernels import _timed, add_step_arguments, models_and_ranks, step
 from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_kernels
 from preft.vllm_plugin.lora_kernels import Tiles
@@ -164,12 +164,7 @@ def _print(row: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="qwen05,llama8b")
-    ap.add_argument("--ranks", default="8,16")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--group-size", type=int, default=1024, help="tokens per group (a prompt of the workload)")
-    ap.add_argument("--slots", type=int, default=512)
-    ap.add_argument("--iters", type=int, default=20)
+    add_step_arguments(ap, ranks="8,16", group_size=1024, iters=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tolerance", type=float, default=0.02, help="largest relative difference from the torch path")
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.png")
@@ -177,16 +172,15 @@ def main() -> None:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     rows = []
-    for model in args.models.split(","):
-        for rank in (int(r) for r in args.ranks.split(",")):
-            row = sweep(model, rank, args.tokens, args.group_size, args.slots, device, args.iters)
-            rows.append(row)
-            _print(row)
-            if args.out:  # after each row: what a cut-short run measured stays
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                report = {"device": name, "torch": torch.__version__, "rows": rows}
-                args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-                write_plot(report, args.out)
+    for model, rank in models_and_ranks(args):
+        row = sweep(model, rank, args.tokens, args.group_size, args.slots, device, args.iters)
+        rows.append(row)
+        _print(row)
+        if args.out:  # after each row: what a cut-short run measured stays
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            report = {"device": name, "torch": torch.__version__, "rows": rows}
+            args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+            write_plot(report, args.out)
     if args.out:
         print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
     worst = max(

@@ -10,7 +10,9 @@ others at the default. Beside them, per linear: the base matmul, and an in-place
 traffic, read and written once, at the rate torch's own kernel reaches). Reports each kernel's bytes per
 second, the default shape's and the fastest shape's time per linear, and the layer's LoRA time with the
 default shapes, with the one shape per kernel that is fastest over the layer, and with the fastest shape
-per linear. Every shape's result is checked against the torch path.
+per linear. Every shape's result is checked against the torch path. Last, prints the ``PREFT_LORA_TILES``
+setting of the shapes fastest over everything it ran (also written alone to OUT.tiles, for the engine's
+environment: ``export PREFT_LORA_TILES="$(cat OUT.tiles)"``).
 """
 
 from __future__ import annotations
@@ -42,10 +44,6 @@ def shapes(kernel: str) -> list[Tiles]:
         swept = [Tiles(r, c, w, 3) for r, c, w in itertools.product(rows, (32, 64, 128, 256), (4, 8))]
     default = lora_kernels._TILES[kernel]
     return swept if default in swept else [default, *swept]
-
-
-def _label(t: Tiles) -> str:
-    return f"{t.rows}x{t.cols} w{t.warps} s{t.stages}"
 
 
 def sweep(model: str, rank: int, tokens: int, group_size: int, slots: int, device: torch.device, iters: int) -> dict:
@@ -82,12 +80,12 @@ def sweep(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
                         y.zero_()
                         lora_kernels.split_linear(y, x, plan, 1.0, groups)
                         diff = float((y.to(torch.float32) - want).abs().max() / want.abs().max())
-                    times[_label(tiles)] = {
+                    times[tiles.label] = {
                         "us": seconds * 1e6,
                         "gb_per_s": traffic[kernel] / seconds / 1e9,
                         "max_rel_diff": diff,
                     }
-                default = _label(lora_kernels._TILES[kernel])
+                default = lora_kernels._TILES[kernel].label
                 best = min(times, key=lambda k: times[k]["us"])
                 entry[kernel] = {"default": default, "best": best, "shapes": times}
         linears[name] = entry
@@ -120,6 +118,17 @@ def _summary(linears: dict) -> dict:
         lora = sum(out[k][f"{choice}_us"] for k in ("shrink", "expand"))
         out[f"lora_{choice}_over_base"] = lora / out["base_matmuls_us"]
     return out
+
+
+def fastest_overall(rows: list[dict]) -> str:
+    """The PREFT_LORA_TILES value of the sweep: per kernel, the shape with the least time summed over every
+    model, rank and linear it ran (one shape serves them all in the engine)."""
+    picked = []
+    for kernel in ("shrink", "expand"):
+        per = [e[kernel]["shapes"] for row in rows for e in row["linears"].values()]
+        best = min(per[0], key=lambda label: sum(times[label]["us"] for times in per))
+        picked.append(f"{kernel}={best}")
+    return ",".join(picked)
 
 
 def write_plot(report: dict, out: Path) -> None:
@@ -178,11 +187,17 @@ def main() -> None:
         _print(row)
         if args.out:  # after each row: what a cut-short run measured stays
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            report = {"device": name, "torch": torch.__version__, "rows": rows}
+            tiles = fastest_overall(rows)
+            report = {"device": name, "torch": torch.__version__, "tiles": tiles, "rows": rows}
             args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+            args.out.with_suffix(".tiles").write_text(tiles + "\n")
             write_plot(report, args.out)
+    print(f"PREFT_LORA_TILES={fastest_overall(rows)}", flush=True)
     if args.out:
-        print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+        print(
+            f"wrote {args.out.with_suffix('.json')}, {args.out.with_suffix('.png')} and the setting alone in "
+            f"{args.out.with_suffix('.tiles')}"
+        )
     worst = max(
         s["max_rel_diff"]
         for row in rows

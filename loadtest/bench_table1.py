@@ -691,6 +691,7 @@ class Bench:
                 "machine": platform.node(),
                 "vllm": __import__("vllm").__version__,
                 "dtype": self.dtype,
+                "lora_tiles": {k: t.label for k, t in lora_kernels._TILES.items()},
             },
             "engines": self.engines,
             "results": [asdict(r) for r in self.rows],

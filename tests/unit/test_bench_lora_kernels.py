@@ -43,3 +43,6 @@ def test_tiles_sweep_times_each_kernel_per_linear_and_checks_every_shape(lora_ke
     summary = row["summary"]
     assert summary["shrink"]["per_linear_best_us"] <= summary["shrink"]["uniform_best_us"]
     assert summary["expand"]["uniform_best_us"] <= summary["expand"]["default_us"]
+    tiles = lora_kernels.parse_tiles(bench_lora_tiles.fastest_overall([row, row]))
+    assert set(tiles) == {"shrink", "expand"}
+    assert all(tiles[k].label in row["linears"]["qkv"][k]["shapes"] for k in tiles)

@@ -239,6 +239,14 @@ def test_lora_kernels_setting_reaches_the_replica_environment(tmp_path):
             EngineSettings(model_dir=tmp_path, lora_kernels=bad)
 
 
+def test_lora_tiles_setting_is_checked_and_reaches_the_replica_environment(tmp_path):
+    assert "PREFT_LORA_TILES" not in EngineSettings(model_dir=tmp_path).process_env()
+    tiles = "shrink=32x64 w4 s4,expand=64x128 w8 s3"
+    assert EngineSettings(model_dir=tmp_path, lora_tiles=tiles).process_env()["PREFT_LORA_TILES"] == tiles
+    with pytest.raises(ValueError, match="rows must be a power of two"):
+        EngineSettings(model_dir=tmp_path, lora_tiles="expand=48x64")
+
+
 def test_every_settings_field_is_described():
     from preft.engine.settings import ReplicaSettings
 

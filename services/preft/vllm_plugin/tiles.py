@@ -1,0 +1,60 @@
+"""The launch shape of a LoRA kernel (``lora_kernels``), and the ``PREFT_LORA_TILES`` setting that names them.
+
+Torch-free, so the engine's settings can check the setting before any process starts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The launch shape of the shrink or the expand kernel.
+
+    rows: rows per program, a divisor of the groups' row block (each block gets block ÷ rows programs); cols:
+    the expand's output columns per program, the shrink's input columns per iteration of its loop; warps
+    and stages: Triton's num_warps and num_stages (the pipeline depth of the shrink's loop).
+    """
+
+    rows: int
+    cols: int
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self) -> None:
+        powers = {"rows": (self.rows, 16, 128), "cols": (self.cols, 16, 256), "warps": (self.warps, 1, 16)}
+        for name, (value, low, high) in powers.items():
+            if not (low <= value <= high and value & (value - 1) == 0):
+                raise ValueError(f"tiles: {name} must be a power of two from {low} to {high}, not {value}")
+        if not 1 <= self.stages <= 8:
+            raise ValueError(f"tiles: stages must be 1 to 8, not {self.stages}")
+
+    @property
+    def label(self) -> str:
+        """``ROWSxCOLS wWARPS sSTAGES``: how the sweep names it and ``PREFT_LORA_TILES`` takes it."""
+        return f"{self.rows}x{self.cols} w{self.warps} s{self.stages}"
+
+    @classmethod
+    def parse(cls, label: str) -> Tiles:
+        """The shape a label names (warps and stages may be left out)."""
+        found = re.fullmatch(r"\s*(\d+)x(\d+)(?:\s*w(\d+))?(?:\s*s(\d+))?\s*", label)
+        if not found:
+            raise ValueError(f"tiles: {label!r} is not ROWSxCOLS[ wWARPS][ sSTAGES], e.g. '64x128 w4 s3'")
+        rows, cols, warps, stages = found.groups()
+        return cls(int(rows), int(cols), int(warps or 4), int(stages or 3))
+
+
+def parse_tiles(setting: str) -> dict[str, Tiles]:
+    """``PREFT_LORA_TILES``: ``KERNEL=LABEL`` pairs, comma-separated, for the shrink and the expand."""
+    tiles: dict[str, Tiles] = {}
+    for part in filter(str.strip, setting.split(",")):
+        kernel, sep, label = part.partition("=")
+        kernel = kernel.strip()
+        if not sep or kernel not in ("shrink", "expand"):
+            raise ValueError(f"tiles: {part.strip()!r} is not shrink=LABEL or expand=LABEL")
+        if kernel in tiles:
+            raise ValueError(f"tiles: {kernel} given twice")
+        tiles[kernel] = Tiles.parse(label)
+    return tiles

@@ -31,15 +31,15 @@ from preft.vllm_plugin import lora_kernels
 from preft.vllm_plugin.lora_kernels import Tiles
 
 LINEARS = ("qkv", "o", "gate_up", "down")
-BLOCK_ROWS = 128  # the step's row blocks: every rows-per-program of the sweep divides them
+BLOCK_ROWS = lora_kernels.ROW_BLOCK  # the step's row blocks, as the engine cuts them
 
 
 def shapes(kernel: str) -> list[Tiles]:
     """The sweep's launch shapes for one kernel (the default among them)."""
-    rows = (16, 32, 64, 128)
+    rows = (16, 32, 64)  # up to the row block: a larger one would run as the whole block
     if kernel == "shrink":  # cols: input columns per iteration of its loop, stages: that loop's pipeline
         swept = [Tiles(r, c, 4, s) for r, c, s in itertools.product(rows, (32, 64, 128), (2, 3, 4))]
-        swept += [Tiles(r, c, 8, 3) for r, c in itertools.product((64, 128), (64, 128))]
+        swept += [Tiles(64, c, 8, 3) for c in (64, 128)]
     else:  # one tile per program: no loop to pipeline
         swept = [Tiles(r, c, w, 3) for r, c, w in itertools.product(rows, (32, 64, 128, 256), (4, 8))]
     default = lora_kernels._TILES[kernel]

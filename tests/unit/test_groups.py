@@ -214,15 +214,15 @@ def test_lora_kernels_in_other_tiles_match_the_reference(lora_kernels_interprete
 
 def test_tiled_restores_the_tiles_and_refuses_what_cannot_run(lora_kernels_interpreted):
     before = dict(lora_kernels._TILES)
-    with pytest.raises(ValueError, match="unknown kernels"), lora_kernels.tiled(fused=lora_kernels.Tiles(8, 8)):
+    with pytest.raises(ValueError, match="unknown kernels"), lora_kernels.tiled(fused=lora_kernels.Tiles(16, 16)):
         pass
-    odd = lora_kernels.Tiles(rows=48, cols=16)  # 48 rows per program do not divide the row block of 64
+    odd = lora_kernels.Tiles(rows=64, cols=16)  # 64 rows per program do not divide a row block of 96
     with (
         lora_kernels.using("expand", "shrink"),
         lora_kernels.tiled(shrink=odd),
         pytest.raises(ValueError, match="divide"),
     ):
-        _check_lora_linear(LONG_RUNS)
+        _check_lora_linear(LONG_RUNS, block_rows=96)
     assert before == lora_kernels._TILES
 
 

@@ -35,6 +35,7 @@ def test_setting_names_either_kernel_or_both():
         ("shrink=64x64,shrink=32x32", "given twice"),
         ("expand=64", "is not ROWSxCOLS"),
         ("expand=48x64", "rows must be a power of two from 16 to 128, not 48"),
+        ("shrink=256x64", "rows must be a power of two from 16 to 128, not 256"),
         ("expand=64x512", "cols must be a power of two from 16 to 256, not 512"),
         ("shrink=64x64 w3", "warps must be a power of two"),
         ("shrink=64x64 w4 s0", "stages must be 1 to 8"),
@@ -49,7 +50,7 @@ def test_the_environment_sets_the_shapes_at_import_and_a_bad_one_stops_it():
     code = "from preft.vllm_plugin import lora_kernels as k; print(k._TILES['expand'].label, k._TILES['shrink'].label)"
     env = {**os.environ, "PREFT_LORA_TILES": "expand=32x128 w4 s2"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.stdout.split("\n")[0] == f"32x128 w4 s2 {lora_kernels._TILES['shrink'].label}", done.stderr
+    assert done.stdout.split("\n")[0] == f"32x128 w4 s2 {lora_kernels.DEFAULT_TILES['shrink'].label}", done.stderr
     env["PREFT_LORA_TILES"] = "expand=32x100"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "cols must be a power of two" in done.stderr

@@ -94,7 +94,7 @@ class EngineSettings(BaseSettings):
     lora_tiles: str | None = Field(
         None,
         description="PREFT_LORA_TILES of the replica processes: the LoRA kernels' launch shapes, as "
-        "loadtest/bench_lora_tiles prints them for a GPU ('shrink=64x128 w4 s3,expand=64x64 w8 s3'); None = "
+        "loadtest/bench_lora_tiles prints them for a GPU ('shrink=64x64 w4 s4,expand=64x128 w8 s3'); None = "
         "the plugin's defaults (the fastest on the H200)",
     )
 

@@ -16,7 +16,7 @@ IEEE precision (no TF32), as torch's matmuls do by default.
 ``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (the default: fastest on
 the H200, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches, more device time), or ``none``
 (the torch path). Off CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch shapes, as
-``loadtest/bench_lora_tiles`` prints them for the GPU it ran on: ``shrink=64x128 w4 s3,expand=64x64 w8 s3``
+``loadtest/bench_lora_tiles`` prints them for the GPU it ran on: ``shrink=64x64 w4 s4,expand=64x128 w8 s3``
 (either kernel may be left out: the defaults below serve it).
 """
 
@@ -63,10 +63,10 @@ def _picked(setting: str) -> frozenset[str]:
 _KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", DEFAULT))
 
 
-# The fastest over a layer of Qwen2.5-0.5B's and Llama-3.1-8B's shapes on the H200, at ranks 8 and 16, in the
-# sweep of loadtest/bench_lora_tiles (README "The LoRA kernels' launch shapes")
-_TILES = {"shrink": Tiles(rows=64, cols=128), "expand": Tiles(rows=64, cols=64, warps=8)}
-_TILES.update(parse_tiles(os.environ.get("PREFT_LORA_TILES", "")))
+# The fastest over a layer of Qwen2.5-0.5B's and Llama-3.1-8B's shapes on the H200, at ranks 8 and 16, summed
+# over all four (loadtest/bench_lora_tiles, run 37: README "Runs 37-40"); PREFT_LORA_TILES overrides them
+DEFAULT_TILES = {"shrink": Tiles(rows=64, cols=64, warps=4, stages=4), "expand": Tiles(rows=64, cols=128, warps=8)}
+_TILES = {**DEFAULT_TILES, **parse_tiles(os.environ.get("PREFT_LORA_TILES", ""))}
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values
 _PLANS: dict[tuple, object] = {}  # each LoRA linear's kernel plan, by its weights' addresses (they stay put)
 _ENGINES: set[tuple[torch.device, torch.dtype, int, int]] = set()  # warm_up's arguments, for `using`

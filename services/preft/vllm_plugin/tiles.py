@@ -13,7 +13,8 @@ from dataclasses import dataclass
 class Tiles:
     """The launch shape of the shrink or the expand kernel.
 
-    rows: rows per program, a divisor of the groups' row block (each block gets block ÷ rows programs); cols:
+    rows: rows per program, a divisor of the groups' row block (each block gets block ÷ rows programs; more rows
+    than the block runs as the whole block: the engine's is ``lora_kernels.ROW_BLOCK``, 64); cols:
     the expand's output columns per program, the shrink's input columns per iteration of its loop; warps
     and stages: Triton's num_warps and num_stages (the pipeline depth of the shrink's loop).
     """
@@ -41,7 +42,7 @@ class Tiles:
         """The shape a label names (warps and stages may be left out)."""
         found = re.fullmatch(r"\s*(\d+)x(\d+)(?:\s*w(\d+))?(?:\s*s(\d+))?\s*", label)
         if not found:
-            raise ValueError(f"tiles: {label!r} is not ROWSxCOLS[ wWARPS][ sSTAGES], e.g. '64x128 w4 s3'")
+            raise ValueError(f"tiles: {label!r} is not ROWSxCOLS[ wWARPS][ sSTAGES], e.g. '64x64 w4 s4'")
         rows, cols, warps, stages = found.groups()
         return cls(int(rows), int(cols), int(warps or 4), int(stages or 3))
 

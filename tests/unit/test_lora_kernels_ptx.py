@@ -25,10 +25,17 @@ HOPPER = GPUTarget("cuda", 90, 32)
 # model makes multiples of 16 (the group tables' pointers and per-step integers are left unspecialized)
 TENSORS = ("x_ptr", "y_ptr", "z_ptr", "b0_ptr")  # the rest are tables: int64, offs int32
 ALIGNED_ARGS = (*TENSORS, "stride_x", "stride_y", "in_cols", "stride_a_slot", "stride_a_rank")
-CONSTEXPRS = {
-    "_shrink_kernel": {"BLOCK_R": 16, "BLOCK_C": 128},
-    "_expand_kernel": {"ALIGNED": True, "BLOCK_N": 64, "BLOCK_K": 16},
-    "_lora_kernel": {"ALIGNED": True, "BLOCK_R": 16, "BLOCK_C": 128, "BLOCK_N": 64},
+ROWS = lora_kernels.ROW_BLOCK  # each program's rows, as the engine's launches have them
+SHRINK, EXPAND = lora_kernels.DEFAULT_TILES["shrink"], lora_kernels.DEFAULT_TILES["expand"]
+# Each kernel in the launch shape the engine gives it (the fused kernel: its own columns, Triton's 4 warps, 3 stages)
+LAUNCHES = {
+    "_shrink_kernel": ({"BLOCK_R": 16, "BLOCK_C": SHRINK.cols}, SHRINK.warps, SHRINK.stages),
+    "_expand_kernel": ({"ALIGNED": True, "BLOCK_N": EXPAND.cols, "BLOCK_K": 16}, EXPAND.warps, EXPAND.stages),
+    "_lora_kernel": (
+        {"ALIGNED": True, "BLOCK_R": 16, "BLOCK_C": lora_kernels._BLOCK_C, "BLOCK_N": lora_kernels._BLOCK_N},
+        4,
+        3,
+    ),
 }
 
 
@@ -37,7 +44,8 @@ def global_accesses(kernel: str, use_span: bool) -> Counter[str]:
     (e.g. st.global.b16, cp.async.cg.shared.global)."""
     fn = getattr(lora_kernels, kernel)
     names = fn.arg_names
-    constexprs = CONSTEXPRS[kernel] | {"USE_SPAN": use_span, "SPLIT": 1, "BLOCK_M": 64, "PRECISION": "tf32"}
+    shape, warps, stages = LAUNCHES[kernel]
+    constexprs = shape | {"USE_SPAN": use_span, "SPLIT": 1, "BLOCK_M": ROWS, "PRECISION": "tf32"}
     signature = {}
     for name in names:
         if name in constexprs:
@@ -52,7 +60,7 @@ def global_accesses(kernel: str, use_span: bool) -> Counter[str]:
         {(names.index(k),): v for k, v in constexprs.items()},
         {(names.index(k),): [["tt.divisibility", 16]] for k in ALIGNED_ARGS if k in names},
     )
-    ptx = triton.compile(source, target=HOPPER, options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
+    ptx = triton.compile(source, target=HOPPER, options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
     return Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*|cp\.async\.[a-z]+\.shared\.global", ptx))
 
 
@@ -67,10 +75,12 @@ def _compiled(kernel: str, use_span: bool) -> Counter[str]:
 @pytest.mark.parametrize("kernel", ["_expand_kernel", "_lora_kernel"])
 def test_y_is_read_and_written_in_16_byte_vectors(kernel, use_span):
     accesses = _compiled(kernel, use_span)
+    shape, warps, _ = LAUNCHES[kernel]
+    vectors = ROWS * shape["BLOCK_N"] * 2 // (32 * warps * 16)  # a bf16 tile of y, 16 bytes per thread at a time
     # y is the kernels' only store: every one a 16-byte vector, and as many 16-byte loads of it
     stores = {op: n for op, n in accesses.items() if op.startswith("st.")}
-    assert stores == {"st.global.v4.b32": 2}, accesses
-    assert accesses["ld.global.v4.b32"] == 2, accesses
+    assert stores == {"st.global.v4.b32": vectors}, accesses
+    assert accesses["ld.global.v4.b32"] == vectors, accesses
 
 
 @pytest.mark.parametrize("use_span", [False, True])

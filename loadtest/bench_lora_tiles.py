@@ -107,7 +107,7 @@ def _summary(linears: dict) -> dict:
     out: dict = {"base_matmuls_us": sum(e["base_matmul_us"] for e in linears.values())}
     for kernel in ("shrink", "expand"):
         per = [e[kernel] for e in linears.values()]
-        uniform = min(per[0]["shapes"], key=lambda k: sum(p["shapes"][k]["us"] for p in per))
+        uniform = _fastest_shape([p["shapes"] for p in per])
         out[kernel] = {
             "default_us": sum(p["shapes"][p["default"]]["us"] for p in per),
             "uniform_best": uniform,
@@ -120,15 +120,18 @@ def _summary(linears: dict) -> dict:
     return out
 
 
+def _fastest_shape(timings: list[dict]) -> str:
+    """The label with the least time summed over these timings (each: label → {"us": ...}, the same labels)."""
+    return min(timings[0], key=lambda label: sum(times[label]["us"] for times in timings))
+
+
 def fastest_overall(rows: list[dict]) -> str:
     """The PREFT_LORA_TILES value of the sweep: per kernel, the shape with the least time summed over every
     model, rank and linear it ran (one shape serves them all in the engine)."""
-    picked = []
-    for kernel in ("shrink", "expand"):
-        per = [e[kernel]["shapes"] for row in rows for e in row["linears"].values()]
-        best = min(per[0], key=lambda label: sum(times[label]["us"] for times in per))
-        picked.append(f"{kernel}={best}")
-    return ",".join(picked)
+    return ",".join(
+        f"{kernel}={_fastest_shape([e[kernel]['shapes'] for row in rows for e in row['linears'].values()])}"
+        for kernel in ("shrink", "expand")
+    )
 
 
 def write_plot(report: dict, out: Path) -> None:

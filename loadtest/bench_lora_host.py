@@ -4,11 +4,12 @@
 
 On a prefill step of Qwen2.5-0.5B the LoRA kernels are host-bound: issuing them takes as long as running them
 (README, "The LoRA kernels"). This times `groups.lora_linear` over a layer's four LoRA linears (fused q/k/v,
-o, fused gate/up, down) on a full step (16,384 tokens in groups of 1,024, 512 slots) with every Triton kernel
-replaced by a no-op that counts its launches: what remains is our Python between the launches, the part a
-change to it moves. Prints µs per layer and launches per layer for the default choice (shrink + expand) and
-the fused kernel. Triton's own launch cost comes on top (on the H200: `loadtest/bench_lora_kernels.py`'s host
-times). Also times one adapted step's LoRA mapping, vLLM's tuples against our numpy arrays (`bench_mapping`).
+o, fused gate/up, down) on a full step (16,384 tokens in groups of 1,024, 512 slots) with every kernel's
+launcher replaced by a no-op that looks up its key and counts: what remains is our Python between the
+launches, the part a change to it moves. Prints µs per layer and launches per layer for the default choice
+(shrink + expand) and the fused kernel. The launches' own cost comes on top (on the H200:
+`loadtest/bench_lora_kernels.py`'s host times, with the engine's direct launches and with Triton's). Also
+times one adapted step's LoRA mapping, vLLM's tuples against our numpy arrays (`bench_mapping`).
 """
 
 from __future__ import annotations
@@ -29,16 +30,14 @@ CHOICES = {"expand+shrink": ("expand", "shrink"), "fused": ("fused",)}  # ("expa
 
 
 class _CountedLaunch:
-    """Stands in for a Triton kernel: `kernel[grid](...)` counts and returns."""
+    """Stands in for a kernel's `triton_launch.Launcher`: looks its key up, as the launcher does, and counts."""
 
     def __init__(self, counts: list[int]) -> None:
-        self.counts = counts
+        self.counts, self.variants = counts, {}
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs) -> None:
-            self.counts[0] += 1
-
-        return launch
+    def __call__(self, grid: tuple, key: tuple, args: tuple, num_warps: int, num_stages: int) -> None:
+        self.variants.setdefault(key, grid)
+        self.counts[0] += 1
 
 
 def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, iters: int) -> dict:
@@ -57,7 +56,7 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, iters
     row = {"model": model, "rank": rank, "tokens": tokens, "group_size": group_size, "slots": slots}
     counts = [0]
     stub = _CountedLaunch(counts)
-    kernels = {name: stub for name in ("_shrink_kernel", "_expand_kernel", "_lora_kernel")}
+    kernels = {name: stub for name in ("_SHRINK", "_EXPAND", "_FUSED")}
     with mock.patch.multiple(lora_kernels, supported=lambda y: True, **kernels):
         for choice, picked in CHOICES.items():
             with mock.patch.object(lora_kernels, "_KERNELS", frozenset(picked)):

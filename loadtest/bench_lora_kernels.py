@@ -8,9 +8,10 @@ groups of one adapter each, drawn from 512 slots, through the layer's four LoRA 
 fused gate/up, down). Times, in one process on one device, the base layer's own matmuls and
 `groups.lora_linear` on each path: the torch path (A and B gathered per group, grouped matmuls, each slice's
 delta added into y's slice), the expand kernel, the shrink and expand kernels, and the fused kernel (one
-launch per linear) (``lora_kernels``); prints each LoRA cost as
-a fraction of the base matmuls, with the host's time to issue the calls (near the wall time: host-bound).
-Also checks every path agrees with the torch path.
+launch per linear) (``lora_kernels``), the last two also through Triton's own launch path in place of the
+engine's direct launches (``triton_launch``); prints each LoRA cost as a fraction of the base matmuls, with
+the host's time to issue the calls (near the wall time: host-bound). Also checks every path agrees with the
+torch path, and that the direct launches ran the variants Triton picks (``triton_launch``'s check mode).
 """
 
 from __future__ import annotations
@@ -25,10 +26,19 @@ import numpy as np
 import torch
 
 from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_kernels
+from preft.vllm_plugin import lora_kernels, triton_launch
 
 # hidden, (q, k, v) widths, intermediate
 SHAPES = {"qwen05": (896, (896, 128, 128), 4864), "llama8b": (4096, (4096, 1024, 1024), 14336)}
+# path: (the LoRA kernels it picks, how they are launched: triton_launch's direct launches, or Triton's own)
+PATHS = {
+    "torch": ((), "direct"),
+    "expand": (("expand",), "direct"),
+    "expand+shrink": (("expand", "shrink"), "direct"),
+    "expand+shrink, Triton's launch": (("expand", "shrink"), "triton"),
+    "fused": (("fused",), "direct"),
+    "fused, Triton's launch": (("fused",), "triton"),
+}
 
 
 def _layer(hidden: int, qkv: tuple[int, ...], inter: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -115,9 +125,8 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
     row = {"model": model, "rank": rank, "tokens": tokens, "group_size": group_size, "slots": slots}
     row["base_matmuls_ms"] = _timed(base, device, iters)[0] * 1e3
     outputs = {}
-    paths = {"torch": (), "expand": ("expand",), "expand+shrink": ("expand", "shrink"), "fused": ("fused",)}
-    for path, kernels in paths.items() if lora_kernels.supported(ys[0]) else [("torch", ())]:
-        with lora_kernels.using(*kernels):
+    for path, (kernels, launch) in PATHS.items() if lora_kernels.supported(ys[0]) else [("torch", ((), "direct"))]:
+        with lora_kernels.using(*kernels), triton_launch.launching(launch):
             if not all(lora_kernels.available(ys[0], k) for k in kernels):  # they failed to compile (logged)
                 raise SystemExit(f"the {path} path's kernels are unavailable on this machine")
             wall, host = _timed(lora, device, iters)
@@ -125,7 +134,8 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
             row[f"lora_{path}_over_base"] = row[f"lora_{path}_ms"] / row["base_matmuls_ms"]
             for y in ys:
                 y.zero_()
-            lora()
+            with triton_launch.launching("check" if launch == "direct" else launch):  # the launcher's keys hold
+                lora()
             outputs[path] = [y.to(torch.float32, copy=True) for y in ys]
     for path in outputs.keys() - {"torch"}:
         row[f"{path}_speedup"] = row["lora_torch_ms"] / row[f"lora_{path}_ms"]

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from loadtest.bench_engine import ARCH_CONFIGS
 from loadtest.host_probe import HostProbe, speed_probe_ms
-from preft.vllm_plugin import lora_kernels
+from preft.vllm_plugin import lora_kernels, triton_launch
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CPU_SMALL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768, vocab_size=2048)
@@ -631,6 +631,12 @@ class Bench:
                     break
                 with lora_kernels.using(*kernels.split(",")):
                     self.measure(llm, "preft", variant, **kw)
+            for launch in a.triton_launch if method == "lora" else []:  # the same kernels, launched otherwise
+                variant = f"{name} [launch: {launch}]"
+                if self.out_of_time(variant):
+                    break
+                with triton_launch.launching(launch):
+                    self.measure(llm, "preft", variant, **kw)
             if a.profile_dir and name == f"LoRAP r{first_rank}":
                 self.profile(llm, "lorap", reqs, "prefill")
         self.measure(llm, "preft", f"{base}, after all passes)", workloads=rest)
@@ -692,6 +698,8 @@ class Bench:
                 "vllm": __import__("vllm").__version__,
                 "dtype": self.dtype,
                 "lora_tiles": {k: t.label for k, t in lora_kernels._TILES.items()},
+                "triton_launch": triton_launch.mode(),
+                "triton": getattr(triton_launch.triton, "__version__", None),
             },
             "engines": self.engines,
             "results": [asdict(r) for r in self.rows],
@@ -932,6 +940,12 @@ def main() -> None:
         type=lambda v: [k for k in v.split(";") if k],
         default=[],
         help="';'-separated PREFT_LORA_KERNELS values: each LoRA configuration again with each, same engine",
+    )
+    ap.add_argument(
+        "--triton-launch",
+        type=lambda v: [m for m in v.split(";") if m],
+        default=[],
+        help="';'-separated PREFT_TRITON_LAUNCH values (e.g. triton): each LoRA configuration again launched so",
     )
     ap.add_argument("--interleave-base", action="store_true", help="a base pass right before each adapter pass")
     ap.add_argument(

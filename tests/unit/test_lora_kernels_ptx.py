@@ -27,14 +27,14 @@ TENSORS = ("x_ptr", "y_ptr", "z_ptr", "b0_ptr")  # the rest are tables: int64, o
 ALIGNED_ARGS = (*TENSORS, "stride_x", "stride_y", "in_cols", "stride_a_slot", "stride_a_rank")
 ROWS = lora_kernels.ROW_BLOCK  # each program's rows, as the engine's launches have them
 SHRINK, EXPAND = lora_kernels.DEFAULT_TILES["shrink"], lora_kernels.DEFAULT_TILES["expand"]
-# Each kernel in the launch shape the engine gives it (the fused kernel: its own columns, Triton's 4 warps, 3 stages)
+# Each kernel in the launch shape the engine gives it (the fused kernel: its own columns, warps and stages)
 LAUNCHES = {
     "_shrink_kernel": ({"BLOCK_R": 16, "BLOCK_C": SHRINK.cols}, SHRINK.warps, SHRINK.stages),
     "_expand_kernel": ({"ALIGNED": True, "BLOCK_N": EXPAND.cols, "BLOCK_K": 16}, EXPAND.warps, EXPAND.stages),
     "_lora_kernel": (
         {"ALIGNED": True, "BLOCK_R": 16, "BLOCK_C": lora_kernels._BLOCK_C, "BLOCK_N": lora_kernels._BLOCK_N},
-        4,
-        3,
+        lora_kernels._FUSED_WARPS,
+        lora_kernels._FUSED_STAGES,
     ),
 }
 

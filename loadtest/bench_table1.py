@@ -615,6 +615,9 @@ class Bench:
         if not a.skip_all_mode:
             plan.append((f"LoRA all r{first_rank}", "lora", "all", first_rank, lora_reqs[first_rank], first))
         plan = [step for step in plan if a.configs.search(step[0])]
+        # each LoRA configuration's passes again on other LoRA kernels, then launched otherwise, same engine
+        variants = [(f"kernels: {k}", lambda k=k: lora_kernels.using(*k.split(","))) for k in a.lora_kernels]
+        variants += [(f"launch: {m}", lambda m=m: triton_launch.launching(m)) for m in a.triton_launch]
         for name, method, mode, rank, reqs, workloads in plan:
             if self.out_of_time(name):
                 break
@@ -625,17 +628,11 @@ class Bench:
             if mode == "all":  # at stock's pace: as many requests per pass as the stock engine's
                 kw["requests"] = a.all_requests
             self.measure(llm, "preft", name, **kw)
-            for kernels in a.lora_kernels if method == "lora" else []:  # the same passes on other LoRA kernels
-                variant = f"{name} [kernels: {kernels}]"  # (its adapters' load pass is not run again: `load`)
+            for label, context in variants if method == "lora" else []:
+                variant = f"{name} [{label}]"  # (its adapters' load pass is not run again: `load`)
                 if self.out_of_time(variant):
                     break
-                with lora_kernels.using(*kernels.split(",")):
-                    self.measure(llm, "preft", variant, **kw)
-            for launch in a.triton_launch if method == "lora" else []:  # the same kernels, launched otherwise
-                variant = f"{name} [launch: {launch}]"
-                if self.out_of_time(variant):
-                    break
-                with triton_launch.launching(launch):
+                with context():
                     self.measure(llm, "preft", variant, **kw)
             if a.profile_dir and name == f"LoRAP r{first_rank}":
                 self.profile(llm, "lorap", reqs, "prefill")

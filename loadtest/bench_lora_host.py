@@ -35,7 +35,7 @@ class _CountedLaunch:
     def __init__(self, counts: list[int]) -> None:
         self.counts, self.variants = counts, {}
 
-    def __call__(self, grid: tuple, key: tuple, args: tuple, num_warps: int, num_stages: int) -> None:
+    def __call__(self, grid: tuple, key: tuple, args: tuple, num_warps: int, num_stages: int, addresses=None) -> None:
         self.variants.setdefault(key, grid)
         self.counts[0] += 1
 

@@ -4,7 +4,8 @@
 
 On Qwen2.5-0.5B's prefill steps the LoRA calls are host-bound (README, "Runs 41–48"). This times, in one process,
 what issuing one LoRA linear (the fused gate/up projection of Qwen2.5-0.5B, rank 8) is made of: the whole
-call (``groups.lora_linear``) with the engine's direct launches and with Triton's own launch path, one
+call (``groups.lora_linear``) with the engine's direct launches and with Triton's own launch path, the
+same through the custom op as the compiled model calls it (``torch.ops.preft.lora_linear``), one
 shrink launch through the engine's launcher, its compiled variant's launcher called straight (with tensors,
 and with their addresses as integers), Triton's ``kernel[grid](...)``, and, for scale, torch's allocation of
 z and a one-element torch kernel. Each is timed over many calls with the device kept ahead of the host
@@ -19,12 +20,14 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from loadtest.bench_lora_kernels import step
 from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_kernels, triton_launch
+from preft.vllm_plugin import lora_kernels, ops, triton_launch  # noqa: F401  (ops: the torch.ops.preft namespace)
+from preft.vllm_plugin.state import STATES
 
 
 def _host_us(fn: Callable[[], object], calls: int) -> tuple[float, float]:
@@ -41,7 +44,7 @@ def _host_us(fn: Callable[[], object], calls: int) -> tuple[float, float]:
 
 
 def _shrink_launch(x2: torch.Tensor, plan: lora_kernels.SplitPlan, groups: g.SlotGroups) -> tuple:
-    """What `lora_kernels._shrink` hands its launcher for this call: (grid, key, args, warps, stages)."""
+    """What `lora_kernels._shrink` hands its launcher for this call: (grid, key, args, warps, stages, addresses)."""
     calls = []
     real = lora_kernels._SHRINK
     lora_kernels._SHRINK = lambda *launch: calls.append(launch)
@@ -63,18 +66,25 @@ def bench(tokens: int, group_size: int, calls: int) -> dict:
     def linear() -> None:
         g.lora_linear(y, x, a, b, slices, 1.0, groups)
 
+    state = max(STATES, default=0) + 1  # the op reads its step's groups from a worker's state
+    STATES[state] = SimpleNamespace(step=SimpleNamespace(lora_tokens=groups))
+    op = torch.ops.preft.lora_linear.default
+
+    def through_op() -> None:  # as the compiled model calls it
+        op(y, x, a, b, slices, 1.0, state, False)
+
     with lora_kernels.using("expand", "shrink"):
         for mode in ("direct", "triton"):
             with triton_launch.launching(mode):
                 row[f"lora_linear_{mode}"] = _host_us(linear, calls)
+        row["lora_linear_op_direct"] = _host_us(through_op, calls)
         plan = lora_kernels.split_plan(y2, x2, a, b, slices)
-        grid, key, args, warps, stages = _shrink_launch(x2, plan, groups)
+        grid, key, args, warps, stages, addresses = _shrink_launch(x2, plan, groups)
         launcher, dev = lora_kernels._SHRINK, torch.cuda.current_device()
-        row["shrink_launcher"] = _host_us(lambda: launcher(grid, key, args, warps, stages), calls)
+        row["shrink_launcher"] = _host_us(lambda: launcher(grid, key, args, warps, stages, addresses), calls)
         compiled = launcher.variants[dev, key]  # (the direct passes put it there)
         stream = torch.cuda.current_stream().cuda_stream
         handles = (grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None)
-        addresses = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args)
         row["compiled_run_tensors"] = _host_us(lambda: compiled.run(*handles, *args), calls)
         row["compiled_run_ints"] = _host_us(lambda: compiled.run(*handles, *addresses), calls)
         fn = launcher.fn

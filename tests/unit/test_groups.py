@@ -187,14 +187,58 @@ def test_lora_kernels_on_wide_slices(lora_kernels_interpreted, slices, monkeypat
 def test_shrink_and_expand_kernels_make_two_launches_per_lora_linear(lora_kernels_interpreted, monkeypatch):
     """Whatever its number of slices, and with widths that are and are not multiples of 16."""
     launches = []
-    for name in ("_shrink", "_expand"):
+    for name in ("_launch_shrink", "_launch_expand"):
         launch = getattr(lora_kernels, name)
         monkeypatch.setattr(lora_kernels, name, lambda *args, _f=launch, _n=name: launches.append(_n) or _f(*args))
     with lora_kernels.using("expand", "shrink"):
         _check_lora_linear(LONG_RUNS, slices=(OUT, 8, 16))
         _check_lora_linear(LONG_RUNS[60:], slices=(272, 16, 16), in_cols=32)
         _check_lora_linear([2, -1, 0, 2], slices=(OUT,))
-    assert launches == ["_shrink", "_expand"] * 3
+    assert launches == ["_launch_shrink", "_launch_expand"] * 3
+
+
+def _lora_reference(y, x, a, b, slices, scale, token_slots):
+    out = y.clone()
+    for t, slot in enumerate(token_slots):
+        if slot >= 0:
+            cols = np.cumsum([0, *slices])
+            for i, (ai, bi) in enumerate(zip(a, b, strict=True)):
+                out[t, cols[i] : cols[i + 1]] += (x[t] @ ai[slot, 0].T * scale) @ bi[slot, 0].T
+    return out
+
+
+def test_a_module_keeps_its_plan_and_the_step_its_arguments(lora_kernels_interpreted, monkeypatch):
+    """Two modules (three slices and one) over two steps, each module called twice a step, as a model's layers
+    call them: the results of the torch path; each module's plan made once and found again by its weights'
+    identity; each step's group arguments made once; z's buffer reused, wider steps widening it."""
+    made = []
+    make = lora_kernels._make_split_plan
+    monkeypatch.setattr(lora_kernels, "_make_split_plan", lambda *args: made.append(1) or make(*args))
+    gen = torch.Generator().manual_seed(3)
+    modules = []
+    for slices in ((OUT, 8, 16), (OUT,)):
+        a = [_stacked(gen, RANK, IN) for _ in slices]
+        b = [_stacked(gen, size, RANK, rank_dim=-1) for size in slices]
+        modules.append((a, b, list(slices)))
+    with lora_kernels.using("expand", "shrink"):
+        for token_slots in (LONG_RUNS[60:], LONG_RUNS):
+            groups = _groups(token_slots)
+            x = torch.randn(len(token_slots), IN, generator=gen, dtype=torch.get_default_dtype())
+            for a, b, slices in modules * 2:
+                y = torch.randn(len(token_slots), sum(slices), generator=gen, dtype=torch.get_default_dtype())
+                expected = _lora_reference(y, x, a, b, slices, 0.5, token_slots)
+                g.lora_linear(y, x, a, b, slices, 0.5, groups)
+                torch.testing.assert_close(y, expected)
+            assert list(groups.launch_args) == [lora_kernels.ROW_BLOCK]  # (the shrink's and expand's rows agree)
+            (z,) = lora_kernels._SCRATCH.values()
+            assert z.numel() >= len(groups.rows) * 3 * groups.rank
+    assert len(made) == len(modules)
+    a, b, slices = modules[0]
+    y = torch.zeros(len(LONG_RUNS), sum(slices))
+    plan = lora_kernels.split_plan(y, x, a, b, slices)
+    assert len(made) == len(modules)
+    assert not plan.serves(y, x, a, b, [OUT, 16, 8]) and not plan.serves(y, x, [a[1], a[0], a[2]], b, slices)
+    assert not plan.serves(y, x.double(), a, b, slices) and plan.serves(y, x, a, b, slices)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ class SlotGroups:
     rank: int  # weight rows in use: the largest rank among these slots, rounded up (0 when empty)
     span: tuple[int, int] | None = None  # rows == range(*span)
     block_rows: int = lora_kernels.ROW_BLOCK
+    launch_args: dict = field(default_factory=dict, repr=False)  # the LoRA kernels' per-step arguments, once made
 
     @property
     def empty(self) -> bool:
@@ -226,22 +227,23 @@ def lora_linear(
     """
     if groups.empty:
         return
-    y2 = y.view(-1, y.shape[-1])
-    x2 = x.reshape(-1, x.shape[-1])
-    if lora_kernels.available(y2, "fused"):
+    y2 = y if y.dim() == 2 else y.view(-1, y.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    kernels = lora_kernels.picked(y2)
+    if "fused" in kernels:
         a_slots = [lora_kernels.slot_matrices(a) for a in a_stacked]
         b_slots = [lora_kernels.slot_matrices(b) for b in b_stacked]
         if lora_kernels.can_fuse(x2, a_slots, b_slots):
             lora_kernels.lora_linear(y2, x2, a_slots, b_slots, output_slices, scale, groups)
             return
-    if lora_kernels.available(y2, "shrink") and lora_kernels.available(y2, "expand"):
+    if "shrink" in kernels and "expand" in kernels:
         plan = lora_kernels.split_plan(y2, x2, a_stacked, b_stacked, output_slices)
         if plan is not None:  # (kept per module: the per-call host work is two launches)
             lora_kernels.split_linear(y2, x2, plan, scale, groups)
             return
     r = groups.rank
     a_slots = [lora_kernels.slot_matrices(a) for a in a_stacked]
-    if lora_kernels.available(y2, "shrink") and lora_kernels.can_shrink(x2, a_slots):
+    if "shrink" in kernels and lora_kernels.can_shrink(x2, a_slots):
         z = lora_kernels.shrink(x2, a_slots, scale, groups)
     elif len(a_stacked) == 1:
         z = shrink(groups.take(x2), a_stacked[0], groups, scale)

@@ -28,7 +28,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -69,6 +69,8 @@ DEFAULT_TILES = {"shrink": Tiles(rows=64, cols=64, warps=4, stages=4), "expand":
 _TILES = {**DEFAULT_TILES, **parse_tiles(os.environ.get("PREFT_LORA_TILES", ""))}
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values
 _PLANS: dict[tuple, object] = {}  # each LoRA linear's kernel plan, by its weights' addresses (they stay put)
+_SPLIT: dict[int, SplitPlan] = {}  # the split plans again, by the id of their module's first stacked A
+_SCRATCH: dict[tuple, torch.Tensor] = {}  # split_linear's z buffers (`_scratch`)
 _ENGINES: set[tuple[torch.device, torch.dtype, int, int]] = set()  # warm_up's arguments, for `using`
 
 
@@ -80,6 +82,11 @@ def supported(y: torch.Tensor) -> bool:
 def available(y: torch.Tensor, kernel: str = "expand") -> bool:
     """Whether `kernel` serves this output: picked (PREFT_LORA_KERNELS or `using`) and supported."""
     return kernel in _KERNELS and supported(y)
+
+
+def picked(y: torch.Tensor) -> frozenset[str]:
+    """The kernels that serve this output (`available`'s, all at once)."""
+    return _KERNELS if supported(y) else frozenset()
 
 
 @contextlib.contextmanager
@@ -215,28 +222,31 @@ if triton is not None:
         y = tl.load(ptrs, mask=mask, other=0.0)
         tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
+    # The shrink's and the expand's parameters come in three runs: what each call passes, what the step's
+    # groups and the tiles fix (`_step_args`, once per step), what the module's weights fix (kept in its plan)
+
     @triton.jit(**_jit_options(["stride_z"], ["z_ptr"]))
     def _shrink_kernel(
         x_ptr,
-        a_table_ptr,
         z_ptr,
+        stride_x,
+        stride_z,
+        scale,
         rows_ptr,
         block_group_ptr,
         block_start_ptr,
         offs_ptr,
         slots_ptr,
         span_start,
-        in_cols,
         rank,
-        scale,
-        stride_x,
-        stride_a_slot,
-        stride_a_rank,
-        stride_z,
         USE_SPAN: tl.constexpr,
         SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_R: tl.constexpr,
+        a_table_ptr,
+        in_cols,
+        stride_a_slot,
+        stride_a_rank,
         BLOCK_C: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
@@ -280,9 +290,10 @@ if triton is not None:
     def _expand_kernel(
         y_ptr,
         z_ptr,
-        b0_ptr,
-        slice_table_ptr,
-        tile_table_ptr,
+        stride_y,
+        stride_z,
+        stride_z_col,
+        z_slice_step,
         rows_ptr,
         block_group_ptr,
         block_start_ptr,
@@ -290,18 +301,17 @@ if triton is not None:
         slots_ptr,
         span_start,
         rank,
-        z_slice_step,
-        stride_y,
-        stride_z,
-        stride_z_col,
-        stride_b_out,
-        stride_b_rank,
         USE_SPAN: tl.constexpr,
-        ALIGNED: tl.constexpr,
         SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        b0_ptr,
+        slice_table_ptr,
+        tile_table_ptr,
+        stride_b_out,
+        stride_b_rank,
+        ALIGNED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         """y[row(m), slice's first column + n] += z[m, s·z_slice_step :][:rank] · B_s[slot][n]: every slice at once.
@@ -453,6 +463,7 @@ def _table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
         if len(_TABLES) > 4096:  # engines come and go in one process (tests, benchmarks)
             _TABLES.clear()
             _PLANS.clear()
+            _SPLIT.clear()
         table = _TABLES[values] = torch.tensor(values, dtype=torch.int64, device=device)
     return table
 
@@ -487,6 +498,45 @@ def can_shrink(x2: torch.Tensor, a: Sequence[torch.Tensor]) -> bool:
     return alike and x2.stride(-1) == 1 and first.stride(-1) == 1 and _aligned(a)
 
 
+class _Args(NamedTuple):
+    """A run of a kernel's arguments: as Triton's launch takes them, as a direct launch takes them (every tensor
+    as its address), and what of them decides the kernel's variant (``triton_launch.Launcher``'s key)."""
+
+    tensors: tuple
+    addresses: tuple
+    key: tuple
+
+
+def _args(values: tuple, key: tuple) -> _Args:
+    return _Args(values, tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values), key)
+
+
+def _step_args(groups: SlotGroups, tiles: Tiles) -> tuple[_Args, int]:
+    """The groups' run of the shrink's and the expand's arguments in these tiles, and the grid's programs over
+    the rows: made on a step's first launch in these tiles and kept with the groups (every later launch of
+    the step reuses them)."""
+    kept = groups.launch_args.get(tiles.rows)
+    if kept is None:
+        split, rows = _split(groups, tiles)
+        use_span, block = groups.span is not None, _block(groups.rank)
+        values = (*_group_args(groups), groups.rank, use_span, split, rows, block)
+        grid_rows = groups.block_group.shape[0] * split
+        kept = groups.launch_args[tiles.rows] = (_args(values, (use_span, split, rows, block)), grid_rows)
+    return kept
+
+
+def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
+    """A buffer of at least `numel` elements in like's dtype on its device, kept per device, dtype and stream:
+    split_linear's z (each call's shrink writes it and its expand reads it, in its stream's order)."""
+    device = like.get_device()
+    key = (device, like.dtype, triton_launch.stream(device) if device >= 0 else None)
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < numel:
+        size = max(numel, 2 * buffer.numel() if buffer is not None else 0)
+        buffer = _SCRATCH[key] = torch.empty(size, device=like.device, dtype=like.dtype)
+    return buffer
+
+
 def shrink(x2: torch.Tensor, a: Sequence[torch.Tensor], scale: float, groups: SlotGroups) -> torch.Tensor:
     """[n, S·rank] in group order: scale · x2[row] @ A_s[slot][:rank]ᵀ for each slice s, side by side.
 
@@ -495,42 +545,37 @@ def shrink(x2: torch.Tensor, a: Sequence[torch.Tensor], scale: float, groups: Sl
     return _shrink(x2, a, _pointer_table(a), scale, groups)
 
 
+def _shrink_args(
+    x_dtype: torch.dtype, a: Sequence[torch.Tensor], a_table: torch.Tensor, in_cols: int, cols: int
+) -> _Args:
+    """The shrink's run of arguments that a module's A (and x's width and dtype) and the tiles' columns fix."""
+    values = (a_table, in_cols, a[0].stride(0), a[0].stride(1), cols, _precision(x_dtype))
+    return _args(values, (x_dtype, a_table.data_ptr() % 16, *values[1:]))
+
+
+def _launch_shrink(
+    x2: torch.Tensor, z: torch.Tensor, stride_z: int, scale: float, slices: int, module: _Args, groups: SlotGroups
+) -> None:
+    tiles = _TILES["shrink"]
+    step, grid_rows = _step_args(groups, tiles)
+    x_ptr, stride_x = x2.data_ptr(), x2.stride(0)
+    call = (stride_x, stride_z, scale)
+    _SHRINK(
+        (grid_rows, slices),
+        (x_ptr % 16, stride_x, step.key, module.key, tiles.warps, tiles.stages),
+        (x2, z, *call, *step.tensors, *module.tensors),
+        tiles.warps,
+        tiles.stages,
+        (x_ptr, z.data_ptr(), *call, *step.addresses, *module.addresses),
+    )
+
+
 def _shrink(
     x2: torch.Tensor, a: Sequence[torch.Tensor], a_table: torch.Tensor, scale: float, groups: SlotGroups
 ) -> torch.Tensor:
-    rank, n = groups.rank, groups.rows.shape[0]
-    z = torch.empty(n, len(a) * rank, device=x2.device, dtype=x2.dtype)
-    tiles = _TILES["shrink"]
-    split, rows = _split(groups, tiles)
-    use_span, block_r, precision = groups.span is not None, _block(rank), _precision(x2.dtype)
-    stride_x, stride_a_slot, stride_a_rank = x2.stride(0), a[0].stride(0), a[0].stride(1)
-    in_cols = x2.shape[1]
-    key = (x2.dtype, x2.data_ptr() % 16, a_table.data_ptr() % 16, in_cols, stride_x, stride_a_slot, stride_a_rank)
-    _SHRINK(
-        (groups.block_group.shape[0] * split, len(a)),
-        (*key, use_span, split, rows, block_r, tiles.cols, tiles.warps, tiles.stages),
-        (
-            x2,
-            a_table,
-            z,
-            *_group_args(groups),
-            in_cols,
-            rank,
-            float(scale),
-            stride_x,
-            stride_a_slot,
-            stride_a_rank,
-            z.stride(0),
-            use_span,
-            split,
-            rows,
-            block_r,
-            tiles.cols,
-            precision,
-        ),
-        tiles.warps,
-        tiles.stages,
-    )
+    z = torch.empty(groups.rows.shape[0], len(a) * groups.rank, device=x2.device, dtype=x2.dtype)
+    module = _shrink_args(x2.dtype, a, a_table, x2.shape[1], _TILES["shrink"].cols)
+    _launch_shrink(x2, z, z.stride(0), float(scale), len(a), module, groups)
     return z
 
 
@@ -541,11 +586,8 @@ class _ExpandPlan:
     b0: torch.Tensor  # the first slice's B, [slots, out, R]: the typed address the table's offsets count from
     slices: torch.Tensor  # int64 [S, 4]: B's offset from b0 (elements), B's slot stride, width, first column in y
     tiles: torch.Tensor  # int64 [T, 2]: slice, first column (in the slice); one program per row block and tile
-    stride_b_out: int
-    stride_b_rank: int
-    aligned: bool  # every width and first column a multiple of 16
     block_n: int  # the tiles' width: the expand's columns per program when the plan was made
-    key: tuple  # what of it decides the expand's variant (B's dtype, alignment, strides; `aligned`)
+    args: _Args  # the expand's run of arguments that these fix (b0 to PRECISION)
 
 
 def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) -> _ExpandPlan | None:
@@ -569,55 +611,40 @@ def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) 
         for v in ((t.data_ptr() - first.data_ptr()) // size, t.stride(0), width, offset)
     )
     aligned = all(v % 16 == 0 for v in (*widths, *(offset for offset, _ in columns)))
-    return _ExpandPlan(
-        b0=first,
-        slices=_table(table, first.device),
-        tiles=_table(tiles, first.device),
-        stride_b_out=first.stride(1),
-        stride_b_rank=first.stride(2),
-        aligned=aligned,
-        block_n=block_n,
-        key=(first.dtype, first.data_ptr() % 16, first.stride(1), first.stride(2), aligned),
+    slices, tile_table = _table(table, first.device), _table(tiles, first.device)
+    values = (first, slices, tile_table, first.stride(1), first.stride(2), aligned, block_n, _precision(first.dtype))
+    key = (first.dtype, first.data_ptr() % 16, *values[3:])
+    return _ExpandPlan(b0=first, slices=slices, tiles=tile_table, block_n=block_n, args=_args(values, key))
+
+
+def _launch_expand(
+    y2: torch.Tensor,
+    z: torch.Tensor,
+    stride_z: int,
+    stride_z_col: int,
+    z_slice_step: int,
+    plan: _ExpandPlan,
+    groups: SlotGroups,
+) -> None:
+    tiles = _TILES["expand"]
+    if plan.block_n != tiles.cols:
+        raise ValueError(f"the plan's tiles are {plan.block_n} columns wide, the expand's {tiles.cols}")
+    step, grid_rows = _step_args(groups, tiles)
+    y_ptr, stride_y = y2.data_ptr(), y2.stride(0)
+    call = (stride_y, stride_z, stride_z_col, z_slice_step)
+    _EXPAND(
+        (grid_rows, plan.tiles.shape[0] // 2),
+        (y2.dtype, y_ptr % 16, z.dtype, stride_y, stride_z_col, step.key, plan.args.key, tiles.warps, tiles.stages),
+        (y2, z, *call, *step.tensors, *plan.args.tensors),
+        tiles.warps,
+        tiles.stages,
+        (y_ptr, z.data_ptr(), *call, *step.addresses, *plan.args.addresses),
     )
 
 
 def _expand(y2: torch.Tensor, z: torch.Tensor, plan: _ExpandPlan, z_slice_step: int, groups: SlotGroups) -> None:
     """y2[rows, each slice's columns] += z[:, s·z_slice_step :][:, :rank] @ B_s[slot]ᵀ: one launch."""
-    rank, tiles = groups.rank, _TILES["expand"]
-    if plan.block_n != tiles.cols:
-        raise ValueError(f"the plan's tiles are {plan.block_n} columns wide, the expand's {tiles.cols}")
-    split, rows = _split(groups, tiles)
-    use_span, block_k, precision = groups.span is not None, _block(rank), _precision(plan.b0.dtype)
-    stride_y, stride_z_col = y2.stride(0), z.stride(1)
-    key = (y2.dtype, y2.data_ptr() % 16, z.dtype, plan.key, stride_y, stride_z_col)
-    _EXPAND(
-        (groups.block_group.shape[0] * split, plan.tiles.shape[0] // 2),
-        (*key, use_span, split, rows, block_k, tiles.cols, tiles.warps, tiles.stages),
-        (
-            y2,
-            z,
-            plan.b0,
-            plan.slices,
-            plan.tiles,
-            *_group_args(groups),
-            rank,
-            z_slice_step,
-            stride_y,
-            z.stride(0),
-            stride_z_col,
-            plan.stride_b_out,
-            plan.stride_b_rank,
-            use_span,
-            plan.aligned,
-            split,
-            rows,
-            tiles.cols,
-            block_k,
-            precision,
-        ),
-        tiles.warps,
-        tiles.stages,
-    )
+    _launch_expand(y2, z, z.stride(0), z.stride(1), z_slice_step, plan, groups)
 
 
 def expand_add(
@@ -640,7 +667,7 @@ def expand_add(
         _expand(y2, z, plan, 0, groups)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SplitPlan:
     """One LoRA linear on the shrink and expand kernels: two launches, whatever its number of slices."""
 
@@ -648,6 +675,34 @@ class SplitPlan:
     a_table: torch.Tensor  # their addresses
     expand: _ExpandPlan
     b: tuple[torch.Tensor, ...]  # held, as `a` is: no other tensor can take their addresses (the plan's key)
+    stacked: tuple[torch.Tensor, ...]  # vLLM's stacked A then B it was made from, held: `serves` reads their ids
+    ids: tuple[int, ...]
+    x_dtype: torch.dtype
+    in_cols: int
+    y_cols: int
+    output_slices: tuple[int, ...]
+    shrink_args: dict[int, _Args]  # by the shrink's tile columns
+
+    def serves(self, y2: torch.Tensor, x2: torch.Tensor, a_stacked, b_stacked, output_slices) -> bool:
+        """Whether this is the plan of these arguments: the same weight tensors (these very objects: vLLM
+        allocates a layer's stacked weights once and writes its slots in place), x's dtype, unit column
+        stride and width, y's width, the slices and the expand's tile width."""
+        return (
+            self.ids == (*map(id, a_stacked), *map(id, b_stacked))
+            and x2.dtype == self.x_dtype
+            and x2.stride(1) == 1
+            and x2.size(1) == self.in_cols
+            and y2.size(1) == self.y_cols
+            and self.output_slices == tuple(output_slices)
+            and self.expand.block_n == _TILES["expand"].cols
+        )
+
+    def shrink(self, cols: int) -> _Args:
+        """The shrink's run of arguments this plan fixes, for tiles of `cols` columns."""
+        kept = self.shrink_args.get(cols)
+        if kept is None:
+            kept = self.shrink_args[cols] = _shrink_args(self.x_dtype, self.a, self.a_table, self.in_cols, cols)
+        return kept
 
 
 def split_plan(
@@ -660,15 +715,19 @@ def split_plan(
     """The plan for this module's weights (vLLM's stacked [slots, (1,) R, in] / [slots, (1,) out, R]), kept
     per module: None when the kernels cannot take them (the caller then serves it otherwise).
 
-    Looked up on every call, so its key is cheap: what the plan is made from. The weights' addresses and shapes
-    (a plan holds its weights, so while it is kept no other tensor has those addresses), the first's strides,
-    x's dtype and column stride (``can_shrink``), y's width (each slice's columns) and the expand's tile
-    width."""
+    Looked up on every call: first by the identity of the module's weight tensors (``SplitPlan.serves``),
+    else by what the plan is made from: the weights' addresses and shapes (a plan holds its weights, so
+    while it is kept no other tensor has those addresses), the first's strides, x's dtype, column stride and
+    width (``can_shrink``), y's width (each slice's columns) and the expand's tile width."""
+    plan = _SPLIT.get(id(a_stacked[0]))
+    if plan is not None and plan.serves(y2, x2, a_stacked, b_stacked, output_slices):
+        return plan
     key = (
         "split",
         _TILES["expand"].cols,
         x2.dtype,
         x2.stride(-1),
+        x2.shape[1],
         y2.shape[1],
         *output_slices,
         *(t.data_ptr() for t in a_stacked),
@@ -678,23 +737,47 @@ def split_plan(
         a_stacked[0].stride(),
         b_stacked[0].stride(),
     )
-    if key in _PLANS:
-        return _PLANS[key]
-    a = tuple(slot_matrices(t) for t in a_stacked)
-    b = tuple(slot_matrices(t) for t in b_stacked)
-    plan = None
-    if can_shrink(x2, a):
-        expand = _expand_plan(b, slice_columns(output_slices, b, y2.shape[1]))
-        if expand is not None:
-            plan = SplitPlan(a=a, a_table=_pointer_table(a), expand=expand, b=b)
-    _PLANS[key] = plan
+    if key not in _PLANS:
+        _PLANS[key] = _make_split_plan(y2, x2, a_stacked, b_stacked, output_slices)
+    plan = _PLANS[key]
+    if plan is not None:
+        _SPLIT[id(a_stacked[0])] = plan
     return plan
 
 
+def _make_split_plan(y2, x2, a_stacked, b_stacked, output_slices) -> SplitPlan | None:
+    a = tuple(slot_matrices(t) for t in a_stacked)
+    b = tuple(slot_matrices(t) for t in b_stacked)
+    if not can_shrink(x2, a):
+        return None
+    expand = _expand_plan(b, slice_columns(output_slices, b, y2.shape[1]))
+    if expand is None:
+        return None
+    stacked = (*a_stacked, *b_stacked)
+    return SplitPlan(
+        a=a,
+        a_table=_pointer_table(a),
+        expand=expand,
+        b=b,
+        stacked=stacked,
+        ids=tuple(map(id, stacked)),
+        x_dtype=x2.dtype,
+        in_cols=x2.shape[1],
+        y_cols=y2.shape[1],
+        output_slices=tuple(output_slices),
+        shrink_args={},
+    )
+
+
 def split_linear(y2: torch.Tensor, x2: torch.Tensor, plan: SplitPlan, scale: float, groups: SlotGroups) -> None:
-    """y2[rows, slice i] += (scale · x2[rows] @ A_i[slot]ᵀ) @ B_i[slot]ᵀ for every slice: shrink, then expand."""
-    z = _shrink(x2, plan.a, plan.a_table, scale, groups)
-    _expand(y2, z, plan.expand, groups.rank, groups)
+    """y2[rows, slice i] += (scale · x2[rows] @ A_i[slot]ᵀ) @ B_i[slot]ᵀ for every slice: shrink, then expand.
+
+    z lies in a kept buffer (``_scratch``), and the plan and the step's groups hold every other argument but
+    x's, y's and the scale: little host work between the two launches."""
+    slices, rank = len(plan.a), groups.rank
+    z = _scratch(x2, groups.rows.shape[0] * slices * rank)
+    _launch_shrink(x2, z, slices * rank, float(scale), slices, plan.shrink(_TILES["shrink"].cols), groups)
+    _launch_expand(y2, z, slices * rank, 1, rank, plan.expand, groups)
 
 
 def can_fuse(x2: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:

@@ -70,6 +70,11 @@ def mode() -> str:
     return _MODE
 
 
+def stream(device: int) -> int:
+    """The device's current stream, as a direct launch takes it (Triton's driver: a raw handle)."""
+    return driver.active.get_current_stream(device)
+
+
 def _hooked() -> bool:
     """Whether a launch hook is set: Triton 3.6+ keeps an empty ``HookChain`` where none is, and calls it (and
     builds its argument) on every launch."""
@@ -85,11 +90,21 @@ class Launcher:
         self.direct = direct_launches(fn)
         self.variants: dict[tuple, Any] = {}  # (device, the caller's key) -> compiled variant
 
-    def __call__(self, grid: tuple[int, int], key: tuple, args: tuple, num_warps: int, num_stages: int) -> None:
+    def __call__(
+        self,
+        grid: tuple[int, int],
+        key: tuple,
+        args: tuple,
+        num_warps: int,
+        num_stages: int,
+        addresses: tuple | None = None,
+    ) -> None:
         """Launch the kernel on `grid` with `args` (every parameter, constexprs too, in the kernel's order).
 
         `key` must tell apart every pair of calls that Triton would run as different variants, given what
-        the caller keeps fixed: the check mode proves it."""
+        the caller keeps fixed: the check mode proves it. `addresses`, when given, is `args` with every tensor
+        as its address (``data_ptr()``): a direct launch passes those (the compiled launcher then reads no
+        tensor's address: 8.4 µs a launch on the H200's host instead of 11.1), Triton's launch the tensors."""
         direct = self.direct and _MODE != "triton" and not _hooked()
         if direct:
             device = driver.active.get_current_device()
@@ -107,7 +122,7 @@ class Launcher:
                     None,
                     None,
                     None,
-                    *args,
+                    *(args if addresses is None else addresses),
                 )
                 return
         compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)

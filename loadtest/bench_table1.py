@@ -694,6 +694,7 @@ class Bench:
                 "machine": platform.node(),
                 "vllm": __import__("vllm").__version__,
                 "dtype": self.dtype,
+                "lora_kernels": sorted(lora_kernels._KERNELS),
                 "lora_tiles": {k: t.label for k, t in lora_kernels._TILES.items()},
                 "triton_launch": triton_launch.mode(),
                 "triton": getattr(triton_launch.triton, "__version__", None),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
-from preft.vllm_plugin import lora_kernels
+from preft.vllm_plugin import lora_act, lora_kernels
 
 ARCHS = ("llama", "qwen2")
 MARKER_BY_DIRECTORY = {"integration": "integration", "e2e": "e2e"}  # tests/<dir>/... get the marker
@@ -50,21 +50,23 @@ def _interpreter_refusal() -> str | None:
     return None if out.item() == 3 else f"a loop of 3 counted {out.item()}"
 
 
-@pytest.fixture(params=["expand,shrink", "fused,expand"])
+@pytest.fixture(params=["expand,shrink,act", "fused,expand"])
 def lora_kernels_interpreted(monkeypatch, request):
     """The GPU LoRA kernels, run by Triton's interpreter on CPU tensors in place of the torch path.
 
-    Each test runs with each choice that serves a LoRA linear differently: the shrink and expand kernels,
-    and the fused kernel (the expand kernel still serves vLLM's separate expands)."""
+    Each test runs with each choice that serves a LoRA linear differently: the shrink and expand kernels
+    (and the activation's), and the fused kernel (the expand kernel still serves vLLM's separate expands)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if (refusal := _interpreter_refusal()) is not None:
         pytest.skip(f"this Triton's interpreter cannot run the kernels' loops: {refusal}")
     monkeypatch.setenv("PREFT_LORA_KERNELS", request.param)
     importlib.reload(lora_kernels)
+    importlib.reload(lora_act)
     monkeypatch.setattr(lora_kernels, "supported", lambda y: True)  # CPU tensors too
     yield
     monkeypatch.undo()
     importlib.reload(lora_kernels)
+    importlib.reload(lora_act)
 
 
 @pytest.fixture(scope="session")

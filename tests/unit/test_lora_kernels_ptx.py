@@ -104,3 +104,32 @@ def test_kernels_refuse_weights_that_are_not_16_byte_aligned():
     assert lora_kernels.can_shrink(x, [aligned, aligned]) and lora_kernels.can_fuse(x, [aligned], [b])
     assert not lora_kernels.can_shrink(x, [aligned, shifted])
     assert not lora_kernels.can_fuse(x, [aligned], [torch.zeros(2 * 40 * 8 + 1)[1:].view(2, 40, 8)])
+
+
+def test_the_activation_reads_gate_up_and_writes_its_output_in_16_byte_vectors():
+    """The activation with the gate/up LoRA folded in (lora_act) moves gate, up and its output as the plain
+    activation does: 16 bytes per thread at a time (its LoRA's z and B are a few columns: small loads)."""
+    from preft.vllm_plugin import lora_act
+
+    fn = lora_act._silu_mul_lora_kernel
+    names = fn.arg_names
+    constexprs = {"BLOCK_K": 16, "BLOCK_M": lora_act.BLOCK_M, "BLOCK_N": lora_act.BLOCK_N, "PRECISION": "tf32"}
+    pointers = {"out_ptr": "*bf16", "gu_ptr": "*bf16", "z_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16"}
+    signature = {
+        n: "constexpr" if n in constexprs else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32") for n in names
+    }
+    aligned = ("out_ptr", "gu_ptr", "bg_ptr", "bu_ptr", "stride_out", "stride_gu", "inter", "stride_b_slot")
+    source = ASTSource(
+        fn,
+        signature,
+        {(names.index(k),): v for k, v in constexprs.items()},
+        {(names.index(k),): [["tt.divisibility", 16]] for k in aligned},
+    )
+    try:
+        compiled = triton.compile(source, target=HOPPER, options={"num_warps": lora_act.WARPS, "num_stages": 1})
+    except RuntimeError as error:  # a Triton without its CUDA backend's tools
+        pytest.skip(f"cannot compile for sm_90 here: {error}")
+    accesses = Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*", compiled.asm["ptx"]))
+    vectors = lora_act.BLOCK_M * lora_act.BLOCK_N * 2 // (32 * lora_act.WARPS * 16)  # one bf16 tile
+    assert {op: n for op, n in accesses.items() if op.startswith("st.")} == {"st.global.v4.b32": vectors}, accesses
+    assert accesses["ld.global.v4.b32"] == 2 * vectors, accesses  # gate and up

@@ -142,6 +142,26 @@ TOUCH_POINTS = (
         "direft",
     ),
     TouchPoint(
+        "vllm.model_executor.models.qwen2:Qwen2MLP.forward",
+        "class swapped (mlp_patch) where gate_up_proj is a MergedColumnParallelLinearWithLoRA without bias or "
+        "gathered output and act_fn a SiluAndMul: forward(x) runs gate_up_proj's base GEMM "
+        "(_get_quant_method().apply(base_layer, x, None)), preft::lora_silu_and_mul, then down_proj",
+        "mlp_patch",
+    ),
+    TouchPoint("vllm.model_executor.models.llama:LlamaMLP.forward", "as Qwen2MLP.forward", "mlp_patch"),
+    TouchPoint(
+        "vllm.lora.layers:MergedColumnParallelLinearWithLoRA",
+        "read: base_layer (bias, gather_output), tp_size, output_slices, lora_a_stacked, lora_b_stacked, "
+        "_get_quant_method",
+        "mlp_patch",
+    ),
+    TouchPoint(
+        "vllm.model_executor.layers.activation:SiluAndMul",
+        "read: the MLP's act_fn type; on CUDA its kernel (torch.ops._C.silu_and_mul) runs the activation of "
+        "steps without LoRA tokens, on CPU torch's ops, as its forward_native",
+        "lora_act",
+    ),
+    TouchPoint(
         "vllm.config.vllm:VllmConfig.use_v2_model_runner",
         "read: the V1 model runner is required (the engine sets VLLM_USE_V2_MODEL_RUNNER=0)",
         "direft",
@@ -239,6 +259,26 @@ def punica_gpu_cls():
     from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
     return PunicaWrapperGPU
+
+
+def silu_mlp_classes() -> tuple[type, ...]:
+    """The MLP classes whose forward is act_fn(gate_up_proj(x)) then down_proj (mlp_patch)."""
+    from vllm.model_executor.models.llama import LlamaMLP
+    from vllm.model_executor.models.qwen2 import Qwen2MLP
+
+    return (LlamaMLP, Qwen2MLP)
+
+
+def silu_and_mul_cls():
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    return SiluAndMul
+
+
+def merged_lora_cls():
+    from vllm.lora.layers import MergedColumnParallelLinearWithLoRA
+
+    return MergedColumnParallelLinearWithLoRA
 
 
 def decoder_layers(model):

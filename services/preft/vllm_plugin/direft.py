@@ -17,7 +17,7 @@ import torch
 
 from preft.adapters import AdapterMethod, ModelShape, load_direft_tensors
 from preft.adapters.formats import detect_method
-from preft.vllm_plugin import compat, ops  # noqa: F401  (ops registers torch.ops.preft.direft_apply)
+from preft.vllm_plugin import compat, mlp_patch, ops  # noqa: F401  (ops registers torch.ops.preft.direft_apply)
 from preft.vllm_plugin.patching import wrap_method
 from preft.vllm_plugin.state import PreftSlotState
 
@@ -76,6 +76,7 @@ def _create_lora_manager(original):
         for wrapper in manager.punica_wrapper_mapping.values():
             wrapper.preft_state = state
         state.direft_supported = install_layers(manager.model, state)
+        state.fused_mlps = mlp_patch.install(manager.model, state.id)
         return result
 
     return create_lora_manager

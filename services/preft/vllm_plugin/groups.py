@@ -45,6 +45,7 @@ class SlotGroups:
     span: tuple[int, int] | None = None  # rows == range(*span)
     block_rows: int = lora_kernels.ROW_BLOCK
     launch_args: dict = field(default_factory=dict, repr=False)  # the LoRA kernels' per-step arguments, once made
+    token_slots: np.ndarray | None = field(default=None, repr=False)  # host: the slot map it was built from
 
     @property
     def empty(self) -> bool:
@@ -93,6 +94,7 @@ class SlotGroups:
             rank=rank,
             span=span,
             block_rows=block_rows,
+            token_slots=token_slots,
         )
 
     def take(self, t: torch.Tensor) -> torch.Tensor:

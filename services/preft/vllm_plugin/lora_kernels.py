@@ -13,11 +13,12 @@ Each program takes one block of rows inside one group (``SlotGroups.block_group`
 the host with the groups). Ranks are small, so each product is a few ``tl.dot`` per tile; float32 runs them in
 IEEE precision (no TF32), as torch's matmuls do by default.
 
-``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (the default: fastest on
-the H200, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches, more device time), or ``none``
-(the torch path). Off CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch shapes, as
-``loadtest/bench_lora_tiles`` prints them for the GPU it ran on: ``shrink=64x64 w4 s4,expand=64x128 w8 s3``
-(either kernel may be left out: the defaults below serve it).
+``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200,
+README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches, more device time), or ``none`` (the
+torch path); ``act`` adds the MLP's activation with the gate/up LoRA folded in (``lora_act``; the default
+is ``expand,shrink,act``). Off CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch
+shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it ran on: ``shrink=64x64 w4 s4,expand=64x128
+w8 s3`` (either kernel may be left out: the defaults below serve it).
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ if triton is not None:
         stride_x,
         stride_z,
         scale,
+        Z_BY_ROW: tl.constexpr,
         rows_ptr,
         block_group_ptr,
         block_start_ptr,
@@ -250,7 +252,7 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        """z[m, s·rank + r] = scale · x[row(m)] · A_s[slot][r] for slice s = program_id(1)."""
+        """z[m, s·rank + r] = scale · x[row(m)] · A_s[slot][r] for slice s = program_id(1) (Z_BY_ROW: z[row(m)])."""
         m, rows, mask_m, slot = _group_rows(
             tl.program_id(0),
             rows_ptr,
@@ -283,7 +285,8 @@ if triton is not None:
             PRECISION,
         )
         r = tl.arange(0, BLOCK_R)
-        ptrs = z_ptr + m[:, None].to(tl.int64) * stride_z + (s * rank + r)[None, :]
+        z_rows = rows if Z_BY_ROW else m.to(tl.int64)  # (at its token's row: for the activation, lora_act)
+        ptrs = z_ptr + z_rows[:, None] * stride_z + (s * rank + r)[None, :]
         tl.store(ptrs, z, mask=mask_m[:, None] & (r < rank)[None, :])
 
     @triton.jit(**_jit_options(["stride_z", "z_slice_step"], ["z_ptr", "slice_table_ptr", "tile_table_ptr"]))
@@ -554,15 +557,23 @@ def _shrink_args(
 
 
 def _launch_shrink(
-    x2: torch.Tensor, z: torch.Tensor, stride_z: int, scale: float, slices: int, module: _Args, groups: SlotGroups
+    x2: torch.Tensor,
+    z: torch.Tensor,
+    stride_z: int,
+    scale: float,
+    slices: int,
+    module: _Args,
+    groups: SlotGroups,
+    by_row: bool = False,
 ) -> None:
+    """z = the shrink over the groups' rows, at their positions in group order (by_row: at their token rows)."""
     tiles = _TILES["shrink"]
     step, grid_rows = _step_args(groups, tiles)
     x_ptr, stride_x = x2.data_ptr(), x2.stride(0)
-    call = (stride_x, stride_z, scale)
+    call = (stride_x, stride_z, scale, by_row)
     _SHRINK(
         (grid_rows, slices),
-        (x_ptr % 16, stride_x, step.key, module.key, tiles.warps, tiles.stages),
+        (x_ptr % 16, stride_x, by_row, step.key, module.key, tiles.warps, tiles.stages),
         (x2, z, *call, *step.tensors, *module.tensors),
         tiles.warps,
         tiles.stages,
@@ -899,8 +910,10 @@ def compiled_variants() -> int | None:
     Benchmarks compare it before and after a timed pass: a compile there is a stall inside the pass."""
     if triton is None:
         return None
+    from preft.vllm_plugin import lora_act  # (it imports this module)
+
     try:
-        kernels = (_shrink_kernel, _expand_kernel, _lora_kernel)
+        kernels = (_shrink_kernel, _expand_kernel, _lora_kernel, lora_act._silu_mul_lora_kernel)
         return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
     except (AttributeError, IndexError, TypeError):  # another Triton's JIT layout
         return None
@@ -919,7 +932,8 @@ def warm_up(device: torch.device, dtype: torch.dtype, width: int, max_rank: int)
 
 
 def _compile(device: torch.device, dtype: torch.dtype, width: int, max_rank: int) -> None:
-    from preft.vllm_plugin.groups import SlotGroups  # (groups imports this module)
+    from preft.vllm_plugin import lora_act  # (it imports this module, as groups does)
+    from preft.vllm_plugin.groups import SlotGroups
 
     global _KERNELS
     if not _KERNELS:
@@ -928,6 +942,7 @@ def _compile(device: torch.device, dtype: torch.dtype, width: int, max_rank: int
     y2 = torch.zeros(tokens, width, device=device, dtype=dtype)
     a = [torch.zeros(2, max_rank, width, device=device, dtype=dtype)]
     b = torch.zeros(2, width, max_rank, device=device, dtype=dtype)
+    gate_up = torch.zeros(tokens, 2 * width, device=device, dtype=dtype)
     try:
         for rank in {_block(int(r)): int(r) for r in np.arange(8, max_rank + 1, 8)}.values():
             for token_slots in ([0] * tokens, [0, -1] + [1] * (tokens - 2)):  # a span; rows gathered
@@ -938,6 +953,8 @@ def _compile(device: torch.device, dtype: torch.dtype, width: int, max_rank: int
                     expand_add(y2, z, b, 0, width, groups)
                 if "fused" in _KERNELS:
                     lora_linear(y2, y2, a, [b], [width], 1.0, groups)
+                if "act" in _KERNELS:  # (a gate/up projection of the model's width)
+                    lora_act.lora_silu_and_mul(torch.empty_like(y2), gate_up, y2, a * 2, [b, b], groups)
     except Exception as e:  # a Triton build that cannot compile them: serve on the torch path
         _KERNELS = frozenset()
         logger.warning("preft: LoRA kernels unavailable (%s: %s); using the torch path", type(e).__name__, e)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from preft.vllm_plugin import groups as g
+from preft.vllm_plugin import lora_act
 from preft.vllm_plugin.state import STATES
 
 
@@ -66,6 +67,19 @@ def _lora_expand(
     g.lora_expand(y, buffer, b, output_slices, offset_start, add_inputs, groups)
 
 
+def _lora_silu_and_mul(
+    gate_up: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], state_id: int
+) -> torch.Tensor:
+    """The MLP's activation silu(gate) · up of gate_up = x·Wᵀ, with the gate/up LoRA over this step's LoRA
+    tokens (see lora_act; gate_up may get the LoRA added in place)."""
+    out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    groups = STATES[state_id].step.lora_tokens
+    if not groups.empty:
+        _check_not_capturing(gate_up)
+    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+    return out
+
+
 def _direft_apply(hidden: torch.Tensor, residual: torch.Tensor, layer: int, state_id: int) -> None:
     """The DiReFT edit of decoder layer `layer` at this step's DiReFT tokens (see groups.direft_apply)."""
     state = STATES[state_id]
@@ -76,16 +90,25 @@ def _direft_apply(hidden: torch.Tensor, residual: torch.Tensor, layer: int, stat
     g.direft_apply(hidden, residual, state.direft_a[layer], state.direft_b[layer], state.direft_bias[layer], groups)
 
 
-_OPS = {
-    "lora_linear": (_lora_linear, ("y",)),
-    "lora_shrink": (_lora_shrink, ("buffer",)),
-    "lora_expand": (_lora_expand, ("y",)),
-    "direft_apply": (_direft_apply, ("hidden", "residual")),
+def _silu_and_mul_shape(gate_up: torch.Tensor, *args) -> torch.Tensor:
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def _nothing(*args) -> None:
+    return None
+
+
+_OPS = {  # name: (kernel, mutated arguments, fake)
+    "lora_linear": (_lora_linear, ("y",), _nothing),
+    "lora_shrink": (_lora_shrink, ("buffer",), _nothing),
+    "lora_expand": (_lora_expand, ("y",), _nothing),
+    "lora_silu_and_mul": (_lora_silu_and_mul, ("gate_up",), _silu_and_mul_shape),
+    "direft_apply": (_direft_apply, ("hidden", "residual"), _nothing),
 }
 
 _LIB = torch.library.Library("preft", "DEF")
-for _name, (_fn, _mutates) in _OPS.items():
+for _name, (_fn, _mutates, _fake) in _OPS.items():
     _LIB.define(_name + torch.library.infer_schema(_fn, mutates_args=_mutates))
     for _key in ("CPU", "CUDA"):
         _LIB.impl(_name, _fn, _key)
-    torch.library.register_fake(f"preft::{_name}", lambda *args: None, lib=_LIB)
+    torch.library.register_fake(f"preft::{_name}", _fake, lib=_LIB)

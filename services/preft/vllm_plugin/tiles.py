@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KERNELS = ("expand", "shrink", "fused")  # what PREFT_LORA_KERNELS may pick (or "none": the torch path)
-DEFAULT_KERNELS = "expand,shrink"
+KERNELS = ("expand", "shrink", "fused", "act")  # what PREFT_LORA_KERNELS may pick (or "none": the torch path)
+DEFAULT_KERNELS = "expand,shrink,act"
 
 
 @dataclass(frozen=True)

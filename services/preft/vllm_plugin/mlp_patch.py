@@ -1,0 +1,67 @@
+"""Each Llama/Qwen2 MLP with a LoRA gate/up projection runs its activation through ``preft::lora_silu_and_mul``.
+
+vLLM's MLP computes ``act_fn(gate_up_proj(x))``: the LoRA layer adds its LoRA into gate_up, which the
+activation then reads. The patched forward runs the projection's base GEMM itself (as the LoRA layer's
+``_apply_sync`` does) and hands gate_up, x and the LoRA weights to the op, which folds the LoRA into the
+activation (``lora_act``). MLPs of another shape (a bias, a gathered or sharded output, another activation)
+keep vLLM's forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from preft.vllm_plugin import compat, ops  # noqa: F401  (ops registers torch.ops.preft.lora_silu_and_mul)
+
+logger = logging.getLogger(__name__)
+_CLASSES: dict[type, type] = {}
+
+
+def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    lora = self.gate_up_proj
+    gate_up = lora._get_quant_method().apply(lora.base_layer, x, None)
+    h = torch.ops.preft.lora_silu_and_mul(
+        gate_up, x, list(lora.lora_a_stacked), list(lora.lora_b_stacked), self.preft_state_id
+    )
+    out, _ = self.down_proj(h)
+    return out
+
+
+def _mlp_class(base: type) -> type:
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"Preft{base.__name__}", (base,), {"forward": _forward})
+    return _CLASSES[base]
+
+
+def fits(mlp: Any) -> bool:
+    """Whether the patched forward computes what vLLM's does for this MLP."""
+    lora, base = getattr(mlp, "gate_up_proj", None), getattr(getattr(mlp, "gate_up_proj", None), "base_layer", None)
+    return (
+        isinstance(mlp, compat.silu_mlp_classes())
+        and type(mlp.act_fn) is compat.silu_and_mul_cls()
+        and type(lora) is compat.merged_lora_cls()
+        and base.bias is None
+        and not (base.gather_output and lora.tp_size > 1)
+        and len(lora.output_slices) == 2
+        and lora.output_slices[0] == lora.output_slices[1]
+    )
+
+
+def install(model: torch.nn.Module, state_id: int) -> int:
+    """Patch every decoder layer's MLP that `fits`; how many were."""
+    try:
+        layers = compat.decoder_layers(model)
+    except compat.UnsupportedVllmError:  # not a Llama-family model: its MLPs keep vLLM's forward
+        return 0
+    patched = 0
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and fits(mlp):
+            mlp.__class__ = _mlp_class(type(mlp))
+            mlp.preft_state_id = state_id
+            patched += 1
+    logger.info("preft: %d of %d decoder layers fold their gate/up LoRA into the activation", patched, len(layers))
+    return patched

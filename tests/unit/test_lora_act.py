@@ -1,0 +1,78 @@
+"""The MLP activation with the gate/up LoRA folded in (lora_act), against the LoRA added into gate/up first."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from preft.vllm_plugin import groups as g
+from preft.vllm_plugin import lora_act, lora_kernels
+
+SLOTS, RANK, IN, INTER = 4, 16, 32, 48
+# Runs across the kernel's 64-row blocks: a block with three slots, one with a slot's tokens on both sides of
+# another's (the same slot twice in a block), tokens without an adapter between and at the end
+TOKEN_SLOTS = [2] * 70 + [-1] * 5 + [0] * 3 + [1] * 10 + [0] * 4 + [3] * 60 + [-1] * 9
+
+
+def _case(token_slots, rows, ranks=(8, 16, 8, 8), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.get_default_dtype()
+    x = torch.randn(rows, IN, generator=gen, dtype=dtype)
+    gate_up = torch.randn(rows, 2 * INTER, generator=gen, dtype=dtype)
+    a = [torch.randn(SLOTS, 1, RANK, IN, generator=gen, dtype=dtype) / IN**0.5 for _ in range(2)]
+    b = [torch.randn(SLOTS, 1, INTER, RANK, generator=gen, dtype=dtype) / RANK**0.5 for _ in range(2)]
+    for s, r in enumerate(ranks):  # vLLM's padding past each slot's rank
+        for w in a:
+            w[s, :, r:] = 0
+        for w in b:
+            w[s, :, :, r:] = 0
+    groups = g.SlotGroups.build(np.asarray(token_slots), "cpu", slot_ranks=np.asarray([*ranks, 0]), max_rank=RANK)
+    return x, gate_up, a, b, groups
+
+
+def _reference(x, gate_up, a, b, token_slots):
+    y = gate_up.clone()
+    for t, slot in enumerate(token_slots):
+        if slot >= 0:
+            for i in range(2):
+                y[t, i * INTER : (i + 1) * INTER] += (x[t] @ a[i][slot, 0].T) @ b[i][slot, 0].T
+    return torch.nn.functional.silu(y[:, :INTER]) * y[:, INTER:]
+
+
+@pytest.mark.parametrize("padding", [0, 7])  # rows past the step's tokens (a padded batch) have no adapter
+@pytest.mark.parametrize("token_slots", [TOKEN_SLOTS, [-1] * 3 + [1] * 130 + [-1] * 2], ids=["gathered", "span"])
+def test_the_kernel_matches_the_lora_added_into_gate_up(lora_kernels_interpreted, monkeypatch, token_slots, padding):
+    x, gate_up, a, b, groups = _case(token_slots, len(token_slots) + padding)
+    expected = _reference(x, gate_up, a, b, token_slots)
+    before = gate_up.clone()
+    launched = []
+    act = lora_act._ACT
+    monkeypatch.setattr(lora_act, "_ACT", lambda *args: launched.append(1) or act(*args))
+    out = torch.empty(gate_up.shape[0], INTER)
+    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # (another order of the products' sums)
+    fused = "act" in lora_kernels.picked(gate_up)
+    assert launched == [1] * fused
+    assert torch.equal(gate_up, before) == fused  # the kernel only reads gate_up; the torch path adds into it
+
+
+def test_a_step_makes_its_slot_table_once_and_each_block_lists_its_slots(lora_kernels_interpreted):
+    x, gate_up, a, b, groups = _case(TOKEN_SLOTS, len(TOKEN_SLOTS))
+    if "act" not in lora_kernels.picked(gate_up):
+        pytest.skip("the activation kernel is not picked in this choice")
+    out = torch.empty(gate_up.shape[0], INTER)
+    for _ in range(2):
+        lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+    tables = groups.launch_args["act"].tensors
+    token_slot, offs, slots = tables[:3]
+    assert token_slot.tolist() == TOKEN_SLOTS
+    per_block = [slots[offs[i] : offs[i + 1]].tolist() for i in range(len(offs) - 1)]
+    assert per_block == [[2], [0, 1, 2, 3], [3], []]  # (64-row blocks; the last entry: rows past the table)
+
+
+def test_without_lora_tokens_it_is_the_plain_activation():
+    x, gate_up, a, b, _ = _case([-1] * 5, 5)
+    out = torch.empty(5, INTER)
+    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, g.empty_groups())
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:])

@@ -64,7 +64,7 @@ def test_a_step_makes_its_slot_table_once_and_each_block_lists_its_slots(lora_ke
     out = torch.empty(gate_up.shape[0], INTER)
     for _ in range(2):
         lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
-    tables = groups.launch_args["act"].tensors
+    tables = groups.launch_args["act", lora_kernels.ROW_BLOCK].tensors
     token_slot, offs, slots = tables[:3]
     assert token_slot.tolist() == TOKEN_SLOTS
     per_block = [slots[offs[i] : offs[i + 1]].tolist() for i in range(len(offs) - 1)]
@@ -74,5 +74,12 @@ def test_a_step_makes_its_slot_table_once_and_each_block_lists_its_slots(lora_ke
 def test_without_lora_tokens_it_is_the_plain_activation():
     x, gate_up, a, b, _ = _case([-1] * 5, 5)
     out = torch.empty(5, INTER)
+    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, g.empty_groups())
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:])
+
+
+def test_the_kernel_without_lora_tokens_is_the_plain_activation(lora_kernels_interpreted):
+    x, gate_up, a, b, _ = _case([-1] * 70, 70)
+    out = torch.empty(70, INTER)
     lora_act.lora_silu_and_mul(out, gate_up, x, a, b, g.empty_groups())
     torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:])

@@ -113,7 +113,8 @@ def test_the_activation_reads_gate_up_and_writes_its_output_in_16_byte_vectors()
 
     fn = lora_act._silu_mul_lora_kernel
     names = fn.arg_names
-    constexprs = {"BLOCK_K": 16, "BLOCK_M": lora_act.BLOCK_M, "BLOCK_N": lora_act.BLOCK_N, "PRECISION": "tf32"}
+    tiles = lora_kernels.DEFAULT_TILES["act"]
+    constexprs = {"BLOCK_K": 16, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.cols, "PRECISION": "tf32", "DOT": True}
     pointers = {"out_ptr": "*bf16", "gu_ptr": "*bf16", "z_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16"}
     signature = {
         n: "constexpr" if n in constexprs else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32") for n in names
@@ -126,10 +127,10 @@ def test_the_activation_reads_gate_up_and_writes_its_output_in_16_byte_vectors()
         {(names.index(k),): [["tt.divisibility", 16]] for k in aligned},
     )
     try:
-        compiled = triton.compile(source, target=HOPPER, options={"num_warps": lora_act.WARPS, "num_stages": 1})
+        compiled = triton.compile(source, target=HOPPER, options={"num_warps": tiles.warps, "num_stages": 1})
     except RuntimeError as error:  # a Triton without its CUDA backend's tools
         pytest.skip(f"cannot compile for sm_90 here: {error}")
     accesses = Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*", compiled.asm["ptx"]))
-    vectors = lora_act.BLOCK_M * lora_act.BLOCK_N * 2 // (32 * lora_act.WARPS * 16)  # one bf16 tile
+    vectors = tiles.rows * tiles.cols * 2 // (32 * tiles.warps * 16)  # one bf16 tile
     assert {op: n for op, n in accesses.items() if op.startswith("st.")} == {"st.global.v4.b32": vectors}, accesses
     assert accesses["ld.global.v4.b32"] == 2 * vectors, accesses  # gate and up

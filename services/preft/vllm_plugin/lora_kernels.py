@@ -66,7 +66,11 @@ _KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", DEFAULT_KERNELS))
 
 # The fastest over a layer of Qwen2.5-0.5B's and Llama-3.1-8B's shapes on the H200, at ranks 8 and 16, summed
 # over all four (loadtest/bench_lora_tiles, run 37: README "Runs 37-40"); PREFT_LORA_TILES overrides them
-DEFAULT_TILES = {"shrink": Tiles(rows=64, cols=64, warps=4, stages=4), "expand": Tiles(rows=64, cols=128, warps=8)}
+DEFAULT_TILES = {
+    "shrink": Tiles(rows=64, cols=64, warps=4, stages=4),
+    "expand": Tiles(rows=64, cols=128, warps=8),
+    "act": Tiles(rows=64, cols=32, warps=4, stages=1),  # (lora_act: its tiles hold four float32 tensors)
+}
 _TILES = {**DEFAULT_TILES, **parse_tiles(os.environ.get("PREFT_LORA_TILES", ""))}
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values
 _PLANS: dict[tuple, object] = {}  # each LoRA linear's kernel plan, by its weights' addresses (they stay put)
@@ -953,8 +957,12 @@ def _compile(device: torch.device, dtype: torch.dtype, width: int, max_rank: int
                     expand_add(y2, z, b, 0, width, groups)
                 if "fused" in _KERNELS:
                     lora_linear(y2, y2, a, [b], [width], 1.0, groups)
-                if "act" in _KERNELS:  # (a gate/up projection of the model's width)
-                    lora_act.lora_silu_and_mul(torch.empty_like(y2), gate_up, y2, a * 2, [b, b], groups)
+                if "act" in _KERNELS:  # (a gate/up projection of the model's width; then no LoRA tokens)
+                    for step in (
+                        groups,
+                        SlotGroups.build(np.full(tokens, -1), device, slot_ranks=slot_ranks, max_rank=rank),
+                    ):
+                        lora_act.lora_silu_and_mul(torch.empty_like(y2), gate_up, y2, a * 2, [b, b], step)
     except Exception as e:  # a Triton build that cannot compile them: serve on the torch path
         _KERNELS = frozenset()
         logger.warning("preft: LoRA kernels unavailable (%s: %s); using the torch path", type(e).__name__, e)

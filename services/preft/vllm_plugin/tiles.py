@@ -15,7 +15,7 @@ DEFAULT_KERNELS = "expand,shrink,act"
 
 @dataclass(frozen=True)
 class Tiles:
-    """The launch shape of the shrink or the expand kernel.
+    """The launch shape of the shrink, the expand or the activation kernel.
 
     rows: rows per program, a divisor of the groups' row block (each block gets block ÷ rows programs; more rows
     than the block runs as the whole block: the engine's is ``lora_kernels.ROW_BLOCK``, 64); cols:
@@ -52,13 +52,13 @@ class Tiles:
 
 
 def parse_tiles(setting: str) -> dict[str, Tiles]:
-    """``PREFT_LORA_TILES``: ``KERNEL=LABEL`` pairs, comma-separated, for the shrink and the expand."""
+    """``PREFT_LORA_TILES``: ``KERNEL=LABEL`` pairs, comma-separated, for the shrink, the expand and the act."""
     tiles: dict[str, Tiles] = {}
     for part in filter(str.strip, setting.split(",")):
         kernel, sep, label = part.partition("=")
         kernel = kernel.strip()
-        if not sep or kernel not in ("shrink", "expand"):
-            raise ValueError(f"tiles: {part.strip()!r} is not shrink=LABEL or expand=LABEL")
+        if not sep or kernel not in ("shrink", "expand", "act"):
+            raise ValueError(f"tiles: {part.strip()!r} is not shrink=LABEL, expand=LABEL or act=LABEL")
         if kernel in tiles:
             raise ValueError(f"tiles: {kernel} given twice")
         tiles[kernel] = Tiles.parse(label)

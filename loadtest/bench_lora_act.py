@@ -1,0 +1,87 @@
+"""The MLP's activation with the gate/up LoRA folded in (``lora_act``), in each launch shape, on the GPU machine.
+
+    python3 -m loadtest.bench_lora_act --out $OUT/gpu-lora-act   # on the GPU machine
+
+On a full prefill step (16,384 tokens in groups of 1,024, 512 slots, rank 8) of each model's gate/up
+projection, times in one process: vLLM's activation kernel alone (``_C.silu_and_mul``), the LoRA added into
+gate/up by the shrink and expand kernels then vLLM's activation (what the engine ran before), and the
+activation kernel in each launch shape of ``SHAPES``, with the LoRA folded in and with no LoRA token (the
+engine's activation on steps without adapters). Prints ms per call and the bandwidth the activation moves
+(gate, up and the output once each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from loadtest.bench_lora_kernels import _timed, step
+from preft.vllm_plugin import groups as g
+from preft.vllm_plugin import lora_act, lora_kernels
+from preft.vllm_plugin.tiles import Tiles
+
+SHAPES = [Tiles(r, c, w, 1) for r, c, w in ((64, 32, 4), (64, 64, 4), (64, 64, 8), (64, 128, 4), (64, 128, 8))]
+SHAPES += [Tiles(r, c, w, 1) for r, c, w in ((32, 64, 4), (32, 128, 4), (16, 128, 4), (128, 32, 4), (32, 32, 4))]
+
+
+def bench(model: str, rank: int, iters: int) -> dict:
+    device = torch.device("cuda")
+    modules, ys, groups = step(model, rank, 16384, 1024, 512, device)
+    x, _, a, b, _ = modules[2]
+    gate_up = ys[2]
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, device=device, dtype=gate_up.dtype)
+    moved = (gate_up.numel() + out.numel()) * gate_up.element_size()
+    none = g.empty_groups(device)
+    row: dict = {"model": model, "rank": rank, "tokens": gate_up.shape[0], "inter": out.shape[1]}
+
+    def timed(fn) -> float:
+        return _timed(fn, device, iters)[0] * 1e3
+
+    row["vllm_ms"] = timed(lambda: torch.ops._C.silu_and_mul(out, gate_up))
+    with lora_kernels.using("expand", "shrink"):
+        row["added_then_vllm_ms"] = timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))
+    gate_up.zero_()
+    with lora_kernels.using("expand", "shrink"):
+        lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+    reference = out.float()
+    with lora_kernels.using("expand", "shrink", "act"):
+        for tiles in SHAPES:
+            with lora_kernels.tiled(act=tiles):
+                cell = {"plain_ms": timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, none))}
+                for dot in (True, False):
+                    lora_act.DOT = dot
+                    name = "dot" if dot else "rank1"
+                    cell[f"folded_{name}_ms"] = timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))
+                    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+                    cell[f"{name}_max_rel_diff"] = float((out.float() - reference).abs().max() / reference.abs().max())
+                lora_act.DOT = True
+            cell["plain_TB_s"] = moved / cell["plain_ms"] / 1e9
+            row[tiles.label] = cell
+            print(model, tiles.label, json.dumps({k: round(v, 4) for k, v in cell.items()}), flush=True)
+    cells = [(row[t.label][f"folded_{m}_ms"], t.label, m) for t in SHAPES for m in ("dot", "rank1")]
+    row["best"] = min(cells)[1:]
+    row["folded_speedup_over_added"] = row["added_then_vllm_ms"] / min(cells)[0]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=None, help="write OUT.json")
+    args = ap.parse_args()
+    __import__("vllm._C")  # vLLM's activation kernel (torch.ops._C.silu_and_mul)
+    rows = [bench(model, 8, args.iters) for model in ("qwen05", "llama8b")]
+    for row in rows:
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+        args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()

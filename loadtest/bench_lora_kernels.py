@@ -12,7 +12,7 @@ launch per linear) (``lora_kernels``), the last two also through Triton's own la
 engine's direct launches (``triton_launch``); prints each LoRA cost as a fraction of the base matmuls, with
 the host's time to issue the calls (near the wall time: host-bound). Also checks every path agrees with the
 torch path, and that the direct launches ran the variants Triton picks (``triton_launch``'s check mode).
-And the MLP's gate/up LoRA with its activation: added into gate/up before it, or folded into it (``lora_act``).
+(The MLP's gate/up LoRA folded into its activation: ``loadtest/bench_lora_act``.)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_act, lora_kernels, triton_launch
+from preft.vllm_plugin import lora_kernels, triton_launch
 
 # hidden, (q, k, v) widths, intermediate
 SHAPES = {"qwen05": (896, (896, 128, 128), 4864), "llama8b": (4096, (4096, 1024, 1024), 14336)}
@@ -138,35 +138,11 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
             with triton_launch.launching("check" if launch == "direct" else launch):  # the launcher's keys hold
                 lora()
             outputs[path] = [y.to(torch.float32, copy=True) for y in ys]
-    if lora_kernels.supported(ys[0]):
-        row.update(_activation(modules[2], ys[2], groups, device, iters))
     for path in outputs.keys() - {"torch"}:
         row[f"{path}_speedup"] = row["lora_torch_ms"] / row[f"lora_{path}_ms"]
         row[f"{path}_max_rel_diff"] = max(
             float((k - t).abs().max() / t.abs().max()) for k, t in zip(outputs[path], outputs["torch"], strict=True)
         )
-    return row
-
-
-def _activation(gate_up_module: tuple, gate_up: torch.Tensor, groups: g.SlotGroups, device, iters: int) -> dict:
-    """The MLP's gate/up LoRA and activation: the LoRA added into gate/up then the activation (the shrink and
-    expand kernels), against the activation with the LoRA folded in (``lora_act``), and the activation alone."""
-    x, _, a, b, _ = gate_up_module
-    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, device=device, dtype=gate_up.dtype)
-    row, results = {}, {}
-    for path, kernels in (("added", ("expand", "shrink")), ("folded", ("expand", "shrink", "act"))):
-        with lora_kernels.using(*kernels):
-            row[f"act_{path}_ms"] = (
-                _timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups), device, iters)[0] * 1e3
-            )
-            gate_up.zero_()
-            lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
-            results[path] = out.float()
-    row["act_plain_ms"] = _timed(lambda: lora_act.silu_and_mul(out, gate_up), device, iters)[0] * 1e3
-    row["act_folded_speedup"] = row["act_added_ms"] / row["act_folded_ms"]
-    row["act_folded_max_rel_diff"] = float(
-        (results["folded"] - results["added"]).abs().max() / results["added"].abs().max()
-    )
     return row
 
 

@@ -8,6 +8,7 @@ import torch
 
 from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_act, lora_kernels
+from preft.vllm_plugin.tiles import Tiles
 
 SLOTS, RANK, IN, INTER = 4, 16, 32, 48
 # Runs across the kernel's 64-row blocks: a block with three slots, one with a slot's tokens on both sides of
@@ -62,9 +63,10 @@ def test_a_step_makes_its_slot_table_once_and_each_block_lists_its_slots(lora_ke
     if "act" not in lora_kernels.picked(gate_up):
         pytest.skip("the activation kernel is not picked in this choice")
     out = torch.empty(gate_up.shape[0], INTER)
-    for _ in range(2):
-        lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
-    tables = groups.launch_args["act", lora_kernels.ROW_BLOCK].tensors
+    with lora_kernels.tiled(act=Tiles(rows=64, cols=32, warps=4, stages=1)):
+        for _ in range(2):
+            lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+    tables = groups.launch_args["act", 64].tensors
     token_slot, offs, slots = tables[:3]
     assert token_slot.tolist() == TOKEN_SLOTS
     per_block = [slots[offs[i] : offs[i + 1]].tolist() for i in range(len(offs) - 1)]

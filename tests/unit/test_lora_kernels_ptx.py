@@ -114,7 +114,7 @@ def test_the_activation_reads_gate_up_and_writes_its_output_in_16_byte_vectors()
     fn = lora_act._silu_mul_lora_kernel
     names = fn.arg_names
     tiles = lora_kernels.DEFAULT_TILES["act"]
-    constexprs = {"BLOCK_K": 16, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.cols, "PRECISION": "tf32", "DOT": True}
+    constexprs = {"BLOCK_K": 16, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.cols, "PRECISION": "tf32"}
     pointers = {"out_ptr": "*bf16", "gu_ptr": "*bf16", "z_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16"}
     signature = {
         n: "constexpr" if n in constexprs else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32") for n in names

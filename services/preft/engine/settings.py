@@ -84,9 +84,9 @@ class EngineSettings(BaseSettings):
     lora_kernels: str = Field(
         DEFAULT_KERNELS,
         description="PREFT_LORA_KERNELS of the replica processes: the plugin's Triton LoRA kernels on GPU, "
-        "'expand,shrink,act' (the default; act: the MLP's gate/up LoRA folded into its activation), "
-        "'expand,shrink', 'expand', 'fused', or 'none' (the torch path); the README's issue-6 section says what "
-        "each measured",
+        "'expand,shrink' (the default), 'expand', 'fused', 'none' (the torch path), and 'act' besides "
+        "the shrink (the MLP's gate/up LoRA folded into its activation); the README's issue-6 section says "
+        "what each measured",
     )
     lora_tiles: str | None = Field(
         None,

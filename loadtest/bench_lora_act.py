@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from loadtest.bench_lora_kernels import _timed, step
+from loadtest.bench_lora_launch import write_rows
 from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_act, lora_kernels
 from preft.vllm_plugin.tiles import Tiles
@@ -74,10 +75,7 @@ def main() -> None:
     for row in rows:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
-        args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out.with_suffix('.json')}")
+        write_rows(rows, args.out)
 
 
 if __name__ == "__main__":

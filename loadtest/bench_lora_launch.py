@@ -108,10 +108,15 @@ def main() -> None:
     for row in rows:
         print(json.dumps({k: [round(u, 1) for u in v] if isinstance(v, tuple) else v for k, v in row.items()}))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
-        args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out.with_suffix('.json')}")
+        write_rows(rows, args.out)
+
+
+def write_rows(rows: list[dict], out: Path) -> None:
+    """OUT.json: the device, torch's version and the rows."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out.with_suffix('.json')}")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def test_small_table_has_every_row(tmp_path):
             (b1, c1), (b2, c2) = r["notes"]["pairs_tokens_per_s"]
             assert r["paired_ratio"] == pytest.approx((c1 / b1 + c2 / b2) / 2, abs=2e-3), r
             assert r["notes"]["paired_ratio_min"] <= r["paired_ratio"] <= r["notes"]["paired_ratio_max"], r
+        assert (r["pooled_ratio"] is not None) == adapted_preft, r
         first, best = r["notes"]["speed_probe_first_ms"], r["notes"]["speed_probe_best_ms"]
         assert all(0 < b <= f for f, b in zip(first, best, strict=True)), r
         assert r["notes"]["process_cpu_per_s"] > 0 and "cpu_steal_pct" in r["notes"], r

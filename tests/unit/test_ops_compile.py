@@ -75,3 +75,30 @@ def test_compiled_direft_layer_applies_the_edit_on_steps_after_an_idle_trace():
     torch.testing.assert_close(h[:2] + r[:2], stream + (stream @ a.T + bias) @ b_)
     torch.testing.assert_close((h[2:], r[2:]), (hidden[2:], residual[2:]))
     del STATES[state.id]
+
+
+def test_compiled_activation_op_folds_the_gate_up_lora_in_on_steps_after_an_idle_trace():
+    """preft::lora_silu_and_mul (the MLP's activation with its gate/up LoRA, lora_act) under Dynamo: one trace,
+    the plain activation on an idle step, the LoRA's on an adapted one (CPU: added into gate/up first)."""
+    state = _state()
+    gen = torch.Generator().manual_seed(2)
+    a = [torch.randn(2, 1, RANK, HIDDEN, generator=gen) for _ in range(2)]
+    b = [torch.randn(2, 1, OUT, RANK, generator=gen) for _ in range(2)]
+    w, x = torch.randn(2 * OUT, HIDDEN, generator=gen), torch.randn(TOKENS, HIDDEN, generator=gen)
+
+    def mlp(x):
+        return torch.ops.preft.lora_silu_and_mul(x @ w.T, x, a, b, state.id)
+
+    def activation(gate_up):
+        return torch.nn.functional.silu(gate_up[:, :OUT]) * gate_up[:, OUT:]
+
+    compiled = _compiled(mlp)
+    state.load_slot(1, lora_rank=RANK, direft=None)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        torch.testing.assert_close(compiled(x), activation(x @ w.T))  # traced on an idle step
+        state.set_step(np.array([-1, -1, 1, 1, 1, -1]), np.array([-1]))
+        h = compiled(x)
+    delta = torch.zeros(TOKENS, 2 * OUT)
+    delta[2:5] = torch.cat([x[2:5] @ a[i][1, 0].T @ b[i][1, 0].T for i in range(2)], dim=1)
+    torch.testing.assert_close(h, activation(x @ w.T + delta))
+    del STATES[state.id]

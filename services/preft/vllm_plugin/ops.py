@@ -67,12 +67,17 @@ def _lora_expand(
     g.lora_expand(y, buffer, b, output_slices, offset_start, add_inputs, groups)
 
 
+def _silu_and_mul_shape(gate_up: torch.Tensor, *args) -> torch.Tensor:
+    """A new tensor of the activation's shape: gate_up's, its last dim halved."""
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
 def _lora_silu_and_mul(
     gate_up: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], state_id: int
 ) -> torch.Tensor:
     """The MLP's activation silu(gate) · up of gate_up = x·Wᵀ, with the gate/up LoRA over this step's LoRA
     tokens (see lora_act; gate_up may get the LoRA added in place)."""
-    out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    out = _silu_and_mul_shape(gate_up)
     groups = STATES[state_id].step.lora_tokens
     if not groups.empty:
         _check_not_capturing(gate_up)
@@ -88,10 +93,6 @@ def _direft_apply(hidden: torch.Tensor, residual: torch.Tensor, layer: int, stat
         return
     _check_not_capturing(hidden)
     g.direft_apply(hidden, residual, state.direft_a[layer], state.direft_b[layer], state.direft_bias[layer], groups)
-
-
-def _silu_and_mul_shape(gate_up: torch.Tensor, *args) -> torch.Tensor:
-    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 def _nothing(*args) -> None:

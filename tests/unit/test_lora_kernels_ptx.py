@@ -30,7 +30,11 @@ SHRINK, EXPAND = lora_kernels.DEFAULT_TILES["shrink"], lora_kernels.DEFAULT_TILE
 # Each kernel in the launch shape the engine gives it (the fused kernel: its own columns, warps and stages)
 LAUNCHES = {
     "_shrink_kernel": ({"BLOCK_R": 16, "BLOCK_C": SHRINK.cols}, SHRINK.warps, SHRINK.stages),
-    "_expand_kernel": ({"ALIGNED": True, "BLOCK_N": EXPAND.cols, "BLOCK_K": 16}, EXPAND.warps, EXPAND.stages),
+    "_expand_kernel": (
+        {"ALIGNED": True, "ADD": True, "BLOCK_N": EXPAND.cols, "BLOCK_K": 16},
+        EXPAND.warps,
+        EXPAND.stages,
+    ),
     "_lora_kernel": (
         {"ALIGNED": True, "BLOCK_R": 16, "BLOCK_C": lora_kernels._BLOCK_C, "BLOCK_N": lora_kernels._BLOCK_N},
         lora_kernels._FUSED_WARPS,

@@ -231,12 +231,13 @@ if triton is not None:
         return stride_b_slot, width, y_offset
 
     @triton.jit
-    def _add_rows(y_ptr, rows, mask_m, cols, mask_n, stride_y, delta):
-        """y[rows, cols] += delta (float32), rounded once to y's dtype."""
+    def _add_rows(y_ptr, rows, mask_m, cols, mask_n, stride_y, delta, ADD: tl.constexpr = True):
+        """y[rows, cols] += delta (float32), rounded once to y's dtype (not ADD: y[rows, cols] = delta)."""
         ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
-        y = tl.load(ptrs, mask=mask, other=0.0)
-        tl.store(ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+        if ADD:
+            delta += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
 
     # The shrink's and the expand's parameters come in three runs: what each call passes, what the step's
     # groups and the tiles fix (`_step_args`, once per step), what the module's weights fix (kept in its plan)
@@ -312,6 +313,7 @@ if triton is not None:
         stride_z,
         stride_z_col,
         z_slice_step,
+        ADD: tl.constexpr,
         rows_ptr,
         block_group_ptr,
         block_start_ptr,
@@ -332,7 +334,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        """y[row(m), slice's first column + n] += z[m, s·z_slice_step :][:rank] · B_s[slot][n]: every slice at once.
+        """y[row(m), slice's first column + n] += z[m, s·z_slice_step :][:rank] · B_s[slot][n]: every slice at once
+        (not ADD: y[...] = the product, y's rows not read).
 
         Program (block, t): row block `block` (or a part of it), and t's entry of the tile table (slice s, its
         first column n0), BLOCK_N columns. The slice table holds, per slice: B's offset from b0 in elements,
@@ -371,7 +374,7 @@ if triton is not None:
             other=0.0,
         )
         acc = tl.dot(z.to(b.dtype), b, input_precision=PRECISION)
-        _add_rows(y_ptr, rows, mask_m, y_offset + n, mask_n, stride_y, acc)
+        _add_rows(y_ptr, rows, mask_m, y_offset + n, mask_n, stride_y, acc, ADD)
 
     @triton.jit(**_jit_options(["cols_per_program"], ["slice_table_ptr", "tile_table_ptr"]))
     def _lora_kernel(
@@ -651,16 +654,29 @@ def _launch_expand(
     z_slice_step: int,
     plan: _ExpandPlan,
     groups: SlotGroups,
+    add: bool = True,
 ) -> None:
+    """y2's rows (+)= the expand of z: added (add) or stored."""
     tiles = _TILES["expand"]
     if plan.block_n != tiles.cols:
         raise ValueError(f"the plan's tiles are {plan.block_n} columns wide, the expand's {tiles.cols}")
     step, grid_rows = _step_args(groups, tiles)
     y_ptr, stride_y = y2.data_ptr(), y2.stride(0)
-    call = (stride_y, stride_z, stride_z_col, z_slice_step)
+    call = (stride_y, stride_z, stride_z_col, z_slice_step, add)
     _EXPAND(
         (grid_rows, plan.tiles.shape[0] // 2),
-        (y2.dtype, y_ptr % 16, z.dtype, stride_y, stride_z_col, step.key, plan.args.key, tiles.warps, tiles.stages),
+        (
+            y2.dtype,
+            y_ptr % 16,
+            z.dtype,
+            stride_y,
+            stride_z_col,
+            add,
+            step.key,
+            plan.args.key,
+            tiles.warps,
+            tiles.stages,
+        ),
         (y2, z, *call, *step.tensors, *plan.args.tensors),
         tiles.warps,
         tiles.stages,
@@ -795,15 +811,18 @@ def _make_split_plan(y2, x2, a_stacked, b_stacked, output_slices) -> SplitPlan |
     )
 
 
-def split_linear(y2: torch.Tensor, x2: torch.Tensor, plan: SplitPlan, scale: float, groups: SlotGroups) -> None:
-    """y2[rows, slice i] += (scale · x2[rows] @ A_i[slot]ᵀ) @ B_i[slot]ᵀ for every slice: shrink, then expand.
+def split_linear(
+    y2: torch.Tensor, x2: torch.Tensor, plan: SplitPlan, scale: float, groups: SlotGroups, add: bool = True
+) -> None:
+    """y2[rows, slice i] += (scale · x2[rows] @ A_i[slot]ᵀ) @ B_i[slot]ᵀ for every slice: shrink, then expand
+    (not add: y2[rows, slice i] = the product, y2's rows not read; loadtest/bench_lora_addmm's delta first).
 
     z lies in a kept buffer (``_scratch``), and the plan and the step's groups hold every other argument but
     x's, y's and the scale: little host work between the two launches."""
     slices, rank = len(plan.a), groups.rank
     z = _scratch(x2, groups.rows.shape[0] * slices * rank)
     _launch_shrink(x2, z, slices * rank, float(scale), slices, plan.shrink(_TILES["shrink"].cols), groups)
-    _launch_expand(y2, z, slices * rank, 1, rank, plan.expand, groups)
+    _launch_expand(y2, z, slices * rank, 1, rank, plan.expand, groups, add)
 
 
 def can_fuse(x2: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:

@@ -13,14 +13,10 @@ zeros before the addmm; here every row has one.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 
 from loadtest.bench_lora_kernels import _timed, step
-from loadtest.bench_lora_launch import write_rows
+from loadtest.bench_lora_launch import per_model_main
 from preft.vllm_plugin import lora_kernels
 
 
@@ -61,16 +57,8 @@ def bench(model: str, rank: int, iters: int, tokens: int = 16384, device: str = 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=None, help="write OUT.json")
-    args = ap.parse_args()
     with lora_kernels.using("expand", "shrink"):
-        rows = [bench(model, 8, args.iters) for model in ("qwen05", "llama8b")]
-    for row in rows:
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    if args.out:
-        write_rows(rows, args.out)
+        per_model_main(__doc__, bench)
 
 
 if __name__ == "__main__":

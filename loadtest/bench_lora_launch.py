@@ -111,6 +111,20 @@ def main() -> None:
         write_rows(rows, args.out)
 
 
+def per_model_main(doc: str, bench: Callable[[str, int, int], dict]) -> None:
+    """A GPU bench's command line: --iters and --out; `bench(model, rank 8, iters)` for Qwen then Llama, each
+    row printed as JSON, all written to OUT.json."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=None, help="write OUT.json")
+    args = ap.parse_args()
+    rows = [bench(model, 8, args.iters) for model in ("qwen05", "llama8b")]
+    for row in rows:
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if args.out:
+        write_rows(rows, args.out)
+
+
 def write_rows(rows: list[dict], out: Path) -> None:
     """OUT.json: the device, torch's version and the rows."""
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -739,9 +739,20 @@ def _as_json(value):
     return value.pattern if isinstance(value, re.Pattern) else value
 
 
+def _run_workload(r: dict) -> tuple:
+    """(run, model, prompt length, output length): one engine's rows at one workload (a merged report holds
+    several runs' engines)."""
+    return (r.get("run"), r["model"], r["prompt_len"], r["output_len"])
+
+
+def _pairs(r: dict) -> list:
+    """The row's --pairs passes, [base tokens/s, this configuration's] each (none: [])."""
+    return (r.get("notes") or {}).get("pairs_tokens_per_s", [])
+
+
 def engine_bases(rows: list[dict]) -> dict[tuple, dict]:
     """The PreFT engine's base requests by (run, model, workload): a merged report holds several engines'."""
-    return {(r.get("run"), r["model"], r["prompt_len"], r["output_len"]): r for r in rows if r["config"] == ENGINE_BASE}
+    return {_run_workload(r): r for r in rows if r["config"] == ENGINE_BASE}
 
 
 def finish(report: dict) -> dict:
@@ -760,7 +771,7 @@ def finish(report: dict) -> dict:
         r["ratio_to_base"] = ratio(r, base.get(key(r)))
         r["prompt_only_ratio_to_base"] = ratio(r, base.get(key(r)), "prompt_only_tokens_per_s")
         r["ratio_to_stock"] = ratio(r, stock.get((*key(r), r["rank"]))) if r["method"] == "lora" else None
-        own_base = engine_base.get((r.get("run"), *key(r))) if r["engine"] == "preft" else None
+        own_base = engine_base.get(_run_workload(r)) if r["engine"] == "preft" else None
         r["ratio_to_engine_base"] = ratio(r, own_base)
         r["prompt_only_ratio_to_engine_base"] = ratio(r, own_base, "prompt_only_tokens_per_s")
     pool_ratios(rows)
@@ -773,15 +784,14 @@ def pool_ratios(rows: list[dict]) -> None:
 
     Where the base passes of one run range 1.5-2 x (runs 50 and 54 on the H200), a pair's ratio hangs on the
     two passes it holds; the pooled medians do not hang on any one pass."""
-    key = lambda r: (r.get("run"), r["model"], r["prompt_len"], r["output_len"])  # noqa: E731
     bases: dict[tuple, list[float]] = {}
     for r in rows:
         if r["engine"] == "preft":
-            pairs = (r.get("notes") or {}).get("pairs_tokens_per_s", [])
-            bases.setdefault(key(r), []).extend([r["tokens_per_s"]] * (r["method"] is None) + [b for b, _ in pairs])
+            passes = [r["tokens_per_s"]] * (r["method"] is None) + [b for b, _ in _pairs(r)]
+            bases.setdefault(_run_workload(r), []).extend(passes)
     for r in rows:
-        reference = bases.get(key(r)) if r["engine"] == "preft" and r["method"] is not None else None
-        own = [r["tokens_per_s"], *(c for _, c in (r.get("notes") or {}).get("pairs_tokens_per_s", []))]
+        reference = bases.get(_run_workload(r)) if r["engine"] == "preft" and r["method"] is not None else None
+        own = [r["tokens_per_s"], *(c for _, c in _pairs(r))]
         r["pooled_ratio"] = round(statistics.median(own) / statistics.median(reference), 3) if reference else None
 
 
@@ -810,7 +820,7 @@ def write_report(report: dict, out: Path) -> None:
         bases = [r for r in group if r["engine"] == "base"]
         own = engine_bases(group)
         first = next(iter(own.values()), None)
-        refs = [bases[-1] if bases else own.get((r.get("run"), model, p_len, o_len), first) for r in group]
+        refs = [bases[-1] if bases else own.get(_run_workload(r), first) for r in group]
         ref_name = "base model" if bases else "PreFT engine's base"
         n_requests = statistics.mode(r["requests"] for r in group)
         runs = _run_names(group)

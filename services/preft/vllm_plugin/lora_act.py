@@ -177,10 +177,8 @@ def lora_silu_and_mul(
         x2 = x.reshape(-1, x.shape[-1])
         plan = fuses(gate_up2, x2, a_stacked, b_stacked)
         if plan is not None:
-            rank = groups.rank
-            z = k._scratch(x2, gate_up2.shape[0] * 2 * rank)
-            k._launch_shrink(x2, z, 2 * rank, 1.0, 2, plan.shrink(k._TILES["shrink"].cols), groups, by_row=True)
-            _launch(out2, gate_up2, z, 2 * rank, plan.b, groups)
+            z, stride_z = k.plan_shrink(x2, plan, 1.0, groups, gate_up2.shape[0], by_row=True)
+            _launch(out2, gate_up2, z, stride_z, plan.b, groups)
             return
         half = gate_up.shape[-1] // 2
         g.lora_linear(gate_up, x, a_stacked, b_stacked, [half, half], 1.0, groups)
@@ -196,15 +194,15 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
     rows, inter = gate_up.shape[0], out.shape[1]
     b_gate, b_up = b
     strides = (b_gate.stride(0), b_gate.stride(1), b_gate.stride(2)) if b_gate.dim() == 3 else (0, 0, 0)
-    module = (b_gate, b_up, *strides, inter, tiles.rows, tiles.cols, k._precision(b_gate.dtype))
+    values = (b_gate, b_up, *strides, inter, tiles.rows, tiles.cols, k._precision(b_gate.dtype))
+    module = k._args(values, (b_gate.dtype, b_gate.data_ptr() % 16, b_up.data_ptr() % 16, *values[2:]))
     out_ptr, gu_ptr = out.data_ptr(), gate_up.data_ptr()
     call = (out.stride(0), gate_up.stride(0), stride_z, rows)
-    key = (out.dtype, out_ptr % 16, gate_up.dtype, gu_ptr % 16, z.dtype, *call[:2], step.key, b_gate.dtype)
     _ACT(
         (-(-rows // tiles.rows), -(-inter // tiles.cols)),
-        (*key, *module[2:], b_gate.data_ptr() % 16, b_up.data_ptr() % 16, tiles.warps),
-        (out, gate_up, z, *call, *step.tensors, *module),
+        (out.dtype, out_ptr % 16, gate_up.dtype, gu_ptr % 16, z.dtype, *call[:2], step.key, module.key, tiles.warps),
+        (out, gate_up, z, *call, *step.tensors, *module.tensors),
         tiles.warps,
         tiles.stages,
-        (out_ptr, gu_ptr, z.data_ptr(), *call, *step.addresses, *(k._args(module, ()).addresses)),
+        (out_ptr, gu_ptr, z.data_ptr(), *call, *step.addresses, *module.addresses),
     )

@@ -76,7 +76,7 @@ _TILES = {**DEFAULT_TILES, **parse_tiles(os.environ.get("PREFT_LORA_TILES", ""))
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values
 _PLANS: dict[tuple, object] = {}  # each LoRA linear's kernel plan, by its weights' addresses (they stay put)
 _SPLIT: dict[int, SplitPlan] = {}  # the split plans again, by the id of their module's first stacked A
-_SCRATCH: dict[tuple, torch.Tensor] = {}  # split_linear's z buffers (`_scratch`)
+_SCRATCH: dict[tuple, torch.Tensor] = {}  # the shrink's z buffers (`_scratch`, `plan_shrink`)
 _ENGINES: set[tuple[torch.device, torch.dtype, int, int]] = set()  # warm_up's arguments, for `using`
 
 
@@ -548,7 +548,7 @@ def _step_args(groups: SlotGroups, tiles: Tiles) -> tuple[_Args, int]:
 
 def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
     """A buffer of at least `numel` elements in like's dtype on its device, kept per device, dtype and stream:
-    split_linear's z (each call's shrink writes it and its expand reads it, in its stream's order)."""
+    `plan_shrink`'s z (each call's shrink writes it and its expand or activation reads it, in stream order)."""
     device = like.get_device()
     key = (device, like.dtype, triton_launch.stream(device) if device >= 0 else None)
     buffer = _SCRATCH.get(key)
@@ -811,6 +811,17 @@ def _make_split_plan(y2, x2, a_stacked, b_stacked, output_slices) -> SplitPlan |
     )
 
 
+def plan_shrink(
+    x2: torch.Tensor, plan: SplitPlan, scale: float, groups: SlotGroups, rows: int, by_row: bool = False
+) -> tuple[torch.Tensor, int]:
+    """The plan's shrink into the kept z buffer (``_scratch``) of `rows` rows: (z, its row stride), z at each
+    row's position in group order (by_row: at its token row, `rows` then covering every token)."""
+    stride_z = len(plan.a) * groups.rank
+    z = _scratch(x2, rows * stride_z)
+    _launch_shrink(x2, z, stride_z, float(scale), len(plan.a), plan.shrink(_TILES["shrink"].cols), groups, by_row)
+    return z, stride_z
+
+
 def split_linear(
     y2: torch.Tensor, x2: torch.Tensor, plan: SplitPlan, scale: float, groups: SlotGroups, add: bool = True
 ) -> None:
@@ -819,10 +830,8 @@ def split_linear(
 
     z lies in a kept buffer (``_scratch``), and the plan and the step's groups hold every other argument but
     x's, y's and the scale: little host work between the two launches."""
-    slices, rank = len(plan.a), groups.rank
-    z = _scratch(x2, groups.rows.shape[0] * slices * rank)
-    _launch_shrink(x2, z, slices * rank, float(scale), slices, plan.shrink(_TILES["shrink"].cols), groups)
-    _launch_expand(y2, z, slices * rank, 1, rank, plan.expand, groups, add)
+    z, stride_z = plan_shrink(x2, plan, scale, groups, groups.rows.shape[0])
+    _launch_expand(y2, z, stride_z, 1, groups.rank, plan.expand, groups, add)
 
 
 def can_fuse(x2: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:

@@ -39,7 +39,8 @@ def _mlp_class(base: type) -> type:
 
 def fits(mlp: Any) -> bool:
     """Whether the patched forward computes what vLLM's does for this MLP."""
-    lora, base = getattr(mlp, "gate_up_proj", None), getattr(getattr(mlp, "gate_up_proj", None), "base_layer", None)
+    lora = getattr(mlp, "gate_up_proj", None)
+    base = getattr(lora, "base_layer", None)
     return (
         isinstance(mlp, compat.silu_mlp_classes())
         and type(mlp.act_fn) is compat.silu_and_mul_cls()

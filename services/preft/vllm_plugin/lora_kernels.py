@@ -831,6 +831,13 @@ def split_linear(
     z lies in a kept buffer (``_scratch``), and the plan and the step's groups hold every other argument but
     x's, y's and the scale: little host work between the two launches."""
     z, stride_z = plan_shrink(x2, plan, scale, groups, groups.rows.shape[0])
+    plan_expand(y2, z, stride_z, plan, groups, add)
+
+
+def plan_expand(
+    y2: torch.Tensor, z: torch.Tensor, stride_z: int, plan: SplitPlan, groups: SlotGroups, add: bool = True
+) -> None:
+    """The plan's expand of `plan_shrink`'s z (in group order) into y2's rows: added (add) or stored."""
     _launch_expand(y2, z, stride_z, 1, groups.rank, plan.expand, groups, add)
 
 

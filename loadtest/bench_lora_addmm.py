@@ -60,7 +60,7 @@ def bench(model: str, rank: int, iters: int, tokens: int = 16384, device: str = 
     for name, fn in orders:
         row[f"{name}_ms"] = _timed(fn, device, iters)[0] * 1e3
         fn()
-        results[name] = [y.float() for y in ys]
+        results[name] = [y.to(torch.float32, copy=True) for y in ys]
     row["lora_ms"] = row["gemm_then_lora_ms"] - row["base_ms"]
     for name, _ in orders[2:]:
         row[f"lora_{name}_ms"] = row[f"{name}_ms"] - row["base_ms"]

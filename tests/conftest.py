@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
-from preft.vllm_plugin import lora_act, lora_kernels
+from preft.vllm_plugin import lora_act, lora_gemm, lora_kernels
 
 ARCHS = ("llama", "qwen2")
 MARKER_BY_DIRECTORY = {"integration": "integration", "e2e": "e2e"}  # tests/<dir>/... get the marker
@@ -62,11 +62,13 @@ def lora_kernels_interpreted(monkeypatch, request):
     monkeypatch.setenv("PREFT_LORA_KERNELS", request.param)
     importlib.reload(lora_kernels)
     importlib.reload(lora_act)
+    importlib.reload(lora_gemm)
     monkeypatch.setattr(lora_kernels, "supported", lambda y: True)  # CPU tensors too
     yield
     monkeypatch.undo()
     importlib.reload(lora_kernels)
     importlib.reload(lora_act)
+    importlib.reload(lora_gemm)
 
 
 @pytest.fixture(scope="session")

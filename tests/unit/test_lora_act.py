@@ -66,7 +66,7 @@ def test_a_step_makes_its_slot_table_once_and_each_block_lists_its_slots(lora_ke
     with lora_kernels.tiled(act=Tiles(rows=64, cols=32, warps=4, stages=1)):
         for _ in range(2):
             lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
-    tables = groups.launch_args["act", 64].tensors
+    tables = groups.launch_args["row blocks", 64].tensors
     token_slot, offs, slots = tables[:3]
     assert token_slot.tolist() == TOKEN_SLOTS
     per_block = [slots[offs[i] : offs[i + 1]].tolist() for i in range(len(offs) - 1)]

@@ -10,7 +10,7 @@ routes each Llama/Qwen2 MLP through ``preft::lora_silu_and_mul``, which lands he
 
 Rows are taken in token order, in blocks of the ``act`` tiles' rows; a block may hold tokens of several slots
 (where one request's tokens end and the next one's begin) or none: per step, the host lists each block's
-distinct slots (``_act_tables``) and the kernel adds one product per slot, each masked to that slot's rows.
+distinct slots (``row_block_tables``) and the kernel adds one product per slot, each masked to that slot's rows.
 Δ is added in float32 and rounded once to y's dtype, as the expand's add into y is, before the activation.
 ``act`` in ``PREFT_LORA_KERNELS`` picks it (with ``shrink``); otherwise, and off CUDA, the LoRA is added into
 gate/up (``groups.lora_linear``) and the activation runs on the result. Steps without LoRA tokens run the
@@ -128,10 +128,11 @@ def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
         torch.mul(torch.nn.functional.silu(gate_up[..., :half]), gate_up[..., half:], out=out)
 
 
-def _act_tables(groups: g.SlotGroups, rows: int) -> k._Args:
+def row_block_tables(groups: g.SlotGroups, rows: int) -> k._Args:
     """The step's slot per token and, per block of `rows` token rows, its distinct slots (CSR): made on the
-    step's first activation and kept with the groups. Empty groups: a table of no blocks."""
-    kept = groups.launch_args.get(("act", rows))
+    step's first use in blocks of `rows` and kept with the groups (the activation's and ``lora_gemm``'s).
+    Empty groups: a table of no blocks."""
+    kept = groups.launch_args.get(("row blocks", rows))
     if kept is None:
         slots = groups.token_slots if groups.token_slots is not None else np.zeros(0, dtype=np.int64)
         token_rows = np.flatnonzero(slots >= 0)
@@ -143,7 +144,7 @@ def _act_tables(groups: g.SlotGroups, rows: int) -> k._Args:
         offs = np.searchsorted(blocks, np.arange(n_blocks + 2))  # (one more entry: rows past its blocks)
         token_slot, block_offs, block_slots = g.to_device((slots, offs, keys % width), groups.rows.device)
         values = (token_slot, block_offs, block_slots, slots.size, n_blocks, groups.rank, k._block(groups.rank))
-        kept = groups.launch_args[("act", rows)] = k._args(values, (values[-1],))
+        kept = groups.launch_args[("row blocks", rows)] = k._args(values, (values[-1],))
     return kept
 
 
@@ -190,7 +191,7 @@ def lora_silu_and_mul(
 
 def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> None:
     tiles = k._TILES["act"]
-    step = _act_tables(groups, tiles.rows)
+    step = row_block_tables(groups, tiles.rows)
     rows, inter = gate_up.shape[0], out.shape[1]
     b_gate, b_up = b
     strides = (b_gate.stride(0), b_gate.stride(1), b_gate.stride(2)) if b_gate.dim() == 3 else (0, 0, 0)

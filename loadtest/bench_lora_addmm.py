@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from loadtest.bench_lora_kernels import _timed, step
+from loadtest.bench_lora_kernels import _timed, max_rel_diff, step
 from loadtest.bench_lora_launch import per_model_main
 from preft.vllm_plugin import lora_kernels
 
@@ -65,10 +65,7 @@ def bench(model: str, rank: int, iters: int, tokens: int = 16384, device: str = 
     for name, _ in orders[2:]:
         row[f"lora_{name}_ms"] = row[f"{name}_ms"] - row["base_ms"]
         row[f"{name}_speedup"] = row["gemm_then_lora_ms"] / row[f"{name}_ms"]
-        row[f"{name}_max_rel_diff"] = max(
-            float((d - t).abs().max() / t.abs().max())
-            for d, t in zip(results[name], results["gemm_then_lora"], strict=True)
-        )
+        row[f"{name}_max_rel_diff"] = max_rel_diff(results[name], results["gemm_then_lora"])
     return row
 
 

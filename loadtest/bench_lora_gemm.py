@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from loadtest.bench_lora_kernels import _timed, step
+from loadtest.bench_lora_kernels import _timed, max_rel_diff, step
 from loadtest.bench_lora_launch import per_model_main
 from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_gemm, lora_kernels
@@ -83,7 +83,7 @@ def bench(model: str, rank: int, iters: int, tokens: int = 16384, device: str = 
         except Exception as e:  # a shape this Triton or device cannot compile: say so, time the others
             shapes[_name(tiles)] = {"error": repr(e)[:300]}
             continue
-        diff = max(float((d - t).abs().max() / t.abs().max()) for d, t in zip(outputs(fused), expected, strict=True))
+        diff = max_rel_diff(outputs(fused), expected)
         shapes[_name(tiles)] = {"gemm_ms": plain, "gemm_lora_ms": with_lora, "max_rel_diff": diff}
         if best is None or with_lora < shapes[_name(best[0])]["gemm_lora_ms"]:
             best = (tiles, fused)

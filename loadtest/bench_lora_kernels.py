@@ -66,6 +66,11 @@ def _timed(fn, device: torch.device, iters: int) -> tuple[float, float]:
     return (time.perf_counter() - start) / iters, (issued - start) / iters
 
 
+def max_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor]) -> float:
+    """The largest of each output's max |difference| from its reference, relative to the reference's max |value|."""
+    return max(float((o - r).abs().max() / r.abs().max()) for o, r in zip(outputs, references, strict=True))
+
+
 def add_step_arguments(ap: argparse.ArgumentParser, *, ranks: str, group_size: int, iters: int) -> None:
     """The benchmark step's options, shared by the LoRA kernel benches: models, ranks, tokens, group size,
     slots, and the timed iterations (with these defaults)."""
@@ -140,9 +145,7 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
             outputs[path] = [y.to(torch.float32, copy=True) for y in ys]
     for path in outputs.keys() - {"torch"}:
         row[f"{path}_speedup"] = row["lora_torch_ms"] / row[f"lora_{path}_ms"]
-        row[f"{path}_max_rel_diff"] = max(
-            float((k - t).abs().max() / t.abs().max()) for k, t in zip(outputs[path], outputs["torch"], strict=True)
-        )
+        row[f"{path}_max_rel_diff"] = max_rel_diff(outputs[path], outputs["torch"])
     return row
 
 

@@ -495,22 +495,30 @@ class Bench:
 
         The host's pace drifts within a run (a host-bound engine's passes of the same requests have differed by
         1.6 x), so a configuration is compared with base passes next to it: the median over pairs of its
-        tokens/s over the base's, with every pair's numbers in the notes."""
-        per_pair = []
+        tokens/s over the base's, with every pair's numbers in the notes, and each pass's host pace beside them:
+        the speed probe's fastest run before it and its median decode-step period (decode is the base model's
+        in every configuration, so that period is the host's pace during the pass itself)."""
+        per_pair, probes, decode_periods = [], [], []
         for i in range(self.args.pairs):
             if self.out_of_time(f"pair {i + 1}"):
                 break
-            tps = {}
+            tps, probe, period = {}, {}, {}
             for which in ("base", "config") if i % 2 == 0 else ("config", "base"):
                 loras, pass_mode = (None, None) if which == "base" else (draw(n), mode)
+                probe[which], mark = speed_probe_ms()[1], len(self.steps.records)
                 seconds, n_out = self.run(llm, n, prompt_len, output_len, loras, pass_mode)
                 tps[which] = tokens_per_s(n, prompt_len, n_out, seconds)
+                period[which] = self.steps.summary(mark).get("decode_step_period_ms_median")
             per_pair.append([tps["base"], tps["config"]])
+            probes.append([probe["base"], probe["config"]])
+            decode_periods.append([period["base"], period["config"]])
         if not per_pair:
             return None, {}
         ratios = [c / b for b, c in per_pair]
         notes = {
             "pairs_tokens_per_s": per_pair,
+            "pairs_speed_probe_best_ms": probes,
+            "pairs_decode_step_period_ms": decode_periods,
             "paired_ratio_min": round(min(ratios), 3),
             "paired_ratio_max": round(max(ratios), 3),
         }

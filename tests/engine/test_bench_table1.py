@@ -53,6 +53,8 @@ def test_small_table_has_every_row(tmp_path):
             (b1, c1), (b2, c2) = r["notes"]["pairs_tokens_per_s"]
             assert r["paired_ratio"] == pytest.approx((c1 / b1 + c2 / b2) / 2, abs=2e-3), r
             assert r["notes"]["paired_ratio_min"] <= r["paired_ratio"] <= r["notes"]["paired_ratio_max"], r
+            for pace in ("pairs_speed_probe_best_ms", "pairs_decode_step_period_ms"):  # each pass's host pace
+                assert len(r["notes"][pace]) == 2 and all(v > 0 for pair in r["notes"][pace] for v in pair), r
         assert (r["pooled_ratio"] is not None) == adapted_preft, r
         first, best = r["notes"]["speed_probe_first_ms"], r["notes"]["speed_probe_best_ms"]
         assert all(0 < b <= f for f, b in zip(first, best, strict=True)), r

@@ -1,0 +1,280 @@
+"""Issue 6's table: one object per model, workload and configuration, over the runs that measured it.
+
+One H200 command runs 10 minutes, so the table is measured in runs of ``bench_table1`` (each one engine in one
+process, its base requests beside its adapters), and the Qwen engine's pace follows the lent host's CPU, which
+varied 2 x between passes of one run. So each PreFT row pools every full pass of its configuration over the
+runs given: each pass's tokens/s over the median base-request pass of its own run's engine at that workload
+(``bench_table1.pool_ratios`` within one run), and the median of those over all passes. Stock multi-LoRA and
+the base model (vLLM without our plugin) keep the ratio to the base model of their own report;
+``ratio_to_stock`` is tokens/s over stock's (stock is device-bound: its runs agreed within 2%).
+
+Rows come from ``--current`` reports (the code as it is) and, for a configuration none of those measured,
+from ``--earlier`` ones (marked ``"code": "earlier"``); ``[kernels: ...]``/``[launch: ...]`` A/B rows are left
+out.
+
+    python3 -m loadtest.table1_summary --current loadtest/results/gpu-table1-*-run6[1-3]*.json \\
+        --earlier loadtest/results/gpu-table1-runs1-38.json --out loadtest/results/gpu-table1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from loadtest.bench_table1 import _pairs, finish
+
+BASE_MODEL = "base model (vLLM without LoRA)"
+BASE_REQUESTS = "base requests (PreFT engine)"
+TARGET = 0.9  # issue 6: LoRAP and DiReFTP at >= 0.9 x the base model
+SETTINGS = ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs", "gpu_memory_utilization")
+
+
+@dataclass
+class Summary:
+    """One configuration at one workload of one model, over every run given that measured it."""
+
+    model: str
+    prompt_len: int
+    output_len: int
+    config: str
+    engine: str
+    method: str | None
+    mode: str | None
+    rank: int | None
+    requests: int
+    code: str  # "current" or "earlier"
+    runs: list[str]
+    passes: int  # full passes pooled (rows' own and their --pairs passes)
+    tokens_per_s: float  # median over those passes
+    ratio_to_base: float | None
+    ratio_to_base_per_run: dict[str, float] = field(default_factory=dict)
+    paired_ratio: float | None = None  # median over every --pairs pair of these runs
+    pairs: int = 0
+    ratio_to_stock: float | None = None
+    prompt_only_s: float | None = None
+    prompt_only_ratio_to_base: float | None = None
+    ttft_p50_s: float | None = None
+    ttft_p95_s: float | None = None
+    adapter_first_load_s: float | None = None
+    settings: dict = field(default_factory=dict)
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 4) if values else None
+
+
+def _config(r: dict) -> str:
+    if r["engine"] == "base":
+        return BASE_MODEL
+    return BASE_REQUESTS if r["engine"] == "preft" and r["method"] is None else r["config"]
+
+
+def _rows(paths: list[Path]) -> list[dict]:
+    """Every row of these reports with its run (a merged report's rows keep theirs) and its engine's settings."""
+    out = []
+    for path in paths:
+        report = finish(json.loads(path.read_text()))
+        engines = report.get("engines", {})
+        parts = report["settings"].get("parts", [report["settings"]])
+        for r in report["results"]:
+            if "[" in r["config"]:  # an A/B row of other kernels or launches, not the default code
+                continue
+            kwargs = engines.get(f"{r['model']} {r['engine']}", {}).get("kwargs", {})
+            settings = {k: kwargs[k] for k in SETTINGS if k in kwargs}
+            settings["max_num_batched_tokens"] = engines.get(f"{r['model']} {r['engine']}", {}).get(
+                "max_num_batched_tokens"
+            )
+            part = parts[0] if len(parts) == 1 else {}
+            settings.update({k: part[k] for k in ("vllm", "triton", "lora_kernels") if k in part})
+            out.append({"run": r.get("run") or path.stem, **r, "summary_settings": settings})
+    return out
+
+
+def _base_medians(rows: list[dict]) -> dict[tuple, float]:
+    """The median base-request pass of each run's PreFT engine at each workload."""
+    passes: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r["engine"] == "preft":
+            own = [r["tokens_per_s"]] if r["method"] is None else []
+            passes.setdefault(_run_key(r), []).extend(own + [b for b, _ in _pairs(r)])
+    return {k: statistics.median(v) for k, v in passes.items() if v}
+
+
+def _run_key(r: dict) -> tuple:
+    return (r["run"], r["model"], r["prompt_len"], r["output_len"])
+
+
+def summarize(current: list[dict], earlier: list[dict]) -> list[Summary]:
+    """One Summary per (model, workload, configuration): the current rows', else the earlier ones'."""
+    groups: dict[tuple, tuple[str, list[dict], list[dict]]] = {}
+    for code, rows in (("current", current), ("earlier", earlier)):
+        mine: dict[tuple, list[dict]] = {}
+        for r in rows:
+            mine.setdefault((r["model"], r["prompt_len"], r["output_len"], _config(r)), []).append(r)
+        for key, group in mine.items():
+            runs = {r["run"] for r in group}
+            groups.setdefault(key, (code, group, [r for r in rows if r["run"] in runs]))
+    bases = _base_medians(current + earlier)
+    out = [_summary(key, code, group, bases, same_runs) for key, (code, group, same_runs) in groups.items()]
+    stock = {(s.model, s.prompt_len, s.output_len, s.rank): s for s in out if s.engine == "stock"}
+    for s in out:
+        ref = stock.get((s.model, s.prompt_len, s.output_len, s.rank)) if s.method == "lora" else None
+        s.ratio_to_stock = round(s.tokens_per_s / ref.tokens_per_s, 3) if ref else None
+    return sorted(out, key=_order)
+
+
+def _order(s: Summary) -> tuple:
+    """By model, workload (issue 6's main one first), then base model, stock, base requests, DiReFTP, LoRAP,
+    LoRA `all`, each by rank."""
+    workloads = [(256, 256), (1024, 128), (128, 1024)]
+    workload = (s.prompt_len, s.output_len)
+    kind = (
+        0 if s.engine == "base" else 1 if s.engine == "stock" else 2 if s.method is None
+        else 3 if s.method == "direft" else 4 if s.mode == "prefill" else 5
+    )  # fmt: skip
+    return (s.model, workloads.index(workload) if workload in workloads else 3, workload, kind, s.rank or 0, s.config)
+
+
+def _summary(key: tuple, code: str, group: list[dict], bases: dict[tuple, float], same_runs: list[dict]) -> Summary:
+    """`same_runs`: every row of the runs `group` came from (their pairs' base passes are base requests too)."""
+    model, prompt_len, output_len, config = key
+    first = group[0]
+    adapted = first["engine"] == "preft" and first["method"] is not None
+    passes = [(r, t) for r in group for t in [r["tokens_per_s"], *(c for _, c in _pairs(r))]]
+    if config == BASE_REQUESTS:  # and the base passes of every pair in these runs
+        passes += [(r, b) for r in same_runs for b, _ in _pairs(r) if _run_key(r)[1:] == key[:3]]
+    pairs = [c / b for r in group for b, c in _pairs(r)]
+    per_run: dict[str, list[float]] = {}
+    if adapted:
+        for r, t in passes:
+            if _run_key(r) in bases:
+                per_run.setdefault(r["run"], []).append(t / bases[_run_key(r)])
+    if first["engine"] == "preft":
+        ratio = _median([x for v in per_run.values() for x in v]) if adapted else 1.0
+        prompt_only = _median([r.get("prompt_only_ratio_to_engine_base") for r in group])
+    else:
+        ratio = _median([r.get("ratio_to_base") for r in group])
+        prompt_only = _median([r.get("prompt_only_ratio_to_base") for r in group])
+    return Summary(
+        model=model,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        config=config,
+        engine=first["engine"],
+        method=first["method"],
+        mode=first["mode"],
+        rank=first["rank"],
+        requests=statistics.mode(r["requests"] for r in group),
+        code=code,
+        runs=list(dict.fromkeys(r["run"] for r in group)),
+        passes=len(passes),
+        tokens_per_s=round(statistics.median(t for _, t in passes), 1),
+        ratio_to_base=round(ratio, 3) if ratio is not None else None,
+        ratio_to_base_per_run={run: round(statistics.median(v), 3) for run, v in per_run.items()},
+        paired_ratio=round(statistics.median(pairs), 3) if pairs else None,
+        pairs=len(pairs),
+        prompt_only_s=_median([r["prompt_only_s"] for r in group]),
+        prompt_only_ratio_to_base=round(prompt_only, 3) if prompt_only is not None else None,
+        ttft_p50_s=_median([r["ttft_p50_s"] for r in group]),
+        ttft_p95_s=_median([r["ttft_p95_s"] for r in group]),
+        adapter_first_load_s=_median([r.get("adapter_first_load_s") for r in group]),
+        settings=first["summary_settings"],
+    )
+
+
+def markdown(rows: list[Summary]) -> str:
+    """The table as the README shows it."""
+    columns = "model workload configuration tokens/s|÷ base|per run|paired|÷ stock|prompt-only|TTFT p50 / p95"
+    lines = ["| " + " | ".join(columns.replace(" ", "|", 3).split("|")) + " |", "|---" * 10 + "|"]
+    shown: set = set()
+    for s in rows:
+        head = (s.model, s.prompt_len, s.output_len)
+        cells = [*(("", "") if head in shown else (s.model, f"{s.prompt_len}+{s.output_len}"))]
+        shown.add(head)
+        config = (
+            s.config
+            + (f", {s.requests} requests" if s.requests != 1024 else "")
+            + (f" ({', '.join(r.removeprefix('gpu-table1-') for r in s.runs)})" if s.code == "earlier" else "")
+        )
+        per_run = " / ".join(f"{v:.2f}" for v in s.ratio_to_base_per_run.values()) if len(s.runs) > 1 else ""
+        fmt = lambda v, spec=".2f": "" if v is None else format(v, spec)  # noqa: E731
+        cells += [
+            config,
+            f"{s.tokens_per_s:,.0f}",
+            fmt(s.ratio_to_base, ".3f"),
+            per_run,
+            fmt(s.paired_ratio, ".3f") + (f" ({s.pairs})" if s.pairs else ""),
+            fmt(s.ratio_to_stock),
+            fmt(s.prompt_only_s) + (" s" if s.prompt_only_s is not None else ""),
+            f"{fmt(s.ttft_p50_s)} / {fmt(s.ttft_p95_s)} s",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Summary], path: Path) -> None:
+    """Each model and workload's ratios to the base model: bars pooled over runs, a dot per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[tuple, list[Summary]] = {}
+    for s in rows:
+        panels.setdefault((s.model, s.prompt_len, s.output_len), []).append(s)
+    models = list(dict.fromkeys(k[0] for k in panels))
+    columns = max(sum(k[0] == m for k in panels) for m in models)
+    fig, axes = plt.subplots(len(models), columns, figsize=(6.2 * columns, 4.4 * len(models)), squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for (model, p_len, o_len), group in panels.items():
+        row = models.index(model)
+        ax = axes[row][sum(k[0] == model for k in list(panels)[: list(panels).index((model, p_len, o_len))])]
+        ax.set_visible(True)
+        values = [s.ratio_to_base or 0.0 for s in group]
+        colors = ["#888888" if s.engine != "preft" else "#4a7ebb" if s.code == "current" else "#a9c1e0" for s in group]
+        ax.bar(range(len(group)), values, color=colors)
+        for i, s in enumerate(group):
+            runs = list(s.ratio_to_base_per_run.values())
+            if len(runs) > 1:
+                ax.plot([i] * len(runs), runs, "o", color="black", markersize=3)
+            label = "n/a" if s.ratio_to_base is None else f"{values[i]:.2f}"  # no base model in its run
+            ax.text(i, values[i], label, ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.axhline(TARGET, color="#c0504d", linestyle=":", linewidth=1)
+        labels = [s.config + ("*" if s.code == "earlier" else "") for s in group]
+        ax.set_xticks(range(len(group)), labels, rotation=40, ha="right", fontsize=7)
+        ax.set_ylabel("÷ base (PreFT rows: their engine's base requests)", fontsize=7)
+        ax.set_title(f"{model}, {p_len}+{o_len}", fontsize=9)
+    fig.suptitle(
+        "Pooled over runs (dots: each run); dotted: the 0.9 target; * and pale: measured on earlier code", fontsize=9
+    )
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--current", type=Path, nargs="+", required=True, help="bench_table1 reports of today's code")
+    ap.add_argument("--earlier", type=Path, nargs="*", default=[], help="reports for configurations not in those")
+    ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.png")
+    args = ap.parse_args()
+    rows = summarize(_rows(args.current), _rows(args.earlier))
+    report = {
+        "settings": {"current": [str(p) for p in args.current], "earlier": [str(p) for p in args.earlier]},
+        "results": [asdict(s) for s in rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    print(markdown(rows))
+    print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""loadtest.table1_summary: issue 6's table, one row per configuration pooled over the runs that measured it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from loadtest.table1_summary import BASE_MODEL, BASE_REQUESTS, _rows, main, markdown, summarize
+
+
+def _row(config, engine, method, tokens_per_s, pairs=None, rank=8, mode="prefill", requests=1024):
+    notes = {"pairs_tokens_per_s": pairs} if pairs else {}
+    return {
+        "config": config, "model": "qwen05", "engine": engine, "method": method, "rank": rank if method else None,
+        "mode": mode if method else None, "requests": requests, "prompt_len": 1024, "output_len": 128,
+        "tokens_per_s": tokens_per_s, "prompt_only_s": 2.0, "prompt_only_tokens_per_s": tokens_per_s * 10,
+        "seconds": 1.0, "ttft_p50_s": 1.0, "ttft_p95_s": 2.0, "adapter_first_load_s": 0.01, "notes": notes,
+    }  # fmt: skip
+
+
+def _report(path, *rows, max_lora_rank=8):
+    engines = {
+        "qwen05 preft": {"kwargs": {"max_loras": 512, "max_lora_rank": max_lora_rank}, "max_num_batched_tokens": 16384}
+    }
+    settings = {"vllm": "0.26.0", "triton": "3.6.0", "lora_kernels": ["expand", "shrink"]}
+    path.write_text(json.dumps({"settings": settings, "engines": engines, "results": list(rows)}))
+    return path
+
+
+@pytest.fixture
+def reports(tmp_path):
+    run_a = _report(
+        tmp_path / "run-a.json",
+        _row("base (PreFT engine, before any adapter)", "preft", None, 100.0),
+        _row("LoRAP r8", "preft", "lora", 80.0, pairs=[[100.0, 90.0]]),  # passes 0.8, 0.9 of run a's base (100)
+        _row("LoRAP r8 [kernels: none]", "preft", "lora", 1.0),  # an A/B row: left out
+    )
+    run_b = _report(
+        tmp_path / "run-b.json",
+        _row("base (PreFT engine, before any adapter)", "preft", None, 200.0),
+        _row("base (PreFT engine, after all passes)", "preft", None, 200.0),
+        _row("LoRAP r8", "preft", "lora", 190.0),  # 0.95 of run b's base
+        _row("DiReFTP r8", "preft", "direft", 210.0),
+        max_lora_rank=64,
+    )
+    earlier = _report(
+        tmp_path / "old.json",
+        _row("base", "base", None, 150.0),
+        _row("stock multi-LoRA r8", "stock", "lora", 15.0),
+        _row("LoRAP r8", "preft", "lora", 1.0),  # measured again by the current runs: theirs are kept
+        _row("LoRA all r8", "preft", "lora", 45.0, mode="all", requests=512),
+        _row("base (PreFT engine, before any adapter)", "preft", None, 150.0),
+    )
+    return [run_a, run_b], [earlier]
+
+
+def test_each_configuration_pools_every_pass_over_its_own_runs_base(reports):
+    current, earlier = reports
+    rows = {s.config: s for s in summarize(_rows(current), _rows(earlier))}
+    lorap = rows["LoRAP r8"]
+    assert lorap.code == "current" and lorap.runs == ["run-a", "run-b"] and lorap.passes == 3
+    assert lorap.ratio_to_base == 0.9  # median of 0.8, 0.9, 0.95: each pass over its own run's base
+    assert lorap.ratio_to_base_per_run == {"run-a": 0.85, "run-b": 0.95}
+    assert lorap.paired_ratio == 0.9 and lorap.pairs == 1
+    assert lorap.tokens_per_s == 90.0 and lorap.ratio_to_stock == 6.0  # 90 over stock's 15 tokens/s
+    assert lorap.settings["max_loras"] == 512 and lorap.settings["vllm"] == "0.26.0"
+    assert rows["DiReFTP r8"].ratio_to_base == 1.05 and rows["DiReFTP r8"].ratio_to_stock is None
+    base = rows[BASE_REQUESTS]  # both runs' base rows, and the base pass of run a's pair
+    assert base.code == "current" and base.passes == 4 and base.ratio_to_base == 1.0
+    assert base.tokens_per_s == 150.0
+
+
+def test_configurations_the_current_runs_lack_come_from_earlier_reports(reports):
+    current, earlier = reports
+    rows = {s.config: s for s in summarize(_rows(current), _rows(earlier))}
+    assert not any("[" in c for c in rows)
+    assert rows[BASE_MODEL].code == "earlier" and rows[BASE_MODEL].ratio_to_base == 1.0
+    stock = rows["stock multi-LoRA r8"]
+    assert stock.code == "earlier" and stock.ratio_to_base == 0.1  # against its report's base model
+    everything = rows["LoRA all r8"]
+    assert everything.code == "earlier" and everything.requests == 512 and everything.ratio_to_stock == 3.0
+    assert everything.ratio_to_base == 0.3  # against the base requests of its own (earlier) engine
+    ordered = [s.config for s in summarize(_rows(current), _rows(earlier))]
+    assert ordered == [BASE_MODEL, "stock multi-LoRA r8", BASE_REQUESTS, "DiReFTP r8", "LoRAP r8", "LoRA all r8"]
+    table = markdown(summarize(_rows(current), _rows(earlier)))
+    assert "| LoRA all r8, 512 requests (old) | 45 | 0.300 |" in table
+    assert "| qwen05 | 1024+128 | base model (vLLM without LoRA) (old) |" in table
+
+
+def test_the_command_writes_json_and_plot(reports, tmp_path, capsys, monkeypatch):
+    current, earlier = reports
+    out = tmp_path / "table" / "gpu-table1"
+    argv = ["table1_summary", "--current", *map(str, current), "--earlier", *map(str, earlier), "--out", str(out)]
+    monkeypatch.setattr("sys.argv", argv)
+    main()
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert len(rows) == 6 and {r["code"] for r in rows} == {"current", "earlier"}
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "| LoRAP r8 | 90 | 0.900 | 0.85 / 0.95 | 0.900 (1) | 6.00 |" in capsys.readouterr().out

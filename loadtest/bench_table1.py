@@ -786,17 +786,23 @@ def finish(report: dict) -> dict:
     return report
 
 
+def base_passes(rows: list[dict]) -> dict[tuple, list[float]]:
+    """Every base-request pass of each PreFT engine by (run, model, workload): the base rows', every pair's."""
+    bases: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r["engine"] == "preft":
+            passes = [r["tokens_per_s"]] * (r["method"] is None) + [b for b, _ in _pairs(r)]
+            bases.setdefault(_run_workload(r), []).extend(passes)
+    return bases
+
+
 def pool_ratios(rows: list[dict]) -> None:
     """Each PreFT adapter row's ``pooled_ratio``: the median of its full passes (its own and its pairs') over the
     median of every base-request pass of its engine at that workload (the base rows', every pair's base pass).
 
     Where the base passes of one run range 1.5-2 x (runs 50 and 54 on the H200), a pair's ratio hangs on the
     two passes it holds; the pooled medians do not hang on any one pass."""
-    bases: dict[tuple, list[float]] = {}
-    for r in rows:
-        if r["engine"] == "preft":
-            passes = [r["tokens_per_s"]] * (r["method"] is None) + [b for b, _ in _pairs(r)]
-            bases.setdefault(_run_workload(r), []).extend(passes)
+    bases = base_passes(rows)
     for r in rows:
         reference = bases.get(_run_workload(r)) if r["engine"] == "preft" and r["method"] is not None else None
         own = [r["tokens_per_s"], *(c for _, c in _pairs(r))]

@@ -12,8 +12,9 @@ Rows come from ``--current`` reports (the code as it is) and, for a configuratio
 from ``--earlier`` ones (marked ``"code": "earlier"``); ``[kernels: ...]``/``[launch: ...]`` A/B rows are left
 out.
 
-    python3 -m loadtest.table1_summary --current loadtest/results/gpu-table1-*-run6[1-3]*.json \\
-        --earlier loadtest/results/gpu-table1-runs1-38.json --out loadtest/results/gpu-table1
+    python3 -m loadtest.table1_summary --current RUN.json ... --earlier OLD.json ... --out loadtest/results/gpu-table1
+
+(README, "Issue 6's table on the H200", has the command that made the committed table.)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loadtest.bench_table1 import _pairs, finish
+from loadtest.bench_table1 import _pairs, _run_workload, base_passes, finish
 
 BASE_MODEL = "base model (vLLM without LoRA)"
 BASE_REQUESTS = "base requests (PreFT engine)"
@@ -83,29 +84,14 @@ def _rows(paths: list[Path]) -> list[dict]:
         for r in report["results"]:
             if "[" in r["config"]:  # an A/B row of other kernels or launches, not the default code
                 continue
-            kwargs = engines.get(f"{r['model']} {r['engine']}", {}).get("kwargs", {})
+            engine = engines.get(f"{r['model']} {r['engine']}", {})
+            kwargs = engine.get("kwargs", {})
             settings = {k: kwargs[k] for k in SETTINGS if k in kwargs}
-            settings["max_num_batched_tokens"] = engines.get(f"{r['model']} {r['engine']}", {}).get(
-                "max_num_batched_tokens"
-            )
+            settings["max_num_batched_tokens"] = engine.get("max_num_batched_tokens")
             part = parts[0] if len(parts) == 1 else {}
             settings.update({k: part[k] for k in ("vllm", "triton", "lora_kernels") if k in part})
             out.append({"run": r.get("run") or path.stem, **r, "summary_settings": settings})
     return out
-
-
-def _base_medians(rows: list[dict]) -> dict[tuple, float]:
-    """The median base-request pass of each run's PreFT engine at each workload."""
-    passes: dict[tuple, list[float]] = {}
-    for r in rows:
-        if r["engine"] == "preft":
-            own = [r["tokens_per_s"]] if r["method"] is None else []
-            passes.setdefault(_run_key(r), []).extend(own + [b for b, _ in _pairs(r)])
-    return {k: statistics.median(v) for k, v in passes.items() if v}
-
-
-def _run_key(r: dict) -> tuple:
-    return (r["run"], r["model"], r["prompt_len"], r["output_len"])
 
 
 def summarize(current: list[dict], earlier: list[dict]) -> list[Summary]:
@@ -118,7 +104,7 @@ def summarize(current: list[dict], earlier: list[dict]) -> list[Summary]:
         for key, group in mine.items():
             runs = {r["run"] for r in group}
             groups.setdefault(key, (code, group, [r for r in rows if r["run"] in runs]))
-    bases = _base_medians(current + earlier)
+    bases = {k: statistics.median(v) for k, v in base_passes(current + earlier).items() if v}
     out = [_summary(key, code, group, bases, same_runs) for key, (code, group, same_runs) in groups.items()]
     stock = {(s.model, s.prompt_len, s.output_len, s.rank): s for s in out if s.engine == "stock"}
     for s in out:
@@ -146,13 +132,13 @@ def _summary(key: tuple, code: str, group: list[dict], bases: dict[tuple, float]
     adapted = first["engine"] == "preft" and first["method"] is not None
     passes = [(r, t) for r in group for t in [r["tokens_per_s"], *(c for _, c in _pairs(r))]]
     if config == BASE_REQUESTS:  # and the base passes of every pair in these runs
-        passes += [(r, b) for r in same_runs for b, _ in _pairs(r) if _run_key(r)[1:] == key[:3]]
+        passes += [(r, b) for r in same_runs for b, _ in _pairs(r) if _run_workload(r)[1:] == key[:3]]
     pairs = [c / b for r in group for b, c in _pairs(r)]
     per_run: dict[str, list[float]] = {}
     if adapted:
         for r, t in passes:
-            if _run_key(r) in bases:
-                per_run.setdefault(r["run"], []).append(t / bases[_run_key(r)])
+            if _run_workload(r) in bases:
+                per_run.setdefault(r["run"], []).append(t / bases[_run_workload(r)])
     if first["engine"] == "preft":
         ratio = _median([x for v in per_run.values() for x in v]) if adapted else 1.0
         prompt_only = _median([r.get("prompt_only_ratio_to_engine_base") for r in group])
@@ -188,8 +174,11 @@ def _summary(key: tuple, code: str, group: list[dict], bases: dict[tuple, float]
 
 def markdown(rows: list[Summary]) -> str:
     """The table as the README shows it."""
-    columns = "model workload configuration tokens/s|÷ base|per run|paired|÷ stock|prompt-only|TTFT p50 / p95"
-    lines = ["| " + " | ".join(columns.replace(" ", "|", 3).split("|")) + " |", "|---" * 10 + "|"]
+    columns = (
+        "model", "workload", "configuration", "tokens/s", "÷ base", "per run", "paired", "÷ stock", "prompt-only",
+        "TTFT p50 / p95",
+    )  # fmt: skip
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     shown: set = set()
     for s in rows:
         head = (s.model, s.prompt_len, s.output_len)
@@ -231,9 +220,10 @@ def plot(rows: list[Summary], path: Path) -> None:
     fig, axes = plt.subplots(len(models), columns, figsize=(6.2 * columns, 4.4 * len(models)), squeeze=False)
     for ax in axes.flat:
         ax.set_visible(False)
+    used = dict.fromkeys(models, 0)  # panels placed in each model's row
     for (model, p_len, o_len), group in panels.items():
-        row = models.index(model)
-        ax = axes[row][sum(k[0] == model for k in list(panels)[: list(panels).index((model, p_len, o_len))])]
+        ax = axes[models.index(model)][used[model]]
+        used[model] += 1
         ax.set_visible(True)
         values = [s.ratio_to_base or 0.0 for s in group]
         colors = ["#888888" if s.engine != "preft" else "#4a7ebb" if s.code == "current" else "#a9c1e0" for s in group]

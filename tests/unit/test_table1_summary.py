@@ -32,7 +32,7 @@ def reports(tmp_path):
     run_a = _report(
         tmp_path / "run-a.json",
         _row("base (PreFT engine, before any adapter)", "preft", None, 100.0),
-        _row("LoRAP r8", "preft", "lora", 80.0, pairs=[[100.0, 90.0]]),  # passes 0.8, 0.9 of run a's base (100)
+        _row("LoRAP r8", "preft", "lora", 80.0, pairs=[[100.0, 90.0], [100.0, 70.0]]),  # 0.8, 0.9, 0.7 of 100
         _row("LoRAP r8 [kernels: none]", "preft", "lora", 1.0),  # an A/B row: left out
     )
     run_b = _report(
@@ -58,16 +58,16 @@ def test_each_configuration_pools_every_pass_over_its_own_runs_base(reports):
     current, earlier = reports
     rows = {s.config: s for s in summarize(_rows(current), _rows(earlier))}
     lorap = rows["LoRAP r8"]
-    assert lorap.code == "current" and lorap.runs == ["run-a", "run-b"] and lorap.passes == 3
-    assert lorap.ratio_to_base == 0.9  # median of 0.8, 0.9, 0.95: each pass over its own run's base
-    assert lorap.ratio_to_base_per_run == {"run-a": 0.85, "run-b": 0.95}
-    assert lorap.paired_ratio == 0.9 and lorap.pairs == 1
-    assert lorap.tokens_per_s == 90.0 and lorap.ratio_to_stock == 6.0  # 90 over stock's 15 tokens/s
+    assert lorap.code == "current" and lorap.runs == ["run-a", "run-b"] and lorap.passes == 4
+    assert lorap.ratio_to_base == 0.85  # median of 0.7, 0.8, 0.9, 0.95: each pass over its own run's base
+    assert lorap.ratio_to_base_per_run == {"run-a": 0.8, "run-b": 0.95}  # (their median would be 0.875)
+    assert lorap.paired_ratio == 0.8 and lorap.pairs == 2
+    assert lorap.tokens_per_s == 85.0 and lorap.ratio_to_stock == 5.667  # 85 over stock's 15 tokens/s
     assert lorap.settings["max_loras"] == 512 and lorap.settings["vllm"] == "0.26.0"
     assert rows["DiReFTP r8"].ratio_to_base == 1.05 and rows["DiReFTP r8"].ratio_to_stock is None
-    base = rows[BASE_REQUESTS]  # both runs' base rows, and the base pass of run a's pair
-    assert base.code == "current" and base.passes == 4 and base.ratio_to_base == 1.0
-    assert base.tokens_per_s == 150.0
+    base = rows[BASE_REQUESTS]  # both runs' base rows, and the base passes of run a's pairs
+    assert base.code == "current" and base.passes == 5 and base.ratio_to_base == 1.0
+    assert base.tokens_per_s == 100.0
 
 
 def test_configurations_the_current_runs_lack_come_from_earlier_reports(reports):
@@ -96,4 +96,4 @@ def test_the_command_writes_json_and_plot(reports, tmp_path, capsys, monkeypatch
     rows = json.loads(out.with_suffix(".json").read_text())["results"]
     assert len(rows) == 6 and {r["code"] for r in rows} == {"current", "earlier"}
     assert out.with_suffix(".png").stat().st_size > 0
-    assert "| LoRAP r8 | 90 | 0.900 | 0.85 / 0.95 | 0.900 (1) | 6.00 |" in capsys.readouterr().out
+    assert "| LoRAP r8 | 85 | 0.850 | 0.80 / 0.95 | 0.800 (2) | 5.67 |" in capsys.readouterr().out

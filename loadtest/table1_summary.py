@@ -8,6 +8,12 @@ runs given: each pass's tokens/s over the median base-request pass of its own ru
 the base model (vLLM without our plugin) keep the ratio to the base model of their own report;
 ``ratio_to_stock`` is tokens/s over stock's (stock is device-bound: its runs agreed within 2%).
 
+``paced_ratio`` compares at equal host pace: decode is the base model's in every PreFT configuration, so a
+pass's median decode-step period measures how fast the host ran during it. A log-log fit of the base passes'
+tokens/s on their periods (one slope over the runs of this workload, an intercept per run) predicts the base
+at each adapted pass's own period in its run; the median of the passes' tokens/s over those predictions is the
+ratio, and the fit's residual spread (``paced_fit_sd``, in log tokens/s) how far one base pass strays from it.
+
 Rows come from ``--current`` reports (the code as it is) and, for a configuration none of those measured,
 from ``--earlier`` ones (marked ``"code": "earlier"``); ``[kernels: ...]``/``[launch: ...]`` A/B rows are left
 out.
@@ -31,6 +37,7 @@ BASE_MODEL = "base model (vLLM without LoRA)"
 BASE_REQUESTS = "base requests (PreFT engine)"
 TARGET = 0.9  # issue 6: LoRAP and DiReFTP at >= 0.9 x the base model
 SETTINGS = ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs", "gpu_memory_utilization")
+STEADY_PACE = 0.05  # base passes whose log decode periods spread less than this: the fit is their mean
 
 
 @dataclass
@@ -54,6 +61,9 @@ class Summary:
     ratio_to_base_per_run: dict[str, float] = field(default_factory=dict)
     paired_ratio: float | None = None  # median over every --pairs pair of these runs
     pairs: int = 0
+    paced_ratio: float | None = None  # over the base at each pass's own host pace (module docstring)
+    paced_passes: int = 0
+    paced_fit_sd: float | None = None
     ratio_to_stock: float | None = None
     prompt_only_s: float | None = None
     prompt_only_ratio_to_base: float | None = None
@@ -66,6 +76,54 @@ class Summary:
 def _median(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return round(statistics.median(values), 4) if values else None
+
+
+@dataclass(frozen=True)
+class PaceFit:
+    """log(tokens/s) = intercept[run] + slope · log(decode-step period) over base passes: one slope, fitted
+    within runs (another lease's machine may differ as a whole: its own intercept)."""
+
+    intercepts: dict[str, float]
+    slope: float
+    sd: float  # residual standard deviation, in log tokens/s
+    passes: int
+
+    @classmethod
+    def of(cls, points: list[tuple[str, float, float]]) -> PaceFit | None:
+        """The fit of (run, tokens/s, period ms) points; None under three. Runs whose periods spread less than
+        STEADY_PACE (a device-bound engine) leave the slope at 0: each run's base is then its mean."""
+        import numpy as np
+
+        if len(points) < 3:
+            return None
+        runs = np.array([run for run, _, _ in points])
+        tps, period = np.log(np.array([(t, p) for _, t, p in points], dtype=float)).T
+        mean = {run: (tps[runs == run].mean(), period[runs == run].mean()) for run in dict.fromkeys(runs)}
+        d_tps = tps - np.array([mean[run][0] for run in runs])
+        d_period = period - np.array([mean[run][1] for run in runs])
+        steady = d_period.std() < STEADY_PACE
+        slope = 0.0 if steady else float(d_period @ d_tps / (d_period @ d_period))
+        intercepts = {run: float(t - slope * p) for run, (t, p) in mean.items()}
+        return cls(intercepts, slope, float(np.std(d_tps - slope * d_period)), len(points))
+
+    def base_at(self, run: str, period_ms: float) -> float | None:
+        """The base's tokens/s in that run at that decode-step period (None: no base pass of that run)."""
+        import math
+
+        if run not in self.intercepts:
+            return None
+        return math.exp(self.intercepts[run] + self.slope * math.log(period_ms))
+
+
+def _paces(r: dict) -> tuple[list[tuple[str, float, float]], list[tuple[str, float, float]]]:
+    """The row's full passes with a decode-step period, as (run, tokens/s, period ms): (base passes, others)."""
+    notes = r.get("notes") or {}
+    period = notes.get("decode_step_period_ms_median")
+    own = [(r["run"], r["tokens_per_s"], period)] if period else []
+    pairs = list(zip(_pairs(r), notes.get("pairs_decode_step_period_ms", []), strict=False))
+    base = [(r["run"], b, pb) for (b, _), (pb, _) in pairs if pb]
+    others = [(r["run"], c, pc) for (_, c), (_, pc) in pairs if pc]
+    return (own + base, others) if r["method"] is None else (base, own + others)
 
 
 def _config(r: dict) -> str:
@@ -97,15 +155,23 @@ def _rows(paths: list[Path]) -> list[dict]:
 def summarize(current: list[dict], earlier: list[dict]) -> list[Summary]:
     """One Summary per (model, workload, configuration): the current rows', else the earlier ones'."""
     groups: dict[tuple, tuple[str, list[dict], list[dict]]] = {}
+    fits: dict[tuple, PaceFit | None] = {}
     for code, rows in (("current", current), ("earlier", earlier)):
         mine: dict[tuple, list[dict]] = {}
+        paces: dict[tuple, list[tuple[float, float]]] = {}
         for r in rows:
             mine.setdefault((r["model"], r["prompt_len"], r["output_len"], _config(r)), []).append(r)
+            if r["engine"] == "preft":
+                paces.setdefault((code, r["model"], r["prompt_len"], r["output_len"]), []).extend(_paces(r)[0])
+        fits.update({k: PaceFit.of(v) for k, v in paces.items()})
         for key, group in mine.items():
             runs = {r["run"] for r in group}
             groups.setdefault(key, (code, group, [r for r in rows if r["run"] in runs]))
     bases = {k: statistics.median(v) for k, v in base_passes(current + earlier).items() if v}
-    out = [_summary(key, code, group, bases, same_runs) for key, (code, group, same_runs) in groups.items()]
+    out = [
+        _summary(key, code, group, bases, same_runs, fits.get((code, *key[:3])))
+        for key, (code, group, same_runs) in groups.items()
+    ]
     stock = {(s.model, s.prompt_len, s.output_len, s.rank): s for s in out if s.engine == "stock"}
     for s in out:
         ref = stock.get((s.model, s.prompt_len, s.output_len, s.rank)) if s.method == "lora" else None
@@ -125,8 +191,11 @@ def _order(s: Summary) -> tuple:
     return (s.model, workloads.index(workload) if workload in workloads else 3, workload, kind, s.rank or 0, s.config)
 
 
-def _summary(key: tuple, code: str, group: list[dict], bases: dict[tuple, float], same_runs: list[dict]) -> Summary:
-    """`same_runs`: every row of the runs `group` came from (their pairs' base passes are base requests too)."""
+def _summary(
+    key: tuple, code: str, group: list[dict], bases: dict[tuple, float], same_runs: list[dict], fit: PaceFit | None
+) -> Summary:
+    """`same_runs`: every row of the runs `group` came from (their pairs' base passes are base requests too);
+    `fit`: the base passes' pace at this model and workload, over the reports of `code`."""
     model, prompt_len, output_len, config = key
     first = group[0]
     adapted = first["engine"] == "preft" and first["method"] is not None
@@ -139,6 +208,10 @@ def _summary(key: tuple, code: str, group: list[dict], bases: dict[tuple, float]
         for r, t in passes:
             if _run_workload(r) in bases:
                 per_run.setdefault(r["run"], []).append(t / bases[_run_workload(r)])
+    paced = []
+    if adapted and fit:
+        at_pace = [(t, fit.base_at(run, period)) for r in group for run, t, period in _paces(r)[1]]
+        paced = [t / base for t, base in at_pace if base]
     if first["engine"] == "preft":
         ratio = _median([x for v in per_run.values() for x in v]) if adapted else 1.0
         prompt_only = _median([r.get("prompt_only_ratio_to_engine_base") for r in group])
@@ -163,6 +236,9 @@ def _summary(key: tuple, code: str, group: list[dict], bases: dict[tuple, float]
         ratio_to_base_per_run={run: round(statistics.median(v), 3) for run, v in per_run.items()},
         paired_ratio=round(statistics.median(pairs), 3) if pairs else None,
         pairs=len(pairs),
+        paced_ratio=round(statistics.median(paced), 3) if paced else None,
+        paced_passes=len(paced),
+        paced_fit_sd=round(fit.sd, 3) if paced else None,
         prompt_only_s=_median([r["prompt_only_s"] for r in group]),
         prompt_only_ratio_to_base=round(prompt_only, 3) if prompt_only is not None else None,
         ttft_p50_s=_median([r["ttft_p50_s"] for r in group]),
@@ -175,8 +251,8 @@ def _summary(key: tuple, code: str, group: list[dict], bases: dict[tuple, float]
 def markdown(rows: list[Summary]) -> str:
     """The table as the README shows it."""
     columns = (
-        "model", "workload", "configuration", "tokens/s", "÷ base", "per run", "paired", "÷ stock", "prompt-only",
-        "TTFT p50 / p95",
+        "model", "workload", "configuration", "tokens/s", "÷ base", "per run", "paired", "at equal pace",
+        "÷ stock", "prompt-only", "TTFT p50 / p95",
     )  # fmt: skip
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     shown: set = set()
@@ -197,6 +273,7 @@ def markdown(rows: list[Summary]) -> str:
             fmt(s.ratio_to_base, ".3f"),
             per_run,
             fmt(s.paired_ratio, ".3f") + (f" ({s.pairs})" if s.pairs else ""),
+            fmt(s.paced_ratio, ".3f") + (f" ({s.paced_passes}, ±{s.paced_fit_sd:.0%})" if s.paced_passes else ""),
             fmt(s.ratio_to_stock),
             fmt(s.prompt_only_s) + (" s" if s.prompt_only_s is not None else ""),
             f"{fmt(s.ttft_p50_s)} / {fmt(s.ttft_p95_s)} s",
@@ -232,6 +309,8 @@ def plot(rows: list[Summary], path: Path) -> None:
             runs = list(s.ratio_to_base_per_run.values())
             if len(runs) > 1:
                 ax.plot([i] * len(runs), runs, "o", color="black", markersize=3)
+            if s.paced_ratio is not None:
+                ax.plot([i], [s.paced_ratio], "x", color="#c0504d", markersize=6)
             label = "n/a" if s.ratio_to_base is None else f"{values[i]:.2f}"  # no base model in its run
             ax.text(i, values[i], label, ha="center", va="bottom", fontsize=7)
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
@@ -241,7 +320,9 @@ def plot(rows: list[Summary], path: Path) -> None:
         ax.set_ylabel("÷ base (PreFT rows: their engine's base requests)", fontsize=7)
         ax.set_title(f"{model}, {p_len}+{o_len}", fontsize=9)
     fig.suptitle(
-        "Pooled over runs (dots: each run); dotted: the 0.9 target; * and pale: measured on earlier code", fontsize=9
+        "Pooled over runs (dots: each run; red x: at equal host pace); dotted: the 0.9 target; * and pale: measured "
+        "on earlier code",
+        fontsize=9,
     )
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
     fig.savefig(path, dpi=110)

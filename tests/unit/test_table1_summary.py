@@ -96,4 +96,48 @@ def test_the_command_writes_json_and_plot(reports, tmp_path, capsys, monkeypatch
     rows = json.loads(out.with_suffix(".json").read_text())["results"]
     assert len(rows) == 6 and {r["code"] for r in rows} == {"current", "earlier"}
     assert out.with_suffix(".png").stat().st_size > 0
-    assert "| LoRAP r8 | 85 | 0.850 | 0.80 / 0.95 | 0.800 (2) | 5.67 |" in capsys.readouterr().out
+    assert "| LoRAP r8 | 85 | 0.850 | 0.80 / 0.95 | 0.800 (2) |  | 5.67 |" in capsys.readouterr().out
+
+
+def _paced(row, period, pair_periods=None):
+    row["notes"]["decode_step_period_ms_median"] = period
+    if pair_periods:
+        row["notes"]["pairs_decode_step_period_ms"] = pair_periods
+    return row
+
+
+def test_paced_ratio_compares_each_pass_with_the_base_at_its_own_host_pace(tmp_path):
+    # a host-paced engine: the base's tokens/s goes as period^-0.5; LoRAP runs at 0.9 of it at any pace
+    base_at = {10.0: 1000.0, 20.0: 1000.0 / 2**0.5, 40.0: 500.0}
+    run = _report(
+        tmp_path / "paced.json",
+        _paced(_row("base (PreFT engine, before any adapter)", "preft", None, base_at[10.0]), 10.0),
+        _paced(_row("base (PreFT engine, after all passes)", "preft", None, base_at[20.0]), 20.0),
+        _paced(
+            _row("LoRAP r8", "preft", "lora", 0.9 * base_at[40.0], pairs=[[base_at[40.0], 0.9 * base_at[20.0]]]),
+            40.0,
+            pair_periods=[[40.0, 20.0]],
+        ),
+    )
+    faster = _report(  # another lease's machine, twice as fast at every pace: its own intercept, the same slope
+        tmp_path / "faster.json",
+        _paced(_row("base (PreFT engine, before any adapter)", "preft", None, 2 * base_at[10.0]), 10.0),
+        _paced(_row("base (PreFT engine, after all passes)", "preft", None, 2 * base_at[40.0]), 40.0),
+        _paced(_row("LoRAP r8", "preft", "lora", 2 * 0.9 * base_at[20.0]), 20.0),
+    )
+    lorap = {s.config: s for s in summarize(_rows([run]), [])}["LoRAP r8"]
+    assert lorap.paced_ratio == 0.9 and lorap.paced_passes == 2 and lorap.paced_fit_sd == 0.0
+    assert lorap.ratio_to_base == pytest.approx(0.768, abs=1e-3)  # the same passes against the base's median
+    both = {s.config: s for s in summarize(_rows([run, faster]), [])}["LoRAP r8"]
+    assert both.paced_ratio == 0.9 and both.paced_passes == 3 and both.paced_fit_sd == 0.0
+
+
+def test_a_device_bound_engines_steady_pace_leaves_its_base_at_the_mean(tmp_path):
+    run = _report(
+        tmp_path / "steady.json",
+        _paced(_row("base (PreFT engine, before any adapter)", "preft", None, 100.0), 30.0),
+        _paced(_row("base (PreFT engine, after all passes)", "preft", None, 101.0), 30.3),
+        _paced(_row("LoRAP r8", "preft", "lora", 93.0, pairs=[[99.0, 93.0]]), 29.8, pair_periods=[[29.9, 30.1]]),
+    )
+    lorap = {s.config: s for s in summarize(_rows([run]), [])}["LoRAP r8"]
+    assert lorap.paced_ratio == pytest.approx(93.0 / 100.0, abs=2e-3) and lorap.paced_passes == 2

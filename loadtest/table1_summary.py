@@ -8,8 +8,8 @@ runs given: each pass's tokens/s over the median base-request pass of its own ru
 the base model (vLLM without our plugin) keep the ratio to the base model of their own report;
 ``ratio_to_stock`` is tokens/s over stock's (stock is device-bound: its runs agreed within 2%).
 
-``paced_ratio`` compares at equal host pace: decode is the base model's in every PreFT configuration, so a
-pass's median decode-step period measures how fast the host ran during it. A log-log fit of the base passes'
+``paced_ratio`` compares at equal host pace: decode is the base model's in every prefill-mode configuration,
+so a pass's median decode-step period measures how fast the host ran during it. A log-log fit of the base passes'
 tokens/s on their periods (one slope over the runs of this workload, an intercept per run) predicts the base
 at each adapted pass's own period in its run; the median of the passes' tokens/s over those predictions is the
 ratio, and the fit's residual spread (``paced_fit_sd``, in log tokens/s) how far one base pass strays from it.
@@ -209,7 +209,7 @@ def _summary(
             if _run_workload(r) in bases:
                 per_run.setdefault(r["run"], []).append(t / bases[_run_workload(r)])
     paced = []
-    if adapted and fit:
+    if adapted and fit and first["mode"] == "prefill":  # (`all` mode decodes with the adapter: not the base's)
         at_pace = [(t, fit.base_at(run, period)) for r in group for run, t, period in _paces(r)[1]]
         paced = [t / base for t, base in at_pace if base]
     if first["engine"] == "preft":

@@ -128,6 +128,9 @@ def test_paced_ratio_compares_each_pass_with_the_base_at_its_own_host_pace(tmp_p
     lorap = {s.config: s for s in summarize(_rows([run]), [])}["LoRAP r8"]
     assert lorap.paced_ratio == 0.9 and lorap.paced_passes == 2 and lorap.paced_fit_sd == 0.0
     assert lorap.ratio_to_base == pytest.approx(0.768, abs=1e-3)  # the same passes against the base's median
+    all_mode = _paced(_row("LoRA all r8", "preft", "lora", 0.2 * base_at[40.0], mode="all"), 40.0)
+    everything = _report(tmp_path / "all.json", *json.loads(run.read_text())["results"], all_mode)
+    assert summarize(_rows([everything]), [])[-1].paced_ratio is None  # its decode is not the base's: no pace
     both = {s.config: s for s in summarize(_rows([run, faster]), [])}["LoRAP r8"]
     assert both.paced_ratio == 0.9 and both.paced_passes == 3 and both.paced_fit_sd == 0.0
 

@@ -758,6 +758,11 @@ def _pairs(r: dict) -> list:
     return (r.get("notes") or {}).get("pairs_tokens_per_s", [])
 
 
+def own_passes(r: dict) -> list[float]:
+    """The row's full passes of its own configuration, tokens/s each: its pass and its pairs' (not their base's)."""
+    return [r["tokens_per_s"], *(c for _, c in _pairs(r))]
+
+
 def engine_bases(rows: list[dict]) -> dict[tuple, dict]:
     """The PreFT engine's base requests by (run, model, workload): a merged report holds several engines'."""
     return {_run_workload(r): r for r in rows if r["config"] == ENGINE_BASE}
@@ -805,8 +810,9 @@ def pool_ratios(rows: list[dict]) -> None:
     bases = base_passes(rows)
     for r in rows:
         reference = bases.get(_run_workload(r)) if r["engine"] == "preft" and r["method"] is not None else None
-        own = [r["tokens_per_s"], *(c for _, c in _pairs(r))]
-        r["pooled_ratio"] = round(statistics.median(own) / statistics.median(reference), 3) if reference else None
+        r["pooled_ratio"] = (
+            round(statistics.median(own_passes(r)) / statistics.median(reference), 3) if reference else None
+        )
 
 
 def write_report(report: dict, out: Path) -> None:

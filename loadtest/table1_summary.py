@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loadtest.bench_table1 import _pairs, _run_workload, base_passes, finish
+import numpy as np
+
+from loadtest.bench_table1 import _pairs, _run_workload, base_passes, finish, own_passes
 
 BASE_MODEL = "base model (vLLM without LoRA)"
 BASE_REQUESTS = "base requests (PreFT engine)"
@@ -86,14 +89,11 @@ class PaceFit:
     intercepts: dict[str, float]
     slope: float
     sd: float  # residual standard deviation, in log tokens/s
-    passes: int
 
     @classmethod
     def of(cls, points: list[tuple[str, float, float]]) -> PaceFit | None:
         """The fit of (run, tokens/s, period ms) points; None under three. Runs whose periods spread less than
         STEADY_PACE (a device-bound engine) leave the slope at 0: each run's base is then its mean."""
-        import numpy as np
-
         if len(points) < 3:
             return None
         runs = np.array([run for run, _, _ in points])
@@ -104,12 +104,10 @@ class PaceFit:
         steady = d_period.std() < STEADY_PACE
         slope = 0.0 if steady else float(d_period @ d_tps / (d_period @ d_period))
         intercepts = {run: float(t - slope * p) for run, (t, p) in mean.items()}
-        return cls(intercepts, slope, float(np.std(d_tps - slope * d_period)), len(points))
+        return cls(intercepts, slope, float(np.std(d_tps - slope * d_period)))
 
     def base_at(self, run: str, period_ms: float) -> float | None:
         """The base's tokens/s in that run at that decode-step period (None: no base pass of that run)."""
-        import math
-
         if run not in self.intercepts:
             return None
         return math.exp(self.intercepts[run] + self.slope * math.log(period_ms))
@@ -154,24 +152,20 @@ def _rows(paths: list[Path]) -> list[dict]:
 
 def summarize(current: list[dict], earlier: list[dict]) -> list[Summary]:
     """One Summary per (model, workload, configuration): the current rows', else the earlier ones'."""
-    groups: dict[tuple, tuple[str, list[dict], list[dict]]] = {}
+    groups: dict[tuple, tuple[str, list[dict]]] = {}
     fits: dict[tuple, PaceFit | None] = {}
     for code, rows in (("current", current), ("earlier", earlier)):
         mine: dict[tuple, list[dict]] = {}
-        paces: dict[tuple, list[tuple[float, float]]] = {}
+        paces: dict[tuple, list[tuple[str, float, float]]] = {}
         for r in rows:
             mine.setdefault((r["model"], r["prompt_len"], r["output_len"], _config(r)), []).append(r)
             if r["engine"] == "preft":
                 paces.setdefault((code, r["model"], r["prompt_len"], r["output_len"]), []).extend(_paces(r)[0])
         fits.update({k: PaceFit.of(v) for k, v in paces.items()})
         for key, group in mine.items():
-            runs = {r["run"] for r in group}
-            groups.setdefault(key, (code, group, [r for r in rows if r["run"] in runs]))
-    bases = {k: statistics.median(v) for k, v in base_passes(current + earlier).items() if v}
-    out = [
-        _summary(key, code, group, bases, same_runs, fits.get((code, *key[:3])))
-        for key, (code, group, same_runs) in groups.items()
-    ]
+            groups.setdefault(key, (code, group))
+    bases = base_passes(current + earlier)
+    out = [_summary(key, code, group, bases, fits.get((code, *key[:3]))) for key, (code, group) in groups.items()]
     stock = {(s.model, s.prompt_len, s.output_len, s.rank): s for s in out if s.engine == "stock"}
     for s in out:
         ref = stock.get((s.model, s.prompt_len, s.output_len, s.rank)) if s.method == "lora" else None
@@ -191,23 +185,23 @@ def _order(s: Summary) -> tuple:
     return (s.model, workloads.index(workload) if workload in workloads else 3, workload, kind, s.rank or 0, s.config)
 
 
-def _summary(
-    key: tuple, code: str, group: list[dict], bases: dict[tuple, float], same_runs: list[dict], fit: PaceFit | None
-) -> Summary:
-    """`same_runs`: every row of the runs `group` came from (their pairs' base passes are base requests too);
-    `fit`: the base passes' pace at this model and workload, over the reports of `code`."""
+def _summary(key: tuple, code: str, group: list[dict], bases: dict[tuple, list[float]], fit: PaceFit | None) -> Summary:
+    """`bases`: every base-request pass by (run, model, workload) (``bench_table1.base_passes``); `fit`: the base
+    passes' pace at this model and workload, over the reports of `code`."""
     model, prompt_len, output_len, config = key
     first = group[0]
     adapted = first["engine"] == "preft" and first["method"] is not None
-    passes = [(r, t) for r in group for t in [r["tokens_per_s"], *(c for _, c in _pairs(r))]]
-    if config == BASE_REQUESTS:  # and the base passes of every pair in these runs
-        passes += [(r, b) for r in same_runs for b, _ in _pairs(r) if _run_workload(r)[1:] == key[:3]]
+    runs = list(dict.fromkeys(r["run"] for r in group))
+    if config == BASE_REQUESTS:  # the base rows' passes and every pair's base pass in these runs
+        passes = [t for run in runs for t in bases.get((run, *key[:3]), [])]
+    else:
+        passes = [t for r in group for t in own_passes(r)]
     pairs = [c / b for r in group for b, c in _pairs(r)]
     per_run: dict[str, list[float]] = {}
-    if adapted:
-        for r, t in passes:
-            if _run_workload(r) in bases:
-                per_run.setdefault(r["run"], []).append(t / bases[_run_workload(r)])
+    for r in group if adapted else []:
+        if bases.get(_run_workload(r)):
+            base = statistics.median(bases[_run_workload(r)])
+            per_run.setdefault(r["run"], []).extend(t / base for t in own_passes(r))
     paced = []
     if adapted and fit and first["mode"] == "prefill":  # (`all` mode decodes with the adapter: not the base's)
         at_pace = [(t, fit.base_at(run, period)) for r in group for run, t, period in _paces(r)[1]]
@@ -229,9 +223,9 @@ def _summary(
         rank=first["rank"],
         requests=statistics.mode(r["requests"] for r in group),
         code=code,
-        runs=list(dict.fromkeys(r["run"] for r in group)),
+        runs=runs,
         passes=len(passes),
-        tokens_per_s=round(statistics.median(t for _, t in passes), 1),
+        tokens_per_s=round(statistics.median(passes), 1),
         ratio_to_base=round(ratio, 3) if ratio is not None else None,
         ratio_to_base_per_run={run: round(statistics.median(v), 3) for run, v in per_run.items()},
         paired_ratio=round(statistics.median(pairs), 3) if pairs else None,

@@ -292,6 +292,13 @@ def direft_adapters(model: Path, root: Path, n: int, rank: int, layers: tuple[in
 # --- engines and passes ----------------------------------------------------------------------------------
 
 
+def device_name() -> str:
+    """The accelerator the engines ran on (ratios are within one run; absolute tokens/s only per device)."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
 def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -692,6 +699,16 @@ class Bench:
         text = prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=90)
         header = f"{tag}: {n} requests {prompt_len}+{a.profile_output_len}, {seconds:.3f} s under the profiler\n"
         (a.profile_dir / f"profile-{tag}.txt").write_text(header + text)
+        if a.profile_trace:  # the timeline, for loadtest.trace_gaps: where the device waited for the host
+            import gzip
+            import shutil
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                raw = Path(tmp) / "trace.json"
+                prof.export_chrome_trace(str(raw))
+                with raw.open("rb") as src, gzip.open(a.profile_dir / f"trace-{tag}.json.gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
         print(header + text[:6000], flush=True)
 
     # --- report -------------------------------------------------------------------------------------------
@@ -700,6 +717,7 @@ class Bench:
             "settings": {
                 **{k: _as_json(v) for k, v in vars(self.args).items()},
                 "machine": platform.node(),
+                "device": device_name(),
                 "vllm": __import__("vllm").__version__,
                 "dtype": self.dtype,
                 "lora_kernels": sorted(lora_kernels._KERNELS),
@@ -980,6 +998,9 @@ def main() -> None:
     ap.add_argument("--skip-all-mode", action="store_true", help="leave out the PreFT engine's LoRA `all` pass")
     ap.add_argument("--profile-dir", type=Path, default=None, help="write torch profiler summaries here")
     ap.add_argument(
+        "--profile-trace", action="store_true", help="also each profiled pass's timeline (trace-TAG.json.gz)"
+    )
+    ap.add_argument(
         "--host-profile", type=_regex, default=None, help="regex of configurations: cProfile an extra pass of each"
     )
     ap.add_argument(
@@ -1009,6 +1030,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--merge", type=Path, nargs="+", default=None, help="join these result files into --out")
     args = ap.parse_args()
+    if args.profile_trace and not args.profile_dir:
+        ap.error("--profile-trace writes into --profile-dir: give one")
     small = args.preset == "cpu-small"
     defaults = dict(
         requests=64 if small else 1024,

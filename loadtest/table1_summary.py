@@ -130,13 +130,17 @@ def _config(r: dict) -> str:
     return BASE_REQUESTS if r["engine"] == "preft" and r["method"] is None else r["config"]
 
 
-def _rows(paths: list[Path]) -> list[dict]:
-    """Every row of these reports with its run (a merged report's rows keep theirs) and its engine's settings."""
+def _rows(paths: list[Path], device: str | None = None) -> list[dict]:
+    """Every row of these reports with its run (a merged report's rows keep theirs), its engine's settings and
+    the device it ran on (`device` for reports that do not say: those made before bench_table1 recorded it)."""
     out = []
     for path in paths:
         report = finish(json.loads(path.read_text()))
         engines = report.get("engines", {})
         parts = report["settings"].get("parts", [report["settings"]])
+        ran_on = {part.get("device") or device for part in parts}
+        if len(ran_on) != 1 or None in ran_on:
+            raise ValueError(f"{path}: on which device it ran is not recorded (give --device) or not one: {ran_on}")
         for r in report["results"]:
             if "[" in r["config"]:  # an A/B row of other kernels or launches, not the default code
                 continue
@@ -146,8 +150,18 @@ def _rows(paths: list[Path]) -> list[dict]:
             settings["max_num_batched_tokens"] = engine.get("max_num_batched_tokens")
             part = parts[0] if len(parts) == 1 else {}
             settings.update({k: part[k] for k in ("vllm", "triton", "lora_kernels") if k in part})
-            out.append({"run": r.get("run") or path.stem, **r, "summary_settings": settings})
+            run = r.get("run") or path.stem
+            out.append({"run": run, **r, "summary_settings": settings, "device": next(iter(ran_on))})
     return out
+
+
+def one_device(rows: list[dict]) -> str | None:
+    """The device all these rows ran on: ratios pool across runs of one kind of accelerator and host, not across
+    kinds (ValueError)."""
+    devices = {r["device"] for r in rows}
+    if len(devices) > 1:
+        raise ValueError(f"reports from different devices ({', '.join(sorted(devices))}): summarize each on its own")
+    return next(iter(devices), None)
 
 
 def summarize(current: list[dict], earlier: list[dict]) -> list[Summary]:
@@ -276,7 +290,7 @@ def markdown(rows: list[Summary]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[Summary], path: Path) -> None:
+def plot(rows: list[Summary], path: Path, device: str | None = None) -> None:
     """Each model and workload's ratios to the base model: bars pooled over runs, a dot per run."""
     import matplotlib
 
@@ -314,8 +328,8 @@ def plot(rows: list[Summary], path: Path) -> None:
         ax.set_ylabel("÷ base (PreFT rows: their engine's base requests)", fontsize=7)
         ax.set_title(f"{model}, {p_len}+{o_len}", fontsize=9)
     fig.suptitle(
-        "Pooled over runs (dots: each run; red x: at equal host pace); dotted: the 0.9 target; * and pale: measured "
-        "on earlier code",
+        f"{device or 'Device not recorded'}. Pooled over runs (dots: each run; red x: at equal host pace); dotted: "
+        "the 0.9 target; * and pale: measured on earlier code",
         fontsize=9,
     )
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
@@ -328,15 +342,25 @@ def main() -> None:
     ap.add_argument("--current", type=Path, nargs="+", required=True, help="bench_table1 reports of today's code")
     ap.add_argument("--earlier", type=Path, nargs="*", default=[], help="reports for configurations not in those")
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.png")
+    ap.add_argument("--device", default=None, help="the device of reports that do not record one (runs 1-63: H200)")
     args = ap.parse_args()
-    rows = summarize(_rows(args.current), _rows(args.earlier))
+    try:
+        current, earlier = _rows(args.current, args.device), _rows(args.earlier, args.device)
+        device = one_device(current + earlier)
+    except ValueError as e:
+        raise SystemExit(f"table1_summary: {e}") from None
+    rows = summarize(current, earlier)
     report = {
-        "settings": {"current": [str(p) for p in args.current], "earlier": [str(p) for p in args.earlier]},
+        "settings": {
+            "current": [str(p) for p in args.current],
+            "earlier": [str(p) for p in args.earlier],
+            "device": device,
+        },
         "results": [asdict(s) for s in rows],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(rows, args.out.with_suffix(".png"))
+    plot(rows, args.out.with_suffix(".png"), device)
     print(markdown(rows))
     print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
 

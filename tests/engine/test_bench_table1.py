@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from loadtest import trace_gaps
 
 pytestmark = pytest.mark.engine
 
@@ -26,9 +27,15 @@ def test_small_table_has_every_row(tmp_path):
         "--preset", "cpu-small", "--requests", "6", "--adapters", "3", "--warmup-requests", "3",
         "--workloads", "24x6,8x12", "--lora-ranks", "8,16", "--direft-ranks", "8,16", "--configs", "^(?!DiReFTP r16)",
         "--lora-kernels", "none;fused,expand", "--stock-requests", "4", "--all-requests", "5", "--load-prompt-len", "4",
-        "--pairs", "2", "--workdir", str(tmp_path / "work"), "--out", str(out),
+        "--pairs", "2", "--profile-dir", str(tmp_path / "prof"), "--profile-trace",
+        "--workdir", str(tmp_path / "work"), "--out", str(out),
     )  # fmt: skip
-    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = report["results"]
+    assert report["settings"]["device"] == "cpu"
+    for tag in ("base-before-load", "lorap", "base-after-all"):  # profiled passes: kernel tables and timelines
+        assert (tmp_path / "prof" / f"profile-{tag}.txt").read_text().startswith(f"{tag}: ")
+        assert any(e.get("cat") == "cpu_op" for e in trace_gaps.load(tmp_path / "prof" / f"trace-{tag}.json.gz"))
     got = {(r["config"], r["prompt_len"], r["output_len"]) for r in rows}
     engine_base = "base (PreFT engine, before any adapter)"
     variants = {
@@ -91,3 +98,10 @@ def test_bad_arguments_are_refused_before_any_engine_starts(tmp_path):
         )  # fmt: skip
         assert done.returncode == 2 and f"argument {flag}" in done.stderr, done.stderr
         assert not (tmp_path / "work").exists()
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench_table1", "--preset", "cpu-small", "--profile-trace",
+         "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--profile-trace writes into --profile-dir" in done.stderr, done.stderr
+    assert not (tmp_path / "work").exists()

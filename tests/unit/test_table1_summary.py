@@ -18,11 +18,13 @@ def _row(config, engine, method, tokens_per_s, pairs=None, rank=8, mode="prefill
     }  # fmt: skip
 
 
-def _report(path, *rows, max_lora_rank=8):
+def _report(path, *rows, max_lora_rank=8, device="NVIDIA H200"):
     engines = {
         "qwen05 preft": {"kwargs": {"max_loras": 512, "max_lora_rank": max_lora_rank}, "max_num_batched_tokens": 16384}
     }
     settings = {"vllm": "0.26.0", "triton": "3.6.0", "lora_kernels": ["expand", "shrink"]}
+    if device:
+        settings["device"] = device
     path.write_text(json.dumps({"settings": settings, "engines": engines, "results": list(rows)}))
     return path
 
@@ -43,20 +45,21 @@ def reports(tmp_path):
         _row("DiReFTP r8", "preft", "direft", 210.0),
         max_lora_rank=64,
     )
-    earlier = _report(
+    earlier = _report(  # made before bench_table1 recorded the device: the command's --device says it
         tmp_path / "old.json",
         _row("base", "base", None, 150.0),
         _row("stock multi-LoRA r8", "stock", "lora", 15.0),
         _row("LoRAP r8", "preft", "lora", 1.0),  # measured again by the current runs: theirs are kept
         _row("LoRA all r8", "preft", "lora", 45.0, mode="all", requests=512),
         _row("base (PreFT engine, before any adapter)", "preft", None, 150.0),
+        device=None,
     )
     return [run_a, run_b], [earlier]
 
 
 def test_each_configuration_pools_every_pass_over_its_own_runs_base(reports):
     current, earlier = reports
-    rows = {s.config: s for s in summarize(_rows(current), _rows(earlier))}
+    rows = {s.config: s for s in summarize(_rows(current), _rows(earlier, "NVIDIA H200"))}
     lorap = rows["LoRAP r8"]
     assert lorap.code == "current" and lorap.runs == ["run-a", "run-b"] and lorap.passes == 4
     assert lorap.ratio_to_base == 0.85  # median of 0.7, 0.8, 0.9, 0.95: each pass over its own run's base
@@ -72,7 +75,7 @@ def test_each_configuration_pools_every_pass_over_its_own_runs_base(reports):
 
 def test_configurations_the_current_runs_lack_come_from_earlier_reports(reports):
     current, earlier = reports
-    rows = {s.config: s for s in summarize(_rows(current), _rows(earlier))}
+    rows = {s.config: s for s in summarize(_rows(current), _rows(earlier, "NVIDIA H200"))}
     assert not any("[" in c for c in rows)
     assert rows[BASE_MODEL].code == "earlier" and rows[BASE_MODEL].ratio_to_base == 1.0
     stock = rows["stock multi-LoRA r8"]
@@ -80,9 +83,9 @@ def test_configurations_the_current_runs_lack_come_from_earlier_reports(reports)
     everything = rows["LoRA all r8"]
     assert everything.code == "earlier" and everything.requests == 512 and everything.ratio_to_stock == 3.0
     assert everything.ratio_to_base == 0.3  # against the base requests of its own (earlier) engine
-    ordered = [s.config for s in summarize(_rows(current), _rows(earlier))]
+    ordered = [s.config for s in summarize(_rows(current), _rows(earlier, "NVIDIA H200"))]
     assert ordered == [BASE_MODEL, "stock multi-LoRA r8", BASE_REQUESTS, "DiReFTP r8", "LoRAP r8", "LoRA all r8"]
-    table = markdown(summarize(_rows(current), _rows(earlier)))
+    table = markdown(summarize(_rows(current), _rows(earlier, "NVIDIA H200")))
     assert "| LoRA all r8, 512 requests (old) | 45 | 0.300 |" in table
     assert "| qwen05 | 1024+128 | base model (vLLM without LoRA) (old) |" in table
 
@@ -92,8 +95,13 @@ def test_the_command_writes_json_and_plot(reports, tmp_path, capsys, monkeypatch
     out = tmp_path / "table" / "gpu-table1"
     argv = ["table1_summary", "--current", *map(str, current), "--earlier", *map(str, earlier), "--out", str(out)]
     monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit, match=r"old\.json: on which device it ran is not recorded"):
+        main()
+    monkeypatch.setattr("sys.argv", [*argv, "--device", "NVIDIA H200"])
     main()
-    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = report["results"]
+    assert report["settings"]["device"] == "NVIDIA H200"
     assert len(rows) == 6 and {r["code"] for r in rows} == {"current", "earlier"}
     assert out.with_suffix(".png").stat().st_size > 0
     assert "| LoRAP r8 | 85 | 0.850 | 0.80 / 0.95 | 0.800 (2) |  | 5.67 |" in capsys.readouterr().out
@@ -144,3 +152,18 @@ def test_a_device_bound_engines_steady_pace_leaves_its_base_at_the_mean(tmp_path
     )
     lorap = {s.config: s for s in summarize(_rows([run]), [])}["LoRAP r8"]
     assert lorap.paced_ratio == pytest.approx(93.0 / 100.0, abs=2e-3) and lorap.paced_passes == 2
+
+
+def test_reports_from_different_devices_are_not_pooled(reports, tmp_path, monkeypatch):
+    current, _ = reports
+    h100 = _report(
+        tmp_path / "h100.json",
+        _row("base (PreFT engine, before any adapter)", "preft", None, 90.0),
+        _row("LoRAP r8", "preft", "lora", 85.0),
+        device="NVIDIA H100 80GB HBM3",
+    )
+    out = tmp_path / "mixed"
+    monkeypatch.setattr("sys.argv", ["table1_summary", "--current", *map(str, current), str(h100), "--out", str(out)])
+    with pytest.raises(SystemExit, match=r"different devices \(NVIDIA H100 80GB HBM3, NVIDIA H200\)"):
+        main()
+    assert not out.with_suffix(".json").exists()

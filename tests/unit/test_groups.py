@@ -197,6 +197,23 @@ def test_shrink_and_expand_kernels_make_two_launches_per_lora_linear(lora_kernel
     assert launches == ["_launch_shrink", "_launch_expand"] * 3
 
 
+def test_steps_from_the_fused_rank_on_take_the_fused_kernel(lora_kernels_interpreted, monkeypatch):
+    """With the pair and the fused kernel picked (``expand,shrink,fused``), a step's rank picks between them;
+    either way the reference's result. Slot 2 has rank 16, the others 8."""
+    launches = []
+    for name in ("lora_linear", "split_linear"):
+        launch = getattr(lora_kernels, name)
+        monkeypatch.setattr(lora_kernels, name, lambda *args, _f=launch, _n=name: launches.append(_n) or _f(*args))
+    monkeypatch.setattr(lora_kernels, "FUSED_FROM_RANK", 16)
+    with lora_kernels.using("expand", "shrink", "fused"):
+        _check_lora_linear([0, 1, -1, 4], slices=(OUT, 8, 16))  # rank 8
+        _check_lora_linear(LONG_RUNS, slices=(OUT, 8, 16))  # rank 16 (slot 2)
+    assert launches == ["split_linear", "lora_linear"]
+    picked = frozenset({"expand", "shrink", "fused"})
+    assert [lora_kernels.fuses(r, picked) for r in (8, 15, 16, 64)] == [False, False, True, True]
+    assert lora_kernels.fuses(8, frozenset({"fused", "expand"})) and not lora_kernels.fuses(64, picked - {"fused"})
+
+
 def _lora_reference(y, x, a, b, slices, scale, token_slots):
     out = y.clone()
     for t, slot in enumerate(token_slots):

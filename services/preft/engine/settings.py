@@ -84,7 +84,8 @@ class EngineSettings(BaseSettings):
     lora_kernels: str = Field(
         DEFAULT_KERNELS,
         description="PREFT_LORA_KERNELS of the replica processes: the plugin's Triton LoRA kernels on GPU, "
-        "'expand,shrink' (the default), 'expand', 'fused', 'none' (the torch path), and 'act' besides "
+        "'expand,shrink' (the default), 'expand,shrink,fused' (the fused kernel on steps of rank 64 or more), "
+        "'expand', 'fused', 'none' (the torch path), and 'act' besides "
         "the shrink (the MLP's gate/up LoRA folded into its activation); the README's issue-6 section says "
         "what each measured",
     )

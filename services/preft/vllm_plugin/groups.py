@@ -224,15 +224,16 @@ def lora_linear(
 ) -> None:
     """y[rows, slice i] += (x[rows] @ A_i[slot]ᵀ · scale) @ B_i[slot]ᵀ for each output slice, in place.
 
-    On GPU (the LoRA kernels picked) one launch of the fused LoRA kernel, or two: one shrink and one expand
-    for all slices, added into y's rows; elsewhere grouped matmuls (the slices' A gathered and stacked).
+    On GPU (the LoRA kernels picked) one launch of the fused LoRA kernel (``lora_kernels.fuses``: at the
+    step's rank), or two: one shrink and one expand for all slices, added into y's rows; elsewhere grouped
+    matmuls (the slices' A gathered and stacked).
     """
     if groups.empty:
         return
     y2 = y if y.dim() == 2 else y.view(-1, y.shape[-1])
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     kernels = lora_kernels.picked(y2)
-    if "fused" in kernels:
+    if lora_kernels.fuses(groups.rank, kernels):
         a_slots = [lora_kernels.slot_matrices(a) for a in a_stacked]
         b_slots = [lora_kernels.slot_matrices(b) for b in b_stacked]
         if lora_kernels.can_fuse(x2, a_slots, b_slots):

@@ -13,10 +13,12 @@ Each program takes one block of rows inside one group (``SlotGroups.block_group`
 the host with the groups). Ranks are small, so each product is a few ``tl.dot`` per tile; float32 runs them in
 IEEE precision (no TF32), as torch's matmuls do by default.
 
-``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200,
-README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches, more device time), or ``none`` (the
-torch path); ``act`` adds the MLP's activation with the gate/up LoRA folded in (``lora_act``: not faster
-on the H200 yet). The default is ``expand,shrink``. Off CUDA the torch path always serves.
+``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at
+ranks 8 and 16, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every
+step), or ``none`` (the torch path); ``act`` adds the MLP's activation with the gate/up LoRA folded in
+(``lora_act``: not faster on the H200 yet). With the pair and ``fused`` together, steps whose rank is
+``FUSED_FROM_RANK`` or more take the fused kernel (``fuses``). The default is ``expand,shrink``. Off CUDA
+the torch path always serves.
 ``PREFT_LORA_TILES`` sets their launch shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it
 ran on: ``shrink=64x64 w4 s4,expand=64x128 w8 s3,act=32x64 w4 s1`` (any may be left out: the defaults below
 serve it).
@@ -53,6 +55,11 @@ ROW_BLOCK = 64  # SlotGroups cuts each group's rows into blocks of this many; pr
 _BLOCK_N = 128  # the fused kernel: output columns per tile
 _BLOCK_C = 64  # the fused kernel: input columns per iteration
 _FUSED_WARPS, _FUSED_STAGES = 4, 3  # the fused kernel's launch (Triton's defaults on CUDA)
+# From this rank on the fused kernel beats the shrink and expand pair on a layer's LoRA linears: Qwen2.5-0.5B at
+# rank 64 0.486 against 0.575 ms on the H200 (run 72), 0.550 against 0.626 on an H100 (run 64; Llama-3.1-8B
+# 1.98 against 2.11); at rank 8 0.417 against 0.345 (H200), at 16 0.496 against 0.460 (H100). In the engine
+# (run 69) the evidence split, so it serves only where picked beside the pair (README, "Runs 68-72")
+FUSED_FROM_RANK = 64
 
 
 def _picked(setting: str) -> frozenset[str]:
@@ -98,6 +105,12 @@ def chosen() -> frozenset[str]:
 def picked(y: torch.Tensor) -> frozenset[str]:
     """The kernels that serve this output (`available`'s, all at once)."""
     return _KERNELS if supported(y) else frozenset()
+
+
+def fuses(rank: int, kernels: frozenset[str]) -> bool:
+    """Whether a step of this rank runs its LoRA linears on the fused kernel, of these picked: when it is picked
+    without the shrink and expand pair, or beside it from `FUSED_FROM_RANK` on."""
+    return "fused" in kernels and (rank >= FUSED_FROM_RANK or not {"shrink", "expand"} <= kernels)
 
 
 @contextlib.contextmanager
@@ -1001,7 +1014,7 @@ def _compile(device: torch.device, dtype: torch.dtype, width: int, max_rank: int
                 z = shrink(y2, a, 1.0, groups) if "shrink" in _KERNELS else y2[: len(groups.rows), :rank]
                 if "expand" in _KERNELS:
                     expand_add(y2, z, b, 0, width, groups)
-                if "fused" in _KERNELS:
+                if fuses(rank, _KERNELS):  # (rank: the largest of its block, so a threshold inside one counts)
                     lora_linear(y2, y2, a, [b], [width], 1.0, groups)
                 if "act" in _KERNELS:  # (a gate/up projection of the model's width; then no LoRA tokens)
                     for step in (

@@ -9,7 +9,8 @@ launcher replaced by a no-op that looks up its key and counts: what remains is o
 launches, the part a change to it moves. Prints µs per layer and launches per layer for the default choice
 (shrink + expand) and the fused kernel. The launches' own cost comes on top (on the H200:
 `loadtest/bench_lora_kernels.py`'s host times, with the engine's direct launches and with Triton's). Also
-times one adapted step's LoRA mapping, vLLM's tuples against our numpy arrays (`bench_mapping`).
+times one adapted step's LoRA mapping, vLLM's tuples against our numpy arrays, and its ids turned into slots
+(`bench_mapping`), and all of our host work for one adapted step before its forward (`bench_step`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def bench_mapping(tokens: int, group_size: int, slots: int, iters: int) -> dict:
     with `np.asarray`); ours keeps the numpy arrays (`worker_patch.array_mapping`)."""
     from vllm.lora.layers import LoRAMapping
 
+    from preft.vllm_plugin.punica import _ids_to_slots
     from preft.vllm_plugin.worker_patch import array_mapping, mapping_ids
 
     rng = np.random.default_rng(0)
@@ -102,7 +104,55 @@ def bench_mapping(tokens: int, group_size: int, slots: int, iters: int) -> dict:
             step(last)
         row[f"mapping_{name}_us"] = (time.perf_counter() - start) / iters * 1e6
     row["mapping_speedup"] = row["mapping_vllm_tuples_us"] / row["mapping_numpy_arrays_us"]
+    lora_index_to_id = [int(i) for i in rng.permutation(np.arange(1, slots + 1))]  # every id in a slot
+    start = time.perf_counter()
+    for _ in range(iters):
+        _ids_to_slots(token_ids, lora_index_to_id)
+    row["ids_to_slots_us"] = (time.perf_counter() - start) / iters * 1e6
     return row
+
+
+def bench_step(tokens: int, group_size: int, slots: int, iters: int) -> dict:
+    """Our host work for one adapted prefill step, as a worker does it before the step's forward: the step's
+    mapping from its requests, ids to slots, the slot groups (`PreftSlotState.set_step`) and vLLM's LoRA index
+    metadata (`punica._write_base_metadata`), Qwen2.5-0.5B's shape, every slot holding a rank-8 LoRA."""
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from preft.adapters import ModelShape
+    from preft.vllm_plugin.punica import _ids_to_slots, _write_base_metadata
+    from preft.vllm_plugin.state import PreftSlotState
+    from preft.vllm_plugin.token_mapping import build_step_mapping
+
+    shape = ModelShape("Qwen2ForCausalLM", 896, 24, 14, 2, 64, 4864, 151936)
+    state = PreftSlotState(shape=shape, max_slots=slots, max_rank=8, dtype=torch.bfloat16, device="cpu")
+    for slot in range(slots):
+        state.load_slot(slot, lora_rank=8, direft=None)
+    wrapper = PunicaWrapperCPU(tokens, slots, "cpu")
+    lora_index_to_id = list(range(1, slots + 1))
+    requests = tokens // group_size
+    signed_ids = -np.random.default_rng(0).permutation(np.arange(1, slots + 1))[:requests]  # prefill-only
+    lengths, no_tokens = np.full(requests, group_size), np.zeros(requests, dtype=np.int64)
+
+    def one_step() -> None:
+        mapping = build_step_mapping(signed_ids, lengths, no_tokens, lengths, np.ones(requests, dtype=np.int64))
+        token_slots = _ids_to_slots(mapping.token_ids, lora_index_to_id)
+        sampled_slots = _ids_to_slots(mapping.sampled_ids, lora_index_to_id)
+        _write_base_metadata(wrapper, *state.set_step(token_slots, sampled_slots), slots + 1, shape.vocab_size)
+
+    one_step()
+    start = time.perf_counter()
+    for _ in range(iters):
+        one_step()
+    elapsed = (time.perf_counter() - start) / iters
+    lora_tokens = state.step.lora_tokens  # (what the timed steps built: one group per request, one span)
+    return {
+        "tokens": tokens,
+        "requests": requests,
+        "slots": slots,
+        "groups": len(lora_tokens.bounds),
+        "adapted_span": lora_tokens.span,
+        "step_host_us": elapsed * 1e6,
+    }
 
 
 def main() -> None:
@@ -112,8 +162,11 @@ def main() -> None:
     for model, rank in models_and_ranks(args):
         row = bench(model, rank, args.tokens, args.group_size, args.slots, args.iters)
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    row = bench_mapping(args.tokens, args.group_size, args.slots, 50)
-    print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    for row in (
+        bench_mapping(args.tokens, args.group_size, args.slots, 50),
+        bench_step(args.tokens, args.group_size, args.slots, 200),
+    ):
+        print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
 
 if __name__ == "__main__":

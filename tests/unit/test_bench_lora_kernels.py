@@ -21,6 +21,8 @@ def test_host_bench_counts_two_launches_per_lora_linear_on_the_default_kernels()
     assert row["expand+shrink_launches_per_layer"] == 8 and row["fused_launches_per_layer"] == 4
     assert row["expand+shrink_host_us_per_layer"] > 0
     assert bench_lora_host.bench_mapping(256, 64, 8, 2)["mapping_speedup"] > 0  # (times: printed, not asserted)
+    step = bench_lora_host.bench_step(256, 64, 8, 2)
+    assert (step["groups"], step["adapted_span"]) == (4, (0, 256))  # every prompt token adapted, one run each
 
 
 def test_tiles_sweep_times_each_kernel_per_linear_and_checks_every_shape(lora_kernels_interpreted, monkeypatch):

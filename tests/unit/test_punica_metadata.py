@@ -29,14 +29,17 @@ def _written(w):
     )
 
 
+@pytest.mark.parametrize("runs", [False, True])
 @pytest.mark.parametrize("seed", range(5))
-def test_metadata_equals_vllm_convert_mapping(seed):
+def test_metadata_equals_vllm_convert_mapping(seed, runs):
+    """Tokens drawn one by one, and in runs of one id as a step's requests give them."""
     from vllm.lora.layers import LoRAMapping
 
     rng = random.Random(seed)
     slots = [None, 17, 3, None, 42, 8]  # lora_index_to_id: slot -> LoRA id
     ids = [0, 17, 3, 42, 8]
-    tokens = tuple(rng.choice(ids) for _ in range(rng.randint(1, 40)))
+    draws, run_length = (8, 8) if runs else (40, 1)  # (at most 64 tokens: the wrapper's size)
+    tokens = tuple(t for _ in range(rng.randint(1, draws)) for t in [rng.choice(ids)] * rng.randint(1, run_length))
     sampled = tuple(rng.choice(ids) for _ in range(rng.randint(1, 10)))
     mapping = LoRAMapping(tokens, sampled, is_prefill=True)
     max_loras, vocab = len(slots) + 1, 1000
@@ -53,6 +56,11 @@ def test_unknown_id_is_an_error():
         _ids_to_slots((0, 5), [None, 3])
     assert _ids_to_slots((), [None]).tolist() == []
     assert _ids_to_slots((0, 3, 3), [None, 3]).tolist() == [-1, 1, 1]
+    assert _ids_to_slots((0, 0), [None, None]).tolist() == [-1, -1]
+    with pytest.raises(RuntimeError, match="LoRA id 4 "):
+        _ids_to_slots((3, 3, 0, 4, 4), [None, 3])
+    with pytest.raises(RuntimeError, match="no slot"):
+        _ids_to_slots((0, 2), [None, None])
     assert isinstance(_ids_to_slots(np.zeros(0, dtype=np.int64), [1]), np.ndarray)
     assert torch.tensor(_ids_to_slots((3,), [3])).item() == 0
 

@@ -13,6 +13,7 @@ slot and every token, so their cost grows with ``max_loras``) and the CPU torch 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -24,19 +25,30 @@ from preft.vllm_plugin.worker_patch import mapping_ids
 
 
 def _ids_to_slots(ids: Any, lora_index_to_id: list[int | None]) -> np.ndarray:
-    """LoRA id per row -> slot per row (-1 for id 0, "no adapter"); an id without a slot is an error, as in vLLM."""
+    """LoRA id per row -> slot per row (-1 for id 0, "no adapter"); an id without a slot is an error, as in vLLM.
+
+    Rows come in runs of one id (a request's tokens), so only each run's id is looked up: a step of 16,384
+    tokens costs a few passes over its ids, not a sort of them."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    slots = np.full(ids.shape, -1, dtype=np.int64)
-    adapted = ids > 0
-    if adapted.any():
-        unique, inverse = np.unique(ids[adapted], return_inverse=True)
-        lookup = {lora_id: slot for slot, lora_id in enumerate(lora_index_to_id) if lora_id is not None}
-        try:
-            slot_of = np.array([lookup[int(i)] for i in unique], dtype=np.int64)
-        except KeyError as e:
-            raise RuntimeError(f"preft: LoRA id {e.args[0]} has tokens in the step but no slot") from None
-        slots[adapted] = slot_of[inverse]
-    return slots
+    if ids.size == 0:
+        return np.full(0, -1, dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
+    run_ids = ids[starts]
+    known, known_slots = _slot_table(tuple(lora_index_to_id))
+    at = np.minimum(np.searchsorted(known, run_ids), max(known.size - 1, 0))
+    found = known[at] == run_ids if known.size else np.zeros(run_ids.shape, dtype=bool)
+    if (missing := (run_ids > 0) & ~found).any():
+        raise RuntimeError(f"preft: LoRA id {int(run_ids[missing][0])} has tokens in the step but no slot")
+    run_slots = np.where(run_ids > 0, known_slots[at] if known.size else -1, -1)
+    return np.repeat(run_slots, np.diff(np.append(starts, ids.size)))
+
+
+@functools.lru_cache(maxsize=4)
+def _slot_table(lora_index_to_id: tuple[int | None, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The ids in slots, sorted, and the slot of each (kept while the slots hold the same adapters)."""
+    pairs = sorted((lora_id, slot) for slot, lora_id in enumerate(lora_index_to_id) if lora_id is not None)
+    ids = np.array([lora_id for lora_id, _ in pairs], dtype=np.int64)
+    return ids, np.array([slot for _, slot in pairs], dtype=np.int64)
 
 
 def _write_base_metadata(wrapper, token_slots: np.ndarray, sampled_slots: np.ndarray, max_loras: int, vocab: int):

@@ -23,7 +23,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from loadtest.bench_lora_kernels import SHAPES, _layer, add_step_arguments, models_and_ranks, step_groups
+from loadtest.bench_lora_kernels import SHAPES, _layer, _timed, add_step_arguments, models_and_ranks, step_groups
 from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_kernels
 
@@ -105,10 +105,8 @@ def bench_mapping(tokens: int, group_size: int, slots: int, iters: int) -> dict:
         row[f"mapping_{name}_us"] = (time.perf_counter() - start) / iters * 1e6
     row["mapping_speedup"] = row["mapping_vllm_tuples_us"] / row["mapping_numpy_arrays_us"]
     lora_index_to_id = [int(i) for i in rng.permutation(np.arange(1, slots + 1))]  # every id in a slot
-    start = time.perf_counter()
-    for _ in range(iters):
-        _ids_to_slots(token_ids, lora_index_to_id)
-    row["ids_to_slots_us"] = (time.perf_counter() - start) / iters * 1e6
+    cpu = torch.device("cpu")
+    row["ids_to_slots_us"] = _timed(lambda: _ids_to_slots(token_ids, lora_index_to_id), cpu, iters)[0] * 1e6
     return row
 
 
@@ -118,12 +116,13 @@ def bench_step(tokens: int, group_size: int, slots: int, iters: int) -> dict:
     metadata (`punica._write_base_metadata`), Qwen2.5-0.5B's shape, every slot holding a rank-8 LoRA."""
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
+    from loadtest.bench_engine import ARCH_CONFIGS
     from preft.adapters import ModelShape
     from preft.vllm_plugin.punica import _ids_to_slots, _write_base_metadata
     from preft.vllm_plugin.state import PreftSlotState
     from preft.vllm_plugin.token_mapping import build_step_mapping
 
-    shape = ModelShape("Qwen2ForCausalLM", 896, 24, 14, 2, 64, 4864, 151936)
+    shape = ModelShape.from_config(ARCH_CONFIGS["qwen05"])
     state = PreftSlotState(shape=shape, max_slots=slots, max_rank=8, dtype=torch.bfloat16, device="cpu")
     for slot in range(slots):
         state.load_slot(slot, lora_rank=8, direft=None)
@@ -139,11 +138,7 @@ def bench_step(tokens: int, group_size: int, slots: int, iters: int) -> dict:
         sampled_slots = _ids_to_slots(mapping.sampled_ids, lora_index_to_id)
         _write_base_metadata(wrapper, *state.set_step(token_slots, sampled_slots), slots + 1, shape.vocab_size)
 
-    one_step()
-    start = time.perf_counter()
-    for _ in range(iters):
-        one_step()
-    elapsed = (time.perf_counter() - start) / iters
+    elapsed = _timed(one_step, torch.device("cpu"), iters)[0]
     lora_tokens = state.step.lora_tokens  # (what the timed steps built: one group per request, one span)
     return {
         "tokens": tokens,

@@ -15,6 +15,7 @@ import timeit
 import numpy as np
 import torch
 
+from loadtest.bench_engine import ARCH_CONFIGS
 from preft.adapters import ModelShape
 from preft.vllm_plugin import ops
 from preft.vllm_plugin.state import PreftSlotState
@@ -24,7 +25,7 @@ HIDDEN, SLICES, RANK, TOKENS = 896, (896, 128, 128), 8, 512
 
 def main() -> None:
     as_custom_op = torch.library.custom_op("preft_bench::lora_linear", ops._lora_linear, mutates_args=("y",))
-    shape = ModelShape("Qwen2ForCausalLM", HIDDEN, 24, 14, 2, 64, 4864, 151936)
+    shape = ModelShape.from_config(ARCH_CONFIGS["qwen05"])
     state = PreftSlotState(shape=shape, max_slots=4, max_rank=RANK, dtype=torch.float32, device="cpu")
     state.load_slot(0, lora_rank=RANK, direft=None)
     a = [torch.randn(4, 1, RANK, HIDDEN) for _ in SLICES]

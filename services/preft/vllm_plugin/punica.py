@@ -35,18 +35,20 @@ def _ids_to_slots(ids: Any, lora_index_to_id: list[int | None]) -> np.ndarray:
     starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
     run_ids = ids[starts]
     known, known_slots = _slot_table(tuple(lora_index_to_id))
-    at = np.minimum(np.searchsorted(known, run_ids), max(known.size - 1, 0))
-    found = known[at] == run_ids if known.size else np.zeros(run_ids.shape, dtype=bool)
-    if (missing := (run_ids > 0) & ~found).any():
+    at = np.minimum(np.searchsorted(known, run_ids), known.size - 1)
+    if (missing := (run_ids > 0) & (known[at] != run_ids)).any():
         raise RuntimeError(f"preft: LoRA id {int(run_ids[missing][0])} has tokens in the step but no slot")
-    run_slots = np.where(run_ids > 0, known_slots[at] if known.size else -1, -1)
+    run_slots = np.where(run_ids > 0, known_slots[at], -1)
     return np.repeat(run_slots, np.diff(np.append(starts, ids.size)))
 
 
 @functools.lru_cache(maxsize=4)
 def _slot_table(lora_index_to_id: tuple[int | None, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """The ids in slots, sorted, and the slot of each (kept while the slots hold the same adapters)."""
-    pairs = sorted((lora_id, slot) for slot, lora_id in enumerate(lora_index_to_id) if lora_id is not None)
+    """The ids in slots, sorted, and the slot of each (kept while the slots hold the same adapters); id 0, "no
+    adapter", is always there with slot -1, so the table is never empty."""
+    pairs = sorted(
+        [(0, -1)] + [(lora_id, slot) for slot, lora_id in enumerate(lora_index_to_id) if lora_id is not None]
+    )
     ids = np.array([lora_id for lora_id, _ in pairs], dtype=np.int64)
     return ids, np.array([slot for _, slot in pairs], dtype=np.int64)
 

@@ -31,14 +31,17 @@ from preft.vllm_plugin import lora_kernels, triton_launch
 
 # hidden, (q, k, v) widths, intermediate
 SHAPES = {"qwen05": (896, (896, 128, 128), 4864), "llama8b": (4096, (4096, 1024, 1024), 14336)}
-# path: (the LoRA kernels it picks, how they are launched: triton_launch's direct launches, or Triton's own)
+# path: (the LoRA kernels it picks, how they are launched: triton_launch's direct launches, or Triton's own,
+# whether they load z's and B's rank columns in vectors: lora_kernels.rank_vectors; off, as before run 73)
 PATHS = {
-    "torch": ((), "direct"),
-    "expand": (("expand",), "direct"),
-    "expand+shrink": (("expand", "shrink"), "direct"),
-    "expand+shrink, Triton's launch": (("expand", "shrink"), "triton"),
-    "fused": (("fused",), "direct"),
-    "fused, Triton's launch": (("fused",), "triton"),
+    "torch": ((), "direct", True),
+    "expand": (("expand",), "direct", True),
+    "expand+shrink": (("expand", "shrink"), "direct", True),
+    "expand+shrink, rank by element": (("expand", "shrink"), "direct", False),
+    "expand+shrink, Triton's launch": (("expand", "shrink"), "triton", True),
+    "fused": (("fused",), "direct", True),
+    "fused, rank by element": (("fused",), "direct", False),
+    "fused, Triton's launch": (("fused",), "triton", True),
 }
 
 
@@ -131,8 +134,9 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
     row = {"model": model, "rank": rank, "tokens": tokens, "group_size": group_size, "slots": slots}
     row["base_matmuls_ms"] = _timed(base, device, iters)[0] * 1e3
     outputs = {}
-    for path, (kernels, launch) in PATHS.items() if lora_kernels.supported(ys[0]) else [("torch", ((), "direct"))]:
-        with lora_kernels.using(*kernels), triton_launch.launching(launch):
+    paths = PATHS.items() if lora_kernels.supported(ys[0]) else [("torch", PATHS["torch"])]
+    for path, (kernels, launch, vectors) in paths:
+        with lora_kernels.using(*kernels), triton_launch.launching(launch), lora_kernels.rank_vectors(vectors):
             if not all(lora_kernels.available(ys[0], k) for k in kernels):  # they failed to compile (logged)
                 raise SystemExit(f"the {path} path's kernels are unavailable on this machine")
             wall, host = _timed(lora, device, iters)
@@ -160,7 +164,8 @@ def write_plot(report: dict, out: Path) -> None:
     labels = [f"{r['model']} r{r['rank']}" for r in rows]
     xs = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(8, 4))
-    paths = [p for p in ("torch", "expand", "expand+shrink", "fused") if f"lora_{p}_over_base" in rows[0]]
+    shown = ("torch", "expand+shrink, rank by element", "expand+shrink", "fused, rank by element", "fused")
+    paths = [p for p in shown if f"lora_{p}_over_base" in rows[0]]
     width = 0.8 / len(paths)
     for i, path in enumerate(paths):
         values = [r[f"lora_{path}_over_base"] for r in rows]

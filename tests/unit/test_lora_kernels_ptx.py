@@ -21,35 +21,39 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-# What the engine's calls specialize on: bf16 tensors, 16-aligned pointers, and strides and widths that the
-# model makes multiples of 16 (the group tables' pointers and per-step integers are left unspecialized)
+# What the engine's calls specialize on: bf16 tensors, 16-aligned pointers, strides and widths that the
+# model makes multiples of 16, the rank columns' strides of 1 (Triton specializes 1s) (the group tables'
+# pointers and per-step integers are left unspecialized; B's row stride, the padded rank, may be 8)
 TENSORS = ("x_ptr", "y_ptr", "z_ptr", "b0_ptr")  # the rest are tables: int64, offs int32
 ALIGNED_ARGS = (*TENSORS, "stride_x", "stride_y", "in_cols", "stride_a_slot", "stride_a_rank")
+ONES = {"stride_z_col": 1, "stride_b_rank": 1}
 ROWS = lora_kernels.ROW_BLOCK  # each program's rows, as the engine's launches have them
 SHRINK, EXPAND = lora_kernels.DEFAULT_TILES["shrink"], lora_kernels.DEFAULT_TILES["expand"]
 # Each kernel in the launch shape the engine gives it (the fused kernel: its own columns, warps and stages)
 LAUNCHES = {
-    "_shrink_kernel": ({"BLOCK_R": 16, "BLOCK_C": SHRINK.cols}, SHRINK.warps, SHRINK.stages),
+    "_shrink_kernel": ({"BLOCK_C": SHRINK.cols}, SHRINK.warps, SHRINK.stages),
     "_expand_kernel": (
-        {"ALIGNED": True, "ADD": True, "BLOCK_N": EXPAND.cols, "BLOCK_K": 16},
+        {"ALIGNED": True, "ADD": True, "BLOCK_N": EXPAND.cols},
         EXPAND.warps,
         EXPAND.stages,
     ),
     "_lora_kernel": (
-        {"ALIGNED": True, "BLOCK_R": 16, "BLOCK_C": lora_kernels._BLOCK_C, "BLOCK_N": lora_kernels._BLOCK_N},
+        {"ALIGNED": True, "BLOCK_C": lora_kernels._BLOCK_C, "BLOCK_N": lora_kernels._BLOCK_N},
         lora_kernels._FUSED_WARPS,
         lora_kernels._FUSED_STAGES,
     ),
 }
 
 
-def global_accesses(kernel: str, use_span: bool) -> Counter[str]:
+def global_accesses(kernel: str, use_span: bool, rank_block: int = 16, rank_aligned: bool = True) -> Counter[str]:
     """How many of each global load and store and asynchronous copy instruction the kernel's sm_90 PTX holds
-    (e.g. st.global.b16, cp.async.cg.shared.global)."""
+    (e.g. st.global.b16, cp.async.cg.shared.global), for ranks up to `rank_block`."""
     fn = getattr(lora_kernels, kernel)
     names = fn.arg_names
     shape, warps, stages = LAUNCHES[kernel]
-    constexprs = shape | {"USE_SPAN": use_span, "SPLIT": 1, "BLOCK_M": ROWS, "PRECISION": "tf32"}
+    rank = {"BLOCK_K" if kernel == "_expand_kernel" else "BLOCK_R": rank_block, "RANK_ALIGNED": rank_aligned}
+    constexprs = shape | rank | {"USE_SPAN": use_span, "SPLIT": 1, "BLOCK_M": ROWS, "PRECISION": "tf32"}
+    constexprs |= {k: v for k, v in ONES.items() if k in names}
     signature = {}
     for name in names:
         if name in constexprs:
@@ -68,9 +72,9 @@ def global_accesses(kernel: str, use_span: bool) -> Counter[str]:
     return Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*|cp\.async\.[a-z]+\.shared\.global", ptx))
 
 
-def _compiled(kernel: str, use_span: bool) -> Counter[str]:
+def _compiled(kernel: str, use_span: bool, **rank) -> Counter[str]:
     try:
-        return global_accesses(kernel, use_span)
+        return global_accesses(kernel, use_span, **rank)
     except RuntimeError as error:  # a Triton without its CUDA backend's tools
         pytest.skip(f"cannot compile for sm_90 here: {error}")
 
@@ -78,7 +82,7 @@ def _compiled(kernel: str, use_span: bool) -> Counter[str]:
 @pytest.mark.parametrize("use_span", [False, True])
 @pytest.mark.parametrize("kernel", ["_expand_kernel", "_lora_kernel"])
 def test_y_is_read_and_written_in_16_byte_vectors(kernel, use_span):
-    accesses = _compiled(kernel, use_span)
+    accesses = _compiled(kernel, use_span, rank_aligned=False)  # (z's and B's loads then not 16-byte vectors)
     shape, warps, _ = LAUNCHES[kernel]
     vectors = ROWS * shape["BLOCK_N"] * 2 // (32 * warps * 16)  # a bf16 tile of y, 16 bytes per thread at a time
     # y is the kernels' only store: every one a 16-byte vector, and as many 16-byte loads of it
@@ -95,8 +99,21 @@ def test_x_and_a_load_in_pipelined_16_byte_copies(kernel, use_span):
     waiting for it."""
     accesses = _compiled(kernel, use_span)
     assert accesses["cp.async.cg.shared.global"] > 0, accesses
-    if kernel == "_shrink_kernel":  # (the fused kernel still loads B's few rank columns one by one)
+    if kernel == "_shrink_kernel":
         assert "ld.global.b16" not in accesses, accesses
+
+
+@pytest.mark.parametrize("rank_block", [16, 64])
+@pytest.mark.parametrize("kernel", ["_shrink_kernel", "_expand_kernel", "_lora_kernel"])
+def test_z_and_b_move_in_vectors_where_the_rank_is_aligned(kernel, rank_block):
+    """The rank-64 expand waited on memory latency (H200 run 72: 30% of DRAM's peak, 24% occupancy): each
+    thread loaded z's and B's rank columns one bf16 at a time, 48 loads a thread at rank 64, and the shrink
+    stored z so. Where the rank, z's and B's strides are multiples of 8 and z and B aligned (RANK_ALIGNED:
+    the engine's padded ranks and weights), none is left; without it, they are there."""
+    aligned = _compiled(kernel, True, rank_block=rank_block)
+    assert not [op for op in aligned if op.endswith(".b16")], aligned
+    unaligned = _compiled(kernel, True, rank_block=rank_block, rank_aligned=False)
+    assert [op for op in unaligned if op.endswith(".b16")], unaligned
 
 
 def test_kernels_refuse_weights_that_are_not_16_byte_aligned():

@@ -85,6 +85,7 @@ _PLANS: dict[tuple, object] = {}  # each LoRA linear's kernel plan, by its weigh
 _SPLIT: dict[int, SplitPlan] = {}  # the split plans again, by the id of their module's first stacked A
 _SCRATCH: dict[tuple, torch.Tensor] = {}  # the shrink's z buffers (`_scratch`, `plan_shrink`)
 _ENGINES: set[tuple[torch.device, torch.dtype, int, int]] = set()  # warm_up's arguments, for `using`
+_RANK_VECTORS = True  # the kernels' RANK_ALIGNED variants where they apply (`rank_vectors`)
 
 
 def supported(y: torch.Tensor) -> bool:
@@ -111,6 +112,19 @@ def fuses(rank: int, kernels: frozenset[str]) -> bool:
     """Whether a step of this rank runs its LoRA linears on the fused kernel, of these picked: when it is picked
     without the shrink and expand pair, or beside it from `FUSED_FROM_RANK` on."""
     return "fused" in kernels and (rank >= FUSED_FROM_RANK or not {"shrink", "expand"} <= kernels)
+
+
+@contextlib.contextmanager
+def rank_vectors(on: bool) -> Iterator[None]:
+    """Within: the kernels load z's and B's rank columns in 16-byte vectors where the ranks and strides allow
+    (on, the default: their RANK_ALIGNED variants), or always an element at a time (off: the benchmarks'
+    baseline, how they ran before run 73)."""
+    global _RANK_VECTORS
+    before, _RANK_VECTORS = _RANK_VECTORS, on
+    try:
+        yield
+    finally:
+        _RANK_VECTORS = before
 
 
 @contextlib.contextmanager
@@ -244,6 +258,13 @@ if triton is not None:
         return stride_b_slot, width, y_offset
 
     @triton.jit
+    def _rank_aligned(rank, stride_z, z_ptr):
+        """rank, z's row stride and z's address, as the compiler then knows them: multiples of 8 elements and
+        16-byte aligned (the caller's guarantee). (tl.multiple_of on an argument is lost: the integers are
+        computed again, as a multiple of 8.)"""
+        return rank // 8 * 8, stride_z // 8 * 8, tl.multiple_of(z_ptr.to(tl.int64).to(z_ptr.dtype), 16)
+
+    @triton.jit
     def _add_rows(y_ptr, rows, mask_m, cols, mask_n, stride_y, delta, ADD: tl.constexpr = True):
         """y[rows, cols] += delta (float32), rounded once to y's dtype (not ADD: y[rows, cols] = delta)."""
         ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
@@ -280,8 +301,11 @@ if triton is not None:
         stride_a_rank,
         BLOCK_C: tl.constexpr,
         PRECISION: tl.constexpr,
+        RANK_ALIGNED: tl.constexpr,
     ):
-        """z[m, s·rank + r] = scale · x[row(m)] · A_s[slot][r] for slice s = program_id(1) (Z_BY_ROW: z[row(m)])."""
+        """z[m, s·rank + r] = scale · x[row(m)] · A_s[slot][r] for slice s = program_id(1) (Z_BY_ROW: z[row(m)]).
+        RANK_ALIGNED: rank and z's row stride are multiples of 8 and z starts 16-byte aligned (z's rows are then
+        stored in 16-byte vectors)."""
         m, rows, mask_m, slot = _group_rows(
             tl.program_id(0),
             rows_ptr,
@@ -314,6 +338,8 @@ if triton is not None:
             PRECISION,
         )
         r = tl.arange(0, BLOCK_R)
+        if RANK_ALIGNED:
+            rank, stride_z, z_ptr = _rank_aligned(rank, stride_z, z_ptr)
         z_rows = rows if Z_BY_ROW else m.to(tl.int64)  # (at its token's row: for the activation, lora_act)
         ptrs = z_ptr + z_rows[:, None] * stride_z + (s * rank + r)[None, :]
         tl.store(ptrs, z, mask=mask_m[:, None] & (r < rank)[None, :])
@@ -346,9 +372,13 @@ if triton is not None:
         ALIGNED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
+        RANK_ALIGNED: tl.constexpr,
     ):
         """y[row(m), slice's first column + n] += z[m, s·z_slice_step :][:rank] · B_s[slot][n]: every slice at once
         (not ADD: y[...] = the product, y's rows not read).
+        RANK_ALIGNED: rank, z's row stride and slice step, and each B's offset from b0, slot stride and row
+        stride are multiples of 8 elements, z starts 16-byte aligned and its and B's rank columns are
+        contiguous (z's and B's rows then load in 16-byte vectors, not an element at a time).
 
         Program (block, t): row block `block` (or a part of it), and t's entry of the tile table (slice s, its
         first column n0), BLOCK_N columns. The slice table holds, per slice: B's offset from b0 in elements,
@@ -370,8 +400,14 @@ if triton is not None:
         s = tl.load(tile_table_ptr + 2 * tile)
         n0 = tl.multiple_of(tl.load(tile_table_ptr + 2 * tile + 1), BLOCK_N)  # (tiles start at multiples)
         entry = slice_table_ptr + 4 * s
-        b_ptr = b0_ptr + tl.load(entry)
+        b_offset = tl.load(entry)
         stride_b_slot, width, y_offset = _slice_entry(entry + 1, ALIGNED)
+        if RANK_ALIGNED:
+            rank, stride_z, z_ptr = _rank_aligned(rank, stride_z, z_ptr)
+            z_slice_step, stride_b_out = z_slice_step // 8 * 8, stride_b_out // 8 * 8
+            b_offset = tl.multiple_of(b_offset, 8)
+            stride_b_slot = tl.multiple_of(stride_b_slot, 8)
+        b_ptr = b0_ptr + b_offset
         n = n0 + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
         mask_n = n < width
@@ -419,8 +455,11 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
+        RANK_ALIGNED: tl.constexpr,
     ):
         """y[row(m), slice's columns] += (scale · x[row(m)] · A[slot]ᵀ) · B[slot]ᵀ: a LoRA linear in one launch.
+        RANK_ALIGNED: rank and every B's slot and row strides are multiples of 8, B's rank columns contiguous
+        (B's rows then load in 16-byte vectors).
 
         Program (t, block): row block `block`, and the columns [col0, col0 + cols_per_program) of one slice,
         t's entry of the tile table (slice, col0). The slice table holds, per slice: A's and B's addresses,
@@ -446,6 +485,9 @@ if triton is not None:
         a_ptr = tl.multiple_of(tl.load(entry).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)  # (can_fuse)
         b_ptr = tl.multiple_of(tl.load(entry + 1).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
         stride_b_slot, width, y_offset = _slice_entry(entry + 2, ALIGNED)
+        if RANK_ALIGNED:
+            rank, stride_b_out = rank // 8 * 8, stride_b_out // 8 * 8
+            stride_b_slot = tl.multiple_of(stride_b_slot, 8)
         z = _shrink_rows(
             x_ptr,
             a_ptr,
@@ -600,15 +642,16 @@ def _launch_shrink(
     """z = the shrink over the groups' rows, at their positions in group order (by_row: at their token rows)."""
     tiles = _TILES["shrink"]
     step, grid_rows = _step_args(groups, tiles)
-    x_ptr, stride_x = x2.data_ptr(), x2.stride(0)
+    x_ptr, stride_x, z_ptr = x2.data_ptr(), x2.stride(0), z.data_ptr()
     call = (stride_x, stride_z, scale, by_row)
+    rank_aligned = _RANK_VECTORS and z_ptr % 16 == 0 and (groups.rank | stride_z) % 8 == 0  # (bits: both of 8)
     _SHRINK(
         (grid_rows, slices),
-        (x_ptr % 16, stride_x, by_row, step.key, module.key, tiles.warps, tiles.stages),
-        (x2, z, *call, *step.tensors, *module.tensors),
+        (x_ptr % 16, stride_x, by_row, step.key, module.key, tiles.warps, tiles.stages, rank_aligned),
+        (x2, z, *call, *step.tensors, *module.tensors, rank_aligned),
         tiles.warps,
         tiles.stages,
-        (x_ptr, z.data_ptr(), *call, *step.addresses, *module.addresses),
+        (x_ptr, z_ptr, *call, *step.addresses, *module.addresses, rank_aligned),
     )
 
 
@@ -630,6 +673,7 @@ class _ExpandPlan:
     tiles: torch.Tensor  # int64 [T, 2]: slice, first column (in the slice); one program per row block and tile
     block_n: int  # the tiles' width: the expand's columns per program when the plan was made
     args: _Args  # the expand's run of arguments that these fix (b0 to PRECISION)
+    rank_aligned: bool  # B's rank columns contiguous, b0 16-byte aligned, offsets and strides multiples of 8
 
 
 def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) -> _ExpandPlan | None:
@@ -656,7 +700,14 @@ def _expand_plan(b: Sequence[torch.Tensor], columns: Sequence[tuple[int, int]]) 
     slices, tile_table = _table(table, first.device), _table(tiles, first.device)
     values = (first, slices, tile_table, first.stride(1), first.stride(2), aligned, block_n, _precision(first.dtype))
     key = (first.dtype, first.data_ptr() % 16, *values[3:])
-    return _ExpandPlan(b0=first, slices=slices, tiles=tile_table, block_n=block_n, args=_args(values, key))
+    rank_aligned = (
+        first.stride(2) == 1
+        and first.data_ptr() % 16 == 0
+        and all(v % 8 == 0 for v in (*table[::4], *table[1::4], first.stride(1)))
+    )
+    return _ExpandPlan(
+        b0=first, slices=slices, tiles=tile_table, block_n=block_n, args=_args(values, key), rank_aligned=rank_aligned
+    )
 
 
 def _launch_expand(
@@ -674,8 +725,15 @@ def _launch_expand(
     if plan.block_n != tiles.cols:
         raise ValueError(f"the plan's tiles are {plan.block_n} columns wide, the expand's {tiles.cols}")
     step, grid_rows = _step_args(groups, tiles)
-    y_ptr, stride_y = y2.data_ptr(), y2.stride(0)
+    y_ptr, stride_y, z_ptr = y2.data_ptr(), y2.stride(0), z.data_ptr()
     call = (stride_y, stride_z, stride_z_col, z_slice_step, add)
+    rank_aligned = (
+        _RANK_VECTORS
+        and plan.rank_aligned
+        and stride_z_col == 1
+        and z_ptr % 16 == 0
+        and (groups.rank | stride_z | z_slice_step) % 8 == 0  # (bits: all three multiples of 8)
+    )
     _EXPAND(
         (grid_rows, plan.tiles.shape[0] // 2),
         (
@@ -689,11 +747,12 @@ def _launch_expand(
             plan.args.key,
             tiles.warps,
             tiles.stages,
+            rank_aligned,
         ),
-        (y2, z, *call, *step.tensors, *plan.args.tensors),
+        (y2, z, *call, *step.tensors, *plan.args.tensors, rank_aligned),
         tiles.warps,
         tiles.stages,
-        (y_ptr, z.data_ptr(), *call, *step.addresses, *plan.args.addresses),
+        (y_ptr, z_ptr, *call, *step.addresses, *plan.args.addresses, rank_aligned),
     )
 
 
@@ -870,6 +929,7 @@ class _LinearPlan:
     tiles: torch.Tensor  # int64 [T, 2]: slice, first column (in the slice)
     cols_per_program: int
     aligned: bool  # every width and first column a multiple of 16
+    rank_aligned: bool  # every B's slot stride a multiple of 8
 
 
 def _column_ranges(widths: Sequence[int], in_cols: int) -> tuple[list[tuple[int, int]], int]:
@@ -915,6 +975,7 @@ def _linear_plan(
             tiles=_table(tuple(v for r in ranges for v in r), x2.device),
             cols_per_program=cols,
             aligned=all(v % 16 == 0 for v in (*widths, *offsets)),
+            rank_aligned=all(bi.stride(0) % 8 == 0 for bi in b),
         )
     return plan
 
@@ -939,9 +1000,10 @@ def lora_linear(
     use_span, block_r, precision = groups.span is not None, _block(rank), _precision(x2.dtype)
     shape = (x2.shape[1], x2.stride(0), y2.stride(0), a[0].stride(0), a[0].stride(1), b[0].stride(1), b[0].stride(2))
     key = (x2.dtype, x2.data_ptr() % 16, y2.dtype, y2.data_ptr() % 16, *shape, plan.aligned)
+    rank_aligned = _RANK_VECTORS and plan.rank_aligned and (rank | shape[-2]) % 8 == 0 and shape[-1] == 1
     _FUSED(
         (plan.tiles.shape[0] // 2, groups.block_group.shape[0]),
-        (*key, use_span, groups.block_rows, block_r),
+        (*key, use_span, groups.block_rows, block_r, rank_aligned),
         (
             x2,
             y2,
@@ -961,6 +1023,7 @@ def lora_linear(
             _BLOCK_C,
             _BLOCK_N,
             precision,
+            rank_aligned,
         ),
         _FUSED_WARPS,
         _FUSED_STAGES,

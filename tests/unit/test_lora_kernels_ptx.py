@@ -25,7 +25,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 # model makes multiples of 16, the rank columns' strides of 1 (Triton specializes 1s) (the group tables'
 # pointers and per-step integers are left unspecialized; B's row stride, the padded rank, may be 8)
 TENSORS = ("x_ptr", "y_ptr", "z_ptr", "b0_ptr")  # the rest are tables: int64, offs int32
-ALIGNED_ARGS = (*TENSORS, "stride_x", "stride_y", "in_cols", "stride_a_slot", "stride_a_rank")
+ALIGNED_ARGS = ("x_ptr", "y_ptr", "b0_ptr", "stride_x", "stride_y", "in_cols", "stride_a_slot", "stride_a_rank")
 ONES = {"stride_z_col": 1, "stride_b_rank": 1}
 ROWS = lora_kernels.ROW_BLOCK  # each program's rows, as the engine's launches have them
 SHRINK, EXPAND = lora_kernels.DEFAULT_TILES["shrink"], lora_kernels.DEFAULT_TILES["expand"]
@@ -127,15 +127,17 @@ def test_kernels_refuse_weights_that_are_not_16_byte_aligned():
     assert not lora_kernels.can_fuse(x, [aligned], [torch.zeros(2 * 40 * 8 + 1)[1:].view(2, 40, 8)])
 
 
-def test_the_activation_reads_gate_up_and_writes_its_output_in_16_byte_vectors():
+@pytest.mark.parametrize("rank_aligned", [False, True])
+def test_the_activation_reads_gate_up_and_writes_its_output_in_16_byte_vectors(rank_aligned):
     """The activation with the gate/up LoRA folded in (lora_act) moves gate, up and its output as the plain
-    activation does: 16 bytes per thread at a time (its LoRA's z and B are a few columns: small loads)."""
+    activation does: 16 bytes per thread at a time; its LoRA's z and B, where the rank is aligned, so too."""
     from preft.vllm_plugin import lora_act
 
     fn = lora_act._silu_mul_lora_kernel
     names = fn.arg_names
     tiles = lora_kernels.DEFAULT_TILES["act"]
     constexprs = {"BLOCK_K": 16, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.cols, "PRECISION": "tf32"}
+    constexprs |= {"RANK_ALIGNED": rank_aligned, "stride_b_rank": 1}
     pointers = {"out_ptr": "*bf16", "gu_ptr": "*bf16", "z_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16"}
     signature = {
         n: "constexpr" if n in constexprs else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32") for n in names
@@ -154,4 +156,6 @@ def test_the_activation_reads_gate_up_and_writes_its_output_in_16_byte_vectors()
     accesses = Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*", compiled.asm["ptx"]))
     vectors = tiles.rows * tiles.cols * 2 // (32 * tiles.warps * 16)  # one bf16 tile
     assert {op: n for op, n in accesses.items() if op.startswith("st.")} == {"st.global.v4.b32": vectors}, accesses
-    assert accesses["ld.global.v4.b32"] == 2 * vectors, accesses  # gate and up
+    b_vectors = 16 * tiles.cols * 2 // (32 * tiles.warps * 16)  # a bf16 tile of B (16 rank rows), gate's and up's
+    assert accesses["ld.global.v4.b32"] == 2 * vectors + rank_aligned * 2 * b_vectors, accesses  # gate and up
+    assert bool([op for op in accesses if op.endswith(".b16")]) != rank_aligned, accesses

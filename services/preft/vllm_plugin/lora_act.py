@@ -70,12 +70,14 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
+        RANK_ALIGNED: tl.constexpr,
     ):
         """out[t, n] = silu(gu[t, n] + Δg) · (gu[t, inter + n] + Δu), Δ = z[t] · B[slot(t)][n] where t has a slot.
 
         z[t] holds the gate's rank columns then the up's; the block's slots come from its entries in the
         slot table (block_offs: CSR offsets per block of BLOCK_M rows, block_slots: the slots). Each program
-        holds four float32 tiles (gate, up, their deltas): its tiles are small (``_TILES["act"]``)."""
+        holds four float32 tiles (gate, up, their deltas): its tiles are small (``_TILES["act"]``).
+        RANK_ALIGNED: as the expand's (z's and B's rank columns load in 16-byte vectors)."""
         pid_m = tl.program_id(0)
         t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,6 +92,9 @@ if triton is not None:
         last = tl.load(block_offs_ptr + block + 1)
         if last > first:
             slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
+            if RANK_ALIGNED:
+                rank, stride_z, z_ptr = k._rank_aligned(rank, stride_z, z_ptr)
+                stride_b_out, stride_b_slot = stride_b_out // 8 * 8, stride_b_slot // 8 * 8
             kk = tl.arange(0, BLOCK_K)
             mask_k = kk < rank
             z_mask = (slot_t >= 0)[:, None] & mask_k[None, :]
@@ -197,13 +202,30 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
     strides = (b_gate.stride(0), b_gate.stride(1), b_gate.stride(2)) if b_gate.dim() == 3 else (0, 0, 0)
     values = (b_gate, b_up, *strides, inter, tiles.rows, tiles.cols, k._precision(b_gate.dtype))
     module = k._args(values, (b_gate.dtype, b_gate.data_ptr() % 16, b_up.data_ptr() % 16, *values[2:]))
-    out_ptr, gu_ptr = out.data_ptr(), gate_up.data_ptr()
+    out_ptr, gu_ptr, z_ptr = out.data_ptr(), gate_up.data_ptr(), z.data_ptr()
     call = (out.stride(0), gate_up.stride(0), stride_z, rows)
+    rank_aligned = (  # (the expand's RANK_ALIGNED; B's pointers are specialized on their alignment)
+        k._RANK_VECTORS
+        and z_ptr % 16 == 0
+        and strides[2] == 1
+        and (groups.rank | stride_z | strides[0] | strides[1]) % 8 == 0
+    )
     _ACT(
         (-(-rows // tiles.rows), -(-inter // tiles.cols)),
-        (out.dtype, out_ptr % 16, gate_up.dtype, gu_ptr % 16, z.dtype, *call[:2], step.key, module.key, tiles.warps),
-        (out, gate_up, z, *call, *step.tensors, *module.tensors),
+        (
+            out.dtype,
+            out_ptr % 16,
+            gate_up.dtype,
+            gu_ptr % 16,
+            z.dtype,
+            *call[:2],
+            step.key,
+            module.key,
+            tiles.warps,
+            rank_aligned,
+        ),
+        (out, gate_up, z, *call, *step.tensors, *module.tensors, rank_aligned),
         tiles.warps,
         tiles.stages,
-        (out_ptr, gu_ptr, z.data_ptr(), *call, *step.addresses, *module.addresses),
+        (out_ptr, gu_ptr, z_ptr, *call, *step.addresses, *module.addresses, rank_aligned),
     )

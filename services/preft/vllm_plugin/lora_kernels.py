@@ -260,9 +260,10 @@ if triton is not None:
     @triton.jit
     def _rank_aligned(rank, stride_z, z_ptr):
         """rank, z's row stride and z's address, as the compiler then knows them: multiples of 8 elements and
-        16-byte aligned (the caller's guarantee). (tl.multiple_of on an argument is lost: the integers are
-        computed again, as a multiple of 8.)"""
-        return rank // 8 * 8, stride_z // 8 * 8, tl.multiple_of(z_ptr.to(tl.int64).to(z_ptr.dtype), 16)
+        16-byte aligned (the caller's guarantee). (tl.multiple_of on an argument is lost, and on a pointer
+        cast to an integer and straight back: each is computed again, rounded down to the multiple it is.)"""
+        z_ptr = tl.multiple_of((z_ptr.to(tl.int64) // 16 * 16).to(z_ptr.dtype), 16)
+        return rank // 8 * 8, stride_z // 8 * 8, z_ptr
 
     @triton.jit
     def _add_rows(y_ptr, rows, mask_m, cols, mask_n, stride_y, delta, ADD: tl.constexpr = True):

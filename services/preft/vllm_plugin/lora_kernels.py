@@ -11,7 +11,9 @@ The fused kernel does a whole LoRA linear in one launch, each program recomputin
 
 Each program takes one block of rows inside one group (``SlotGroups.block_group`` / ``block_start``, built on
 the host with the groups). Ranks are small, so each product is a few ``tl.dot`` per tile; float32 runs them in
-IEEE precision (no TF32), as torch's matmuls do by default.
+IEEE precision (no TF32), as torch's matmuls do by default. Where the padded rank and z's and B's strides are
+multiples of 8 (in the engine, always), the kernels' RANK_ALIGNED variants move z's and B's rank columns in
+16-byte vectors (README, "After run 72"); elsewhere an element at a time.
 
 ``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at
 ranks 8 and 16, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every

@@ -32,7 +32,8 @@ from preft.vllm_plugin import lora_kernels, triton_launch
 # hidden, (q, k, v) widths, intermediate
 SHAPES = {"qwen05": (896, (896, 128, 128), 4864), "llama8b": (4096, (4096, 1024, 1024), 14336)}
 # path: (the LoRA kernels it picks, how they are launched: triton_launch's direct launches, or Triton's own,
-# whether they load z's and B's rank columns in vectors: lora_kernels.rank_vectors; off, as before run 73)
+# whether they load z's and B's rank columns in vectors: lora_kernels.rank_vectors; off, as until README "After
+# run 72")
 PATHS = {
     "torch": ((), "direct", True),
     "expand": (("expand",), "direct", True),

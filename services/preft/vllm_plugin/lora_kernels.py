@@ -120,7 +120,7 @@ def fuses(rank: int, kernels: frozenset[str]) -> bool:
 def rank_vectors(on: bool) -> Iterator[None]:
     """Within: the kernels load z's and B's rank columns in 16-byte vectors where the ranks and strides allow
     (on, the default: their RANK_ALIGNED variants), or always an element at a time (off: the benchmarks'
-    baseline, how they ran before run 73)."""
+    baseline, as they ran until README "After run 72")."""
     global _RANK_VECTORS
     before, _RANK_VECTORS = _RANK_VECTORS, on
     try:

@@ -32,8 +32,8 @@ from preft.vllm_plugin import lora_kernels, triton_launch
 # hidden, (q, k, v) widths, intermediate
 SHAPES = {"qwen05": (896, (896, 128, 128), 4864), "llama8b": (4096, (4096, 1024, 1024), 14336)}
 # path: (the LoRA kernels it picks, how they are launched: triton_launch's direct launches, or Triton's own,
-# whether they load z's and B's rank columns in vectors: lora_kernels.rank_vectors; off, as until README "After
-# run 72")
+# whether the shrink and expand move z's and B's rank columns in vectors: lora_kernels.rank_vectors; off, as
+# until README "Runs 73–76")
 PATHS = {
     "torch": ((), "direct", True),
     "expand": (("expand",), "direct", True),
@@ -41,7 +41,6 @@ PATHS = {
     "expand+shrink, rank by element": (("expand", "shrink"), "direct", False),
     "expand+shrink, Triton's launch": (("expand", "shrink"), "triton", True),
     "fused": (("fused",), "direct", True),
-    "fused, rank by element": (("fused",), "direct", False),
     "fused, Triton's launch": (("fused",), "triton", True),
 }
 
@@ -165,7 +164,7 @@ def write_plot(report: dict, out: Path) -> None:
     labels = [f"{r['model']} r{r['rank']}" for r in rows]
     xs = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(8, 4))
-    shown = ("torch", "expand+shrink, rank by element", "expand+shrink", "fused, rank by element", "fused")
+    shown = ("torch", "expand+shrink, rank by element", "expand+shrink", "fused")
     paths = [p for p in shown if f"lora_{p}_over_base" in rows[0]]
     width = 0.8 / len(paths)
     for i, path in enumerate(paths):

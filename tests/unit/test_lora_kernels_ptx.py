@@ -52,8 +52,8 @@ def global_accesses(kernel: str, use_span: bool, rank_block: int = 16, rank_alig
     names = fn.arg_names
     shape, warps, stages = LAUNCHES[kernel]
     rank = {"BLOCK_K" if kernel == "_expand_kernel" else "BLOCK_R": rank_block, "RANK_ALIGNED": rank_aligned}
-    constexprs = shape | rank | {"USE_SPAN": use_span, "SPLIT": 1, "BLOCK_M": ROWS, "PRECISION": "tf32"}
-    constexprs |= {k: v for k, v in ONES.items() if k in names}
+    constexprs = shape | rank | {"USE_SPAN": use_span, "SPLIT": 1, "BLOCK_M": ROWS, "PRECISION": "tf32"} | ONES
+    constexprs = {k: v for k, v in constexprs.items() if k in names}  # (the fused kernel has no RANK_ALIGNED)
     signature = {}
     for name in names:
         if name in constexprs:
@@ -104,12 +104,13 @@ def test_x_and_a_load_in_pipelined_16_byte_copies(kernel, use_span):
 
 
 @pytest.mark.parametrize("rank_block", [16, 64])
-@pytest.mark.parametrize("kernel", ["_shrink_kernel", "_expand_kernel", "_lora_kernel"])
+@pytest.mark.parametrize("kernel", ["_shrink_kernel", "_expand_kernel"])
 def test_z_and_b_move_in_vectors_where_the_rank_is_aligned(kernel, rank_block):
     """The rank-64 expand waited on memory latency (H200 run 72: 30% of DRAM's peak, 24% occupancy): each
     thread loaded z's and B's rank columns one bf16 at a time, 48 loads a thread at rank 64, and the shrink
     stored z so. Where the rank, z's and B's strides are multiples of 8 and z and B aligned (RANK_ALIGNED:
-    the engine's padded ranks and weights), none is left; without it, they are there."""
+    the engine's padded ranks and weights), none is left; without it, they are there. (Triton 3.6, the
+    H200's, keeps no tl.multiple_of on a value a jit function returns: run 73's expand still loaded B so.)"""
     aligned = _compiled(kernel, True, rank_block=rank_block)
     assert not [op for op in aligned if op.endswith(".b16")], aligned
     unaligned = _compiled(kernel, True, rank_block=rank_block, rank_aligned=False)

@@ -12,8 +12,9 @@ The fused kernel does a whole LoRA linear in one launch, each program recomputin
 Each program takes one block of rows inside one group (``SlotGroups.block_group`` / ``block_start``, built on
 the host with the groups). Ranks are small, so each product is a few ``tl.dot`` per tile; float32 runs them in
 IEEE precision (no TF32), as torch's matmuls do by default. Where the padded rank and z's and B's strides are
-multiples of 8 (in the engine, always), the kernels' RANK_ALIGNED variants move z's and B's rank columns in
-16-byte vectors (README, "After run 72"); elsewhere an element at a time.
+multiples of 8 (in the engine, always), the shrink's and the expand's RANK_ALIGNED variants move z's and B's
+rank columns in 16-byte vectors (README, "Runs 73–76"); elsewhere an element at a time (and always in the fused
+kernel: its variant was slower on the H200).
 
 ``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at
 ranks 8 and 16, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every
@@ -57,10 +58,11 @@ ROW_BLOCK = 64  # SlotGroups cuts each group's rows into blocks of this many; pr
 _BLOCK_N = 128  # the fused kernel: output columns per tile
 _BLOCK_C = 64  # the fused kernel: input columns per iteration
 _FUSED_WARPS, _FUSED_STAGES = 4, 3  # the fused kernel's launch (Triton's defaults on CUDA)
-# From this rank on the fused kernel beats the shrink and expand pair on a layer's LoRA linears: Qwen2.5-0.5B at
-# rank 64 0.486 against 0.575 ms on the H200 (run 72), 0.550 against 0.626 on an H100 (run 64; Llama-3.1-8B
-# 1.98 against 2.11); at rank 8 0.417 against 0.345 (H200), at 16 0.496 against 0.460 (H100). In the engine
-# (run 69) the evidence split, so it serves only where picked beside the pair (README, "Runs 68-72")
+# From this rank on the fused kernel beat the shrink and expand pair on a layer's LoRA linears while the pair
+# loaded z's and B's rank columns an element at a time: Qwen2.5-0.5B at rank 64 0.486 against 0.575 ms on the
+# H200 (run 72), 0.550 against 0.626 on an H100 (run 64; Llama-3.1-8B 1.98 against 2.11). With the pair's
+# RANK_ALIGNED variants it no longer does (run 73: 0.487 against 0.453 ms; Llama 1.625 against 1.431); at rank
+# 8 it never did (0.417 against 0.346). So it serves only where picked beside the pair (README, "Runs 73–76")
 FUSED_FROM_RANK = 64
 
 
@@ -118,9 +120,9 @@ def fuses(rank: int, kernels: frozenset[str]) -> bool:
 
 @contextlib.contextmanager
 def rank_vectors(on: bool) -> Iterator[None]:
-    """Within: the kernels load z's and B's rank columns in 16-byte vectors where the ranks and strides allow
-    (on, the default: their RANK_ALIGNED variants), or always an element at a time (off: the benchmarks'
-    baseline, as they ran until README "After run 72")."""
+    """Within: the shrink and the expand (and lora_act's activation) move z's and B's rank columns in 16-byte
+    vectors where the ranks and strides allow (on, the default: their RANK_ALIGNED variants), or always an
+    element at a time (off: the benchmarks' baseline, as they ran until README "Runs 73–76")."""
     global _RANK_VECTORS
     before, _RANK_VECTORS = _RANK_VECTORS, on
     try:
@@ -408,8 +410,7 @@ if triton is not None:
         if RANK_ALIGNED:
             rank, stride_z, z_ptr = _rank_aligned(rank, stride_z, z_ptr)
             z_slice_step, stride_b_out = z_slice_step // 8 * 8, stride_b_out // 8 * 8
-            b_offset = tl.multiple_of(b_offset, 8)
-            stride_b_slot = tl.multiple_of(stride_b_slot, 8)
+            b_offset, stride_b_slot = b_offset // 8 * 8, stride_b_slot // 8 * 8
         b_ptr = b0_ptr + b_offset
         n = n0 + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_K)
@@ -458,11 +459,8 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
-        RANK_ALIGNED: tl.constexpr,
     ):
         """y[row(m), slice's columns] += (scale · x[row(m)] · A[slot]ᵀ) · B[slot]ᵀ: a LoRA linear in one launch.
-        RANK_ALIGNED: rank and every B's slot and row strides are multiples of 8, B's rank columns contiguous
-        (B's rows then load in 16-byte vectors).
 
         Program (t, block): row block `block`, and the columns [col0, col0 + cols_per_program) of one slice,
         t's entry of the tile table (slice, col0). The slice table holds, per slice: A's and B's addresses,
@@ -488,9 +486,6 @@ if triton is not None:
         a_ptr = tl.multiple_of(tl.load(entry).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)  # (can_fuse)
         b_ptr = tl.multiple_of(tl.load(entry + 1).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
         stride_b_slot, width, y_offset = _slice_entry(entry + 2, ALIGNED)
-        if RANK_ALIGNED:
-            rank, stride_b_out = rank // 8 * 8, stride_b_out // 8 * 8
-            stride_b_slot = tl.multiple_of(stride_b_slot, 8)
         z = _shrink_rows(
             x_ptr,
             a_ptr,
@@ -932,7 +927,6 @@ class _LinearPlan:
     tiles: torch.Tensor  # int64 [T, 2]: slice, first column (in the slice)
     cols_per_program: int
     aligned: bool  # every width and first column a multiple of 16
-    rank_aligned: bool  # every B's slot stride a multiple of 8
 
 
 def _column_ranges(widths: Sequence[int], in_cols: int) -> tuple[list[tuple[int, int]], int]:
@@ -978,7 +972,6 @@ def _linear_plan(
             tiles=_table(tuple(v for r in ranges for v in r), x2.device),
             cols_per_program=cols,
             aligned=all(v % 16 == 0 for v in (*widths, *offsets)),
-            rank_aligned=all(bi.stride(0) % 8 == 0 for bi in b),
         )
     return plan
 
@@ -1003,10 +996,9 @@ def lora_linear(
     use_span, block_r, precision = groups.span is not None, _block(rank), _precision(x2.dtype)
     shape = (x2.shape[1], x2.stride(0), y2.stride(0), a[0].stride(0), a[0].stride(1), b[0].stride(1), b[0].stride(2))
     key = (x2.dtype, x2.data_ptr() % 16, y2.dtype, y2.data_ptr() % 16, *shape, plan.aligned)
-    rank_aligned = _RANK_VECTORS and plan.rank_aligned and (rank | shape[-2]) % 8 == 0 and shape[-1] == 1
     _FUSED(
         (plan.tiles.shape[0] // 2, groups.block_group.shape[0]),
-        (*key, use_span, groups.block_rows, block_r, rank_aligned),
+        (*key, use_span, groups.block_rows, block_r),
         (
             x2,
             y2,
@@ -1026,7 +1018,6 @@ def lora_linear(
             _BLOCK_C,
             _BLOCK_N,
             precision,
-            rank_aligned,
         ),
         _FUSED_WARPS,
         _FUSED_STAGES,

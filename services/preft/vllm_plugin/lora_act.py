@@ -204,12 +204,8 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
     module = k._args(values, (b_gate.dtype, b_gate.data_ptr() % 16, b_up.data_ptr() % 16, *values[2:]))
     out_ptr, gu_ptr, z_ptr = out.data_ptr(), gate_up.data_ptr(), z.data_ptr()
     call = (out.stride(0), gate_up.stride(0), stride_z, rows)
-    rank_aligned = (  # (the expand's RANK_ALIGNED; B's pointers are specialized on their alignment)
-        k._RANK_VECTORS
-        and z_ptr % 16 == 0
-        and strides[2] == 1
-        and (groups.rank | stride_z | strides[0] | strides[1]) % 8 == 0
-    )
+    # (the expand's RANK_ALIGNED; B's pointers are specialized on their alignment)
+    rank_aligned = strides[2] == 1 and k.z_vectors(z_ptr, groups.rank, stride_z, strides[0], strides[1])
     _ACT(
         (-(-rows // tiles.rows), -(-inter // tiles.cols)),
         (

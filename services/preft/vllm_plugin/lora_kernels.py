@@ -131,6 +131,15 @@ def rank_vectors(on: bool) -> Iterator[None]:
         _RANK_VECTORS = before
 
 
+def z_vectors(z_ptr: int, *multiples_of_8: int) -> bool:
+    """Whether a launch takes its kernel's RANK_ALIGNED variant as far as z goes: the variants picked
+    (`rank_vectors`), z 16-byte aligned, and these (the rank, z's strides, B's) multiples of 8."""
+    bits = 0
+    for value in multiples_of_8:
+        bits |= value
+    return _RANK_VECTORS and z_ptr % 16 == 0 and bits % 8 == 0
+
+
 @contextlib.contextmanager
 def tiled(**tiles: Tiles) -> Iterator[None]:
     """These launch shapes (``shrink=``, ``expand=``) for everything run in this process meanwhile (tuning)."""
@@ -642,7 +651,7 @@ def _launch_shrink(
     step, grid_rows = _step_args(groups, tiles)
     x_ptr, stride_x, z_ptr = x2.data_ptr(), x2.stride(0), z.data_ptr()
     call = (stride_x, stride_z, scale, by_row)
-    rank_aligned = _RANK_VECTORS and z_ptr % 16 == 0 and (groups.rank | stride_z) % 8 == 0  # (bits: both of 8)
+    rank_aligned = z_vectors(z_ptr, groups.rank, stride_z)
     _SHRINK(
         (grid_rows, slices),
         (x_ptr % 16, stride_x, by_row, step.key, module.key, tiles.warps, tiles.stages, rank_aligned),
@@ -725,13 +734,7 @@ def _launch_expand(
     step, grid_rows = _step_args(groups, tiles)
     y_ptr, stride_y, z_ptr = y2.data_ptr(), y2.stride(0), z.data_ptr()
     call = (stride_y, stride_z, stride_z_col, z_slice_step, add)
-    rank_aligned = (
-        _RANK_VECTORS
-        and plan.rank_aligned
-        and stride_z_col == 1
-        and z_ptr % 16 == 0
-        and (groups.rank | stride_z | z_slice_step) % 8 == 0  # (bits: all three multiples of 8)
-    )
+    rank_aligned = plan.rank_aligned and stride_z_col == 1 and z_vectors(z_ptr, groups.rank, stride_z, z_slice_step)
     _EXPAND(
         (grid_rows, plan.tiles.shape[0] // 2),
         (

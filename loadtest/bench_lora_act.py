@@ -2,7 +2,7 @@
 
     python3 -m loadtest.bench_lora_act --out $OUT/gpu-lora-act   # on the GPU machine
 
-On a full prefill step (16,384 tokens in groups of 1,024, 512 slots, rank 8) of each model's gate/up
+On a full prefill step (16,384 tokens in groups of 1,024, 512 slots, rank 8 or --ranks) of each model's gate/up
 projection, times in one process: vLLM's activation kernel alone (``_C.silu_and_mul``), the LoRA added into
 gate/up by the shrink and expand kernels then vLLM's activation (what the engine ran before), and the
 activation kernel in each launch shape of ``SHAPES``, with the LoRA folded in (and how far its result is

@@ -26,6 +26,7 @@ from preft.vllm_plugin.tiles import Tiles
 
 SHAPES = [Tiles(r, c, w, 1) for r, c, w in ((64, 32, 4), (64, 64, 4), (64, 64, 8), (64, 128, 4), (64, 128, 8))]
 SHAPES += [Tiles(r, c, w, 1) for r, c, w in ((32, 64, 4), (32, 128, 4), (16, 128, 4), (128, 32, 4), (32, 32, 4))]
+SHAPES += [Tiles(128, 64, 8, 1)]  # (rank 64: B's tile over more rows)
 
 
 def bench(model: str, rank: int, iters: int) -> dict:

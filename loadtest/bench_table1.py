@@ -127,14 +127,16 @@ class StepLog:
         return sorted(t - submitted for t in self.first_token.values())
 
     def summary(self, since: int) -> dict:
-        """Steps since record `since`: how many of each kind, and the median period of pure-decode steps."""
+        """Steps since record `since`: how many of each kind, the median period and host time of pure-decode
+        steps and of the others, and the seconds each kind took in all (a step's period runs to the next step's
+        start: what a pass took beyond the two sums was spent before its first step or after its last)."""
         import numpy as np
 
         recs = [r for r in self.records[since:] if r[2] > 0]
         if len(recs) < 2:
             return {}
         starts = np.array([r[0] for r in recs])
-        period = np.diff(starts, append=starts[-1] + np.median(np.diff(starts)))
+        period = np.diff(starts, append=starts[-1] + recs[-1][1])  # (the last step's: its own host time)
         decode = np.array([r[2] == r[3] for r in recs])
         adapted = np.array([r[4] for r in recs])
         host = np.array([r[1] for r in recs])
@@ -147,6 +149,8 @@ class StepLog:
             "decode_step_host_ms_median": med(host[decode]),
             "other_step_period_ms_median": med(period[~decode]),
             "other_step_host_ms_median": med(host[~decode]),
+            "decode_steps_s": round(float(period[decode].sum()), 3),
+            "other_steps_s": round(float(period[~decode].sum()), 3),
         }
 
 
@@ -504,21 +508,25 @@ class Bench:
         1.6 x), so a configuration is compared with base passes next to it: the median over pairs of its
         tokens/s over the base's, with every pair's numbers in the notes, and each pass's host pace beside them:
         the speed probe's fastest run before it and its median decode-step period (decode is the base model's
-        in every configuration, so that period is the host's pace during the pass itself)."""
-        per_pair, probes, decode_periods = [], [], []
+        in every configuration, so that period is the host's pace during the pass itself), and the seconds its
+        decode steps and its other steps took in all."""
+        per_pair, probes, decode_periods, step_seconds = [], [], [], []
         for i in range(self.args.pairs):
             if self.out_of_time(f"pair {i + 1}"):
                 break
-            tps, probe, period = {}, {}, {}
+            tps, probe, period, spent = {}, {}, {}, {}
             for which in ("base", "config") if i % 2 == 0 else ("config", "base"):
                 loras, pass_mode = (None, None) if which == "base" else (draw(n), mode)
                 probe[which], mark = speed_probe_ms()[1], len(self.steps.records)
                 seconds, n_out = self.run(llm, n, prompt_len, output_len, loras, pass_mode)
                 tps[which] = tokens_per_s(n, prompt_len, n_out, seconds)
-                period[which] = self.steps.summary(mark).get("decode_step_period_ms_median")
+                steps = self.steps.summary(mark)
+                period[which] = steps.get("decode_step_period_ms_median")
+                spent[which] = [steps.get("decode_steps_s"), steps.get("other_steps_s")]
             per_pair.append([tps["base"], tps["config"]])
             probes.append([probe["base"], probe["config"]])
             decode_periods.append([period["base"], period["config"]])
+            step_seconds.append([spent["base"], spent["config"]])
         if not per_pair:
             return None, {}
         ratios = [c / b for b, c in per_pair]
@@ -526,6 +534,7 @@ class Bench:
             "pairs_tokens_per_s": per_pair,
             "pairs_speed_probe_best_ms": probes,
             "pairs_decode_step_period_ms": decode_periods,
+            "pairs_decode_and_other_steps_s": step_seconds,  # per pass: [decode steps' seconds, the others']
             "paired_ratio_min": round(min(ratios), 3),
             "paired_ratio_max": round(max(ratios), 3),
         }

@@ -62,6 +62,11 @@ def test_small_table_has_every_row(tmp_path):
             assert r["notes"]["paired_ratio_min"] <= r["paired_ratio"] <= r["notes"]["paired_ratio_max"], r
             for pace in ("pairs_speed_probe_best_ms", "pairs_decode_step_period_ms"):  # each pass's host pace
                 assert len(r["notes"][pace]) == 2 and all(v > 0 for pair in r["notes"][pace] for v in pair), r
+            for passes in r["notes"]["pairs_decode_and_other_steps_s"]:  # [base, config], each [decode, other]
+                assert all(v > 0 for steps in passes for v in steps), r  # (both kinds of step in every pass)
+        if r["engine"] == "preft":  # where the timed pass's seconds went: its steps of each kind, within its time
+            spent = r["notes"]["decode_steps_s"] + r["notes"]["other_steps_s"]
+            assert 0 < spent <= r["seconds"], r
         assert (r["pooled_ratio"] is not None) == adapted_preft, r
         first, best = r["notes"]["speed_probe_first_ms"], r["notes"]["speed_probe_best_ms"]
         assert all(0 < b <= f for f, b in zip(first, best, strict=True)), r

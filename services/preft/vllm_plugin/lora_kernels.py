@@ -13,13 +13,15 @@ Each program takes one block of rows inside one group (``SlotGroups.block_group`
 the host with the groups). Ranks are small, so each product is a few ``tl.dot`` per tile; float32 runs them in
 IEEE precision (no TF32), as torch's matmuls do by default. Where the padded rank and z's and B's strides are
 multiples of 8 (in the engine, always), the shrink's and the expand's RANK_ALIGNED variants move z's and B's
-rank columns in 16-byte vectors (README, "Runs 73–76"); elsewhere an element at a time (and always in the fused
-kernel: its variant was slower on the H200).
+rank columns in 16-byte vectors (README, "Runs 73–76" and "Runs 77–79": a Qwen layer's four LoRA linears at
+rank 64 in 0.395 ms against 0.574); elsewhere an element at a time (and always in the fused kernel: its variant
+was slower on the H200).
 
 ``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at
 ranks 8 and 16, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every
 step), or ``none`` (the torch path); ``act`` adds the MLP's activation with the gate/up LoRA folded in
-(``lora_act``: not faster on the H200 yet). With the pair and ``fused`` together, steps whose rank is
+(``lora_act``: on the H200 6-8% faster than the pair's gate/up at rank 8, 22% slower at 64; not timed in the
+engine since, README "Runs 80–83"). With the pair and ``fused`` together, steps whose rank is
 ``FUSED_FROM_RANK`` or more take the fused kernel (``fuses``). The default is ``expand,shrink``. Off CUDA
 the torch path always serves.
 ``PREFT_LORA_TILES`` sets their launch shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it

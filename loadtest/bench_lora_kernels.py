@@ -74,11 +74,36 @@ def max_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor]) ->
     return max(float((o - r).abs().max() / r.abs().max()) for o, r in zip(outputs, references, strict=True))
 
 
+def model_list(value: str) -> list[str]:
+    """--models: comma-separated names of ``SHAPES``."""
+    models = [m.strip() for m in value.split(",") if m.strip()]
+    unknown = sorted(set(models) - set(SHAPES))
+    if unknown or not models:
+        raise argparse.ArgumentTypeError(f"models must be some of {sorted(SHAPES)}, not {value!r}")
+    return models
+
+
+def rank_list(value: str) -> list[int]:
+    """--ranks: comma-separated ranks, each 1 to 256."""
+    try:
+        ranks = [int(r) for r in value.split(",")]
+    except ValueError:
+        ranks = []
+    if not ranks or not all(1 <= r <= 256 for r in ranks):
+        raise argparse.ArgumentTypeError(f"ranks must be comma-separated integers from 1 to 256, not {value!r}")
+    return ranks
+
+
+def add_model_and_rank_arguments(ap: argparse.ArgumentParser, ranks: str) -> None:
+    """--models (default both) and --ranks (default `ranks`), checked as they are parsed."""
+    ap.add_argument("--models", type=model_list, default="qwen05,llama8b", help=f"some of {sorted(SHAPES)}")
+    ap.add_argument("--ranks", type=rank_list, default=ranks, help=f"comma-separated (default {ranks})")
+
+
 def add_step_arguments(ap: argparse.ArgumentParser, *, ranks: str, group_size: int, iters: int) -> None:
     """The benchmark step's options, shared by the LoRA kernel benches: models, ranks, tokens, group size,
     slots, and the timed iterations (with these defaults)."""
-    ap.add_argument("--models", default="qwen05,llama8b")
-    ap.add_argument("--ranks", default=ranks)
+    add_model_and_rank_arguments(ap, ranks)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--group-size", type=int, default=group_size, help="tokens per group (a prompt of the workload)")
     ap.add_argument("--slots", type=int, default=512)
@@ -87,9 +112,9 @@ def add_step_arguments(ap: argparse.ArgumentParser, *, ranks: str, group_size: i
 
 def models_and_ranks(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     """Each (model, rank) of --models and --ranks, models outermost."""
-    for model in args.models.split(","):
-        for rank in args.ranks.split(","):
-            yield model, int(rank)
+    for model in args.models:
+        for rank in args.ranks:
+            yield model, rank
 
 
 def step_groups(rank: int, tokens: int, group_size: int, slots: int, device, **build) -> g.SlotGroups:

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from loadtest.bench_lora_kernels import models_and_ranks, step
+from loadtest.bench_lora_kernels import add_model_and_rank_arguments, models_and_ranks, step
 from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_kernels, ops, triton_launch  # noqa: F401  (ops: the torch.ops.preft namespace)
 from preft.vllm_plugin.state import STATES
@@ -115,8 +115,7 @@ def per_model_main(doc: str, bench: Callable[[str, int, int], dict]) -> None:
     """A GPU bench's command line: --models, --ranks, --iters and --out; `bench(model, rank, iters)` for each
     model (Qwen then Llama) and rank (8), each row printed as JSON, all written to OUT.json."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="qwen05,llama8b")
-    ap.add_argument("--ranks", default="8")
+    add_model_and_rank_arguments(ap, "8")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json")
     args = ap.parse_args()

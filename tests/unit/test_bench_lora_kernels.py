@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+
+import pytest
 import torch
 from loadtest import bench_lora_kernels
 
@@ -48,3 +51,18 @@ def test_tiles_sweep_times_each_kernel_per_linear_and_checks_every_shape(lora_ke
     tiles = lora_kernels.parse_tiles(bench_lora_tiles.fastest_overall([row, row]))
     assert set(tiles) == {"shrink", "expand"}
     assert all(tiles[k].label in row["linears"]["qkv"][k]["shapes"] for k in tiles)
+
+
+def test_bench_options_refuse_unknown_models_and_bad_ranks(capsys):
+    """The kernel benches' --models and --ranks are checked as they are parsed: a clear usage error, not a
+    traceback after the GPU work has started."""
+    ap = argparse.ArgumentParser()
+    bench_lora_kernels.add_step_arguments(ap, ranks="8,16", group_size=64, iters=1)
+    picked = bench_lora_kernels.models_and_ranks(ap.parse_args(["--models", "llama8b", "--ranks", "64"]))
+    assert list(picked) == [("llama8b", 64)]
+    assert len(list(bench_lora_kernels.models_and_ranks(ap.parse_args([])))) == 4  # both models at each default rank
+    for bad in (["--models", "qwen05,nosuch"], ["--models", ","], ["--ranks", "8,x"], ["--ranks", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            ap.parse_args(bad)
+        assert exit_.value.code == 2
+        assert bad[1] in capsys.readouterr().err

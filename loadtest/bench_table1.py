@@ -151,7 +151,21 @@ class StepLog:
             "other_step_host_ms_median": med(host[~decode]),
             "decode_steps_s": round(float(period[decode].sum()), 3),
             "other_steps_s": round(float(period[~decode].sum()), 3),
+            "decode_steps_host_s": round(float(host[decode].sum()), 3),
+            "other_steps_host_s": round(float(host[~decode].sum()), 3),
+            **_slow_steps(period[decode]),
         }
+
+
+def _slow_steps(period) -> dict:
+    """Decode steps that took over 1.5 x their pass's median period: how many, and the seconds they took (a
+    pass whose median matches another's but whose sum does not lost its time in these)."""
+    import numpy as np
+
+    if not period.size:
+        return {}
+    slow = period[period > 1.5 * np.median(period)]
+    return {"decode_steps_slow": int(slow.size), "decode_steps_slow_s": round(float(slow.sum()), 3)}
 
 
 class LoadTimer:
@@ -510,34 +524,45 @@ class Bench:
         the speed probe's fastest run before it and its median decode-step period (decode is the base model's
         in every configuration, so that period is the host's pace during the pass itself), and the seconds its
         decode steps and its other steps took in all."""
-        per_pair, probes, decode_periods, step_seconds = [], [], [], []
+        fields = {  # per pair, [base pass, config pass]
+            "pairs_tokens_per_s": [],
+            "pairs_speed_probe_best_ms": [],
+            "pairs_decode_step_period_ms": [],
+            "pairs_decode_and_other_steps_s": [],  # per pass: [decode steps' seconds, the others']
+            "pairs_decode_and_other_steps_host_s": [],  # the same steps' host time inside execute_model
+            "pairs_slow_decode_steps": [],  # per pass: [how many over 1.5 x its median, their seconds]
+            "pairs_gc_s": [],
+        }
         for i in range(self.args.pairs):
             if self.out_of_time(f"pair {i + 1}"):
                 break
-            tps, probe, period, spent = {}, {}, {}, {}
+            got: dict[str, dict] = {k: {} for k in fields}
             for which in ("base", "config") if i % 2 == 0 else ("config", "base"):
                 loras, pass_mode = (None, None) if which == "base" else (draw(n), mode)
-                probe[which], mark = speed_probe_ms()[1], len(self.steps.records)
+                probe, mark = speed_probe_ms()[1], len(self.steps.records)
+                host_before = self.host.sample()
                 seconds, n_out = self.run(llm, n, prompt_len, output_len, loras, pass_mode)
-                tps[which] = tokens_per_s(n, prompt_len, n_out, seconds)
+                gc_s = round(self.host.sample().gc_s - host_before.gc_s, 4)
                 steps = self.steps.summary(mark)
-                period[which] = steps.get("decode_step_period_ms_median")
-                spent[which] = [steps.get("decode_steps_s"), steps.get("other_steps_s")]
-            per_pair.append([tps["base"], tps["config"]])
-            probes.append([probe["base"], probe["config"]])
-            decode_periods.append([period["base"], period["config"]])
-            step_seconds.append([spent["base"], spent["config"]])
-        if not per_pair:
+                for key, value in (
+                    ("pairs_tokens_per_s", tokens_per_s(n, prompt_len, n_out, seconds)),
+                    ("pairs_speed_probe_best_ms", probe),
+                    ("pairs_decode_step_period_ms", steps.get("decode_step_period_ms_median")),
+                    ("pairs_decode_and_other_steps_s", [steps.get("decode_steps_s"), steps.get("other_steps_s")]),
+                    (
+                        "pairs_decode_and_other_steps_host_s",
+                        [steps.get("decode_steps_host_s"), steps.get("other_steps_host_s")],
+                    ),
+                    ("pairs_slow_decode_steps", [steps.get("decode_steps_slow"), steps.get("decode_steps_slow_s")]),
+                    ("pairs_gc_s", gc_s),
+                ):
+                    got[key][which] = value
+            for key, per_pass in got.items():
+                fields[key].append([per_pass["base"], per_pass["config"]])
+        if not fields["pairs_tokens_per_s"]:
             return None, {}
-        ratios = [c / b for b, c in per_pair]
-        notes = {
-            "pairs_tokens_per_s": per_pair,
-            "pairs_speed_probe_best_ms": probes,
-            "pairs_decode_step_period_ms": decode_periods,
-            "pairs_decode_and_other_steps_s": step_seconds,  # per pass: [decode steps' seconds, the others']
-            "paired_ratio_min": round(min(ratios), 3),
-            "paired_ratio_max": round(max(ratios), 3),
-        }
+        ratios = [c / b for b, c in fields["pairs_tokens_per_s"]]
+        notes = {**fields, "paired_ratio_min": round(min(ratios), 3), "paired_ratio_max": round(max(ratios), 3)}
         return round(statistics.median(ratios), 3), notes
 
     # --- engines ------------------------------------------------------------------------------------------

@@ -62,8 +62,20 @@ def test_small_table_has_every_row(tmp_path):
             assert r["notes"]["paired_ratio_min"] <= r["paired_ratio"] <= r["notes"]["paired_ratio_max"], r
             for pace in ("pairs_speed_probe_best_ms", "pairs_decode_step_period_ms"):  # each pass's host pace
                 assert len(r["notes"][pace]) == 2 and all(v > 0 for pair in r["notes"][pace] for v in pair), r
-            for passes in r["notes"]["pairs_decode_and_other_steps_s"]:  # [base, config], each [decode, other]
+            notes = r["notes"]
+            for passes, host, slow, gc_s in zip(  # [base, config]; each [decode, other] or [count, seconds]
+                notes["pairs_decode_and_other_steps_s"],
+                notes["pairs_decode_and_other_steps_host_s"],
+                notes["pairs_slow_decode_steps"],
+                notes["pairs_gc_s"],
+                strict=True,
+            ):
                 assert all(v > 0 for steps in passes for v in steps), r  # (both kinds of step in every pass)
+                for period, inside in zip(passes, host, strict=True):  # execute_model's time within the steps'
+                    assert all(0 < h <= p for p, h in zip(period, inside, strict=True)), r
+                for (count, seconds), (decode_s, _) in zip(slow, passes, strict=True):
+                    assert count >= 0 and 0 <= seconds <= decode_s and (seconds > 0) == (count > 0), r
+                assert all(g >= 0 for g in gc_s), r
         if r["engine"] == "preft":  # where the timed pass's seconds went: its steps of each kind, within its time
             spent = r["notes"]["decode_steps_s"] + r["notes"]["other_steps_s"]
             assert 0 < spent <= r["seconds"], r

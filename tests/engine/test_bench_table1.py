@@ -78,7 +78,7 @@ def test_small_table_has_every_row(tmp_path):
                 assert all(g >= 0 for g in gc_s), r
         if r["engine"] == "preft":  # where the timed pass's seconds went: its steps of each kind, within its time
             spent = r["notes"]["decode_steps_s"] + r["notes"]["other_steps_s"]
-            assert 0 < spent <= r["seconds"], r
+            assert 0 < spent <= r["seconds"] + 2e-3, r  # (each of the three rounded to ms)
         assert (r["pooled_ratio"] is not None) == adapted_preft, r
         first, best = r["notes"]["speed_probe_first_ms"], r["notes"]["speed_probe_best_ms"]
         assert all(0 < b <= f for f, b in zip(first, best, strict=True)), r

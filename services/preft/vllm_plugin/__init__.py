@@ -18,7 +18,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from preft.vllm_plugin import compat, direft, prefix_cache, punica, scheduler_patch, worker_patch
+    from preft.vllm_plugin import compat, direft, gc_freeze, prefix_cache, punica, scheduler_patch, worker_patch
 
     version = compat.check_version()
     worker_patch.install()
@@ -26,5 +26,6 @@ def register() -> None:
     prefix_cache.install()
     punica.install()
     direft.install()
+    gc_freeze.install()
     _registered = True
     logger.info("preft plugin registered on vLLM %s", version)

@@ -111,7 +111,8 @@ TOUCH_POINTS = (
     ),
     TouchPoint(
         "vllm.lora.worker_manager:WorkerLoRAManager._load_adapter",
-        "wrapped: a DiReFT directory loads as a LoRA-less LoRAModel carrying its tensors",
+        "wrapped: a DiReFT directory loads as a LoRA-less LoRAModel carrying its tensors; every load is "
+        "counted for gc_freeze",
         "direft",
     ),
     TouchPoint(
@@ -161,6 +162,13 @@ TOUCH_POINTS = (
         "read: the MLP's act_fn type; on CUDA its kernel (torch.ops._C.silu_and_mul) runs the activation of "
         "steps without LoRA tokens, on CPU torch's ops, as its forward_native",
         "lora_act",
+    ),
+    TouchPoint(
+        "vllm.v1.engine.core:EngineCore.step",
+        "wrapped, with step_with_batch_queue: after a step that leaves scheduler.has_requests() False, "
+        "model_executor.collective_rpc(gc_freeze.freeze_loaded): workers that loaded adapters since their "
+        "last freeze collect and freeze their heap (bound to step_fn after plugins load in EngineCore.__init__)",
+        "gc_freeze",
     ),
     TouchPoint(
         "vllm.config.vllm:VllmConfig.use_v2_model_runner",
@@ -223,6 +231,12 @@ def cudagraph_dispatcher_cls():
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
     return CudagraphDispatcher
+
+
+def engine_core_cls():
+    from vllm.v1.engine.core import EngineCore
+
+    return EngineCore
 
 
 def scheduler_cls():

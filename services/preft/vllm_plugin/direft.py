@@ -17,7 +17,7 @@ import torch
 
 from preft.adapters import AdapterMethod, ModelShape, load_direft_tensors
 from preft.adapters.formats import detect_method
-from preft.vllm_plugin import compat, mlp_patch, ops  # noqa: F401  (ops registers torch.ops.preft.direft_apply)
+from preft.vllm_plugin import compat, gc_freeze, mlp_patch, ops  # noqa: F401  (ops registers torch.ops.preft.direft_apply)
 from preft.vllm_plugin.patching import wrap_method
 from preft.vllm_plugin.state import PreftSlotState
 
@@ -84,6 +84,7 @@ def _create_lora_manager(original):
 
 def _load_adapter(original):
     def load_adapter(self, lora_request, *args: Any, **kwargs: Any):
+        gc_freeze.adapter_loaded()
         if detect_method(lora_request.lora_path) is not AdapterMethod.DIREFT:
             return original(self, lora_request, *args, **kwargs)
         state: PreftSlotState = self.preft_state

@@ -1,0 +1,72 @@
+"""Adapters loaded into host memory leave the cyclic garbage collector's sight once the engine is idle.
+
+vLLM keeps every adapter it loads as a LoRAModel of per-module weights: some 700 objects the collector
+tracks per Qwen2.5-0.5B adapter, 365k after 512 adapters. Every full collection walks them all: on the H200,
+a pass that met one spent 0.26 s in the collector against 0.04 s before any load (README, "Runs 80–83"),
+and the walk grows with the adapters held in host memory. vLLM freezes its own start-up heap
+(``gc.freeze``) for this reason, but adapters arrive later, on demand.
+
+Freezing while requests are in flight would freeze their objects too, and those in reference cycles would
+then never be collected. So after an engine step that leaves the scheduler without requests, the engine
+core asks its workers (``collective_rpc``: the adapters live in the worker's process, which is the engine
+core's own with vLLM's uniprocess executor and a process of its own with the multiprocess one); a worker
+that loaded adapters since its last freeze runs the collector once over everything and freezes what
+survives, as vLLM does at start-up. A frozen adapter is still freed by reference counting when it is evicted
+(its weights form no cycle: ``tests/engine/test_gc_freeze.py``), and so is what the finished requests left in
+the worker's input batch (removed at the next step). ``PREFT_GC_FREEZE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+from preft.vllm_plugin import compat
+from preft.vllm_plugin.patching import wrap_method
+
+_loads = 0  # adapters read into host memory in this process
+_frozen_at = 0  # _loads at this process's last freeze
+_WAS_BUSY = "_preft_was_busy"  # set on each EngineCore: whether its last step left requests
+
+
+def enabled() -> bool:
+    return os.environ.get("PREFT_GC_FREEZE", "1") != "0"
+
+
+def adapter_loaded() -> None:
+    """Called for each adapter read into host memory (the plugin's wrapper of vLLM's adapter loading)."""
+    global _loads
+    _loads += 1
+
+
+def freeze_loaded(worker: Any = None) -> bool:
+    """In a worker (run by ``collective_rpc``): collect, then freeze the heap, if adapters were loaded since the
+    last freeze. True if it froze."""
+    global _frozen_at
+    if _loads == _frozen_at:
+        return False
+    gc.collect()
+    gc.freeze()
+    _frozen_at = _loads
+    return True
+
+
+def _step(original):
+    def step(self, *args: Any, **kwargs: Any):
+        result = original(self, *args, **kwargs)
+        busy = self.scheduler.has_requests()
+        if not busy and getattr(self, _WAS_BUSY, True):  # (once per idle spell: data-parallel engines step idle)
+            self.model_executor.collective_rpc(freeze_loaded)
+        setattr(self, _WAS_BUSY, busy)
+        return result
+
+    return step
+
+
+def install() -> None:
+    if not enabled():
+        return
+    engine_core = compat.engine_core_cls()
+    for name in ("step", "step_with_batch_queue"):
+        wrap_method(engine_core, name, _step)

@@ -1,0 +1,71 @@
+"""Adapters loaded into host memory are frozen out of the garbage collector's walk once the engine is idle, and
+an evicted adapter is still freed (``preft.vllm_plugin.gc_freeze``). The checks run in the engine core's
+process, where the worker holds the adapters, through vLLM's ``collective_rpc``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from preft.devtools.tiny import build_lora
+from preft.engine.requests import GenerationRequest
+from tests.conftest import random_prompt
+
+pytestmark = pytest.mark.engine
+
+
+def _heap(worker) -> dict:
+    """In the worker: adapters registered, their layer weights the collector still walks, objects frozen."""
+    import gc
+
+    registered = worker.model_runner.lora_manager._adapter_manager._registered_adapters
+    walked = sum(type(o).__name__.endswith("LoRALayerWeights") for o in gc.get_objects())
+    return {"registered": sorted(registered), "walked": walked, "frozen": gc.get_freeze_count()}
+
+
+def _watch(worker, lora_id: int) -> int:
+    """In the worker: keep a weak reference to one weight of adapter `lora_id`; its size in elements."""
+    import weakref
+
+    model = worker.model_runner.lora_manager._adapter_manager._registered_adapters[lora_id]
+    weights = next(w for w in model.loras.values() if getattr(w, "lora_a", None) is not None)
+    tensor = weights.lora_a[0] if isinstance(weights.lora_a, list) else weights.lora_a
+    worker.preft_test_watched = weakref.ref(tensor)
+    return tensor.numel()
+
+
+def _watched_alive(worker) -> bool:
+    return worker.preft_test_watched() is not None
+
+
+def _generate(engine, loras, seed: int) -> None:
+    rng = random.Random(seed)
+    reqs = [
+        GenerationRequest(f"g{seed}-{i}", prompt_ids=tuple(random_prompt(rng, 6)), adapter=str(d), mode="prefill",
+                          max_tokens=4)
+        for i, d in enumerate(loras)
+    ]  # fmt: skip
+    assert all(r.error is None for r in engine.generate(reqs))
+
+
+def test_loaded_adapters_are_frozen_when_idle_and_freed_when_removed(model_dirs, engine_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (the probes below are functions)
+    engine = engine_factory(model_dirs["llama"], max_loras=2, max_lora_rank=8)
+    rpc = engine.llm.collective_rpc
+    loras = [build_lora(tmp_path / f"l{i}", model_dirs["llama"], rank=8, seed=40 + i) for i in range(4)]
+    before = rpc(_heap)[0]
+
+    _generate(engine, loras, seed=1)
+    after = rpc(_heap)[0]
+    assert len(after["registered"]) == len(before["registered"]) + 4, (before, after)
+    assert after["walked"] == 0, f"adapter weights still walked by the collector after an idle step: {after}"
+    assert after["frozen"] > before["frozen"], (before, after)
+
+    _generate(engine, loras[:2], seed=2)  # adapters already loaded: no new freeze is owed (frozen objects of the
+    assert rpc(_heap)[0]["frozen"] <= after["frozen"]  # finished requests' may have been freed since)
+
+    lora_id = after["registered"][-1]
+    assert rpc(_watch, args=(lora_id,))[0] > 0
+    assert engine.llm.llm_engine.remove_lora(lora_id)
+    assert rpc(_watched_alive) == [False], "a removed adapter's frozen weights were not freed"

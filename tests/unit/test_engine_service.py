@@ -247,6 +247,22 @@ def test_lora_tiles_setting_is_checked_and_reaches_the_replica_environment(tmp_p
         EngineSettings(model_dir=tmp_path, lora_tiles="expand=48x64")
 
 
+def test_gc_freeze_setting_reaches_the_replica_environment(tmp_path, monkeypatch):
+    from preft.vllm_plugin import gc_freeze
+
+    assert EngineSettings(model_dir=tmp_path).process_env()["PREFT_GC_FREEZE"] == "1"
+    off = EngineSettings(model_dir=tmp_path, gc_freeze=False).process_env()["PREFT_GC_FREEZE"]
+    assert off == "0"
+    for value, enabled in ((off, False), ("1", True), ("false", False), ("off", False), (None, True)):
+        if value is None:
+            monkeypatch.delenv("PREFT_GC_FREEZE", raising=False)
+        else:
+            monkeypatch.setenv("PREFT_GC_FREEZE", value)
+        assert gc_freeze.enabled() is enabled, value
+    with pytest.raises(ValueError, match="gc_freeze"):
+        EngineSettings(model_dir=tmp_path, gc_freeze="sometimes")
+
+
 def test_every_settings_field_is_described():
     from preft.engine.settings import ReplicaSettings
 

@@ -95,6 +95,12 @@ class EngineSettings(BaseSettings):
         "loadtest/bench_lora_tiles prints them for a GPU ('shrink=64x64 w4 s4,expand=64x128 w8 s3'); None = "
         "the plugin's defaults (the fastest on the H200)",
     )
+    gc_freeze: bool = Field(
+        True,
+        description="PREFT_GC_FREEZE of the replica processes: when the engine goes idle after loading adapters, "
+        "its workers freeze their heap out of the garbage collector's full collections (vLLM holds hundreds of "
+        "objects per loaded adapter; README 'How it works inside vLLM')",
+    )
 
     # -- adapter paging ----------------------------------------------------------------------------------------
     disk_cache_dir: Path = Field(Path("/tmp/preft-adapters"), description="Local disk tier: one directory per digest")
@@ -178,4 +184,5 @@ class EngineSettings(BaseSettings):
         env["PREFT_LORA_KERNELS"] = self.lora_kernels
         if self.lora_tiles is not None:
             env["PREFT_LORA_TILES"] = self.lora_tiles
+        env["PREFT_GC_FREEZE"] = "1" if self.gc_freeze else "0"
         return {**env, **self.replica.env_vars}

@@ -13,7 +13,8 @@ core's own with vLLM's uniprocess executor and a process of its own with the mul
 that loaded adapters since its last freeze runs the collector once over everything and freezes what
 survives, as vLLM does at start-up. A frozen adapter is still freed by reference counting when it is evicted
 (its weights form no cycle: ``tests/engine/test_gc_freeze.py``), and so is what the finished requests left in
-the worker's input batch (removed at the next step). ``PREFT_GC_FREEZE=0`` turns it off.
+the worker's input batch (removed at the next step). ``PREFT_GC_FREEZE=0`` turns it off (the engine app's
+``gc_freeze`` setting).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ _WAS_BUSY = "_preft_was_busy"  # set on each EngineCore: whether its last step l
 
 
 def enabled() -> bool:
-    return os.environ.get("PREFT_GC_FREEZE", "1") != "0"
+    return os.environ.get("PREFT_GC_FREEZE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def adapter_loaded() -> None:

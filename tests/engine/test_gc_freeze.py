@@ -42,19 +42,23 @@ def _watched_alive(worker) -> bool:
 def _generate(engine, loras, seed: int) -> None:
     rng = random.Random(seed)
     reqs = [
-        GenerationRequest(f"g{seed}-{i}", prompt_ids=tuple(random_prompt(rng, 6)), adapter=str(d), mode="prefill",
-                          max_tokens=4)
+        GenerationRequest(f"g{seed}-{i}", prompt_ids=tuple(random_prompt(rng, 6)), adapter=d and str(d),
+                          mode="prefill", max_tokens=4)
         for i, d in enumerate(loras)
     ]  # fmt: skip
     assert all(r.error is None for r in engine.generate(reqs))
 
 
-def test_loaded_adapters_are_frozen_when_idle_and_freed_when_removed(model_dirs, engine_factory, tmp_path, monkeypatch):
+def test_heap_is_frozen_when_idle_after_start_and_loads_and_removed_adapters_are_freed(
+    model_dirs, engine_factory, tmp_path, monkeypatch
+):
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (the probes below are functions)
     engine = engine_factory(model_dirs["llama"], max_loras=2, max_lora_rank=8)
     rpc = engine.llm.collective_rpc
     loras = [build_lora(tmp_path / f"l{i}", model_dirs["llama"], rank=8, seed=40 + i) for i in range(4)]
+    _generate(engine, [None, None], seed=0)  # the first idle moment freezes the worker's start-up heap
     before = rpc(_heap)[0]
+    assert before["frozen"] > 0 and not before["registered"], before
 
     _generate(engine, loras, seed=1)
     after = rpc(_heap)[0]

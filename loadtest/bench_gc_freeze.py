@@ -35,25 +35,16 @@ def _worker_heap(worker) -> dict:
 
 
 def _worker_gc_clock(worker, reset: bool) -> dict:
-    """In the worker: the collector's seconds and collections since the clock was (re)set."""
-    import gc
+    """In the worker: the collector's seconds and collections since the clock was (re)set (``HostProbe``'s)."""
+    from loadtest.host_probe import HostProbe
 
-    clock = getattr(worker, "preft_bench_gc", None)
-    if clock is None:
-        clock = worker.preft_bench_gc = {"s": 0.0, "n": 0, "t": None}
-
-        def on_gc(phase: str, info: dict) -> None:
-            if phase == "start":
-                clock["t"] = time.perf_counter()
-            elif clock["t"] is not None:
-                clock["s"] += time.perf_counter() - clock["t"]
-                clock["n"] += 1
-
-        gc.callbacks.append(on_gc)
-    seen = {"gc_s": round(clock["s"], 4), "collections": clock["n"]}
+    if getattr(worker, "preft_bench_gc", None) is None:
+        worker.preft_bench_gc = HostProbe()
+        worker.preft_bench_gc_mark = worker.preft_bench_gc.sample()
+    now, mark = worker.preft_bench_gc.sample(), worker.preft_bench_gc_mark
     if reset:
-        clock["s"], clock["n"] = 0.0, 0
-    return seen
+        worker.preft_bench_gc_mark = now
+    return {"gc_s": round(now.gc_s - mark.gc_s, 4), "collections": now.gc_collections - mark.gc_collections}
 
 
 def _requests(adapters: list[Path], n: int, rng: random.Random, tag: str, max_tokens: int):

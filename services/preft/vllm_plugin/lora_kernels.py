@@ -20,8 +20,8 @@ was slower on the H200).
 ``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at
 ranks 8 and 16, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every
 step), or ``none`` (the torch path); ``act`` adds the MLP's activation with the gate/up LoRA folded in
-(``lora_act``: on the H200 6-8% faster than the pair's gate/up at rank 8, 22% slower at 64; not timed in the
-engine since, README "Runs 80–83"). With the pair and ``fused`` together, steps whose rank is
+(``lora_act``: on the H200 6-8% faster than the pair's gate/up at rank 8, 22% slower at 64, README "Runs
+80–83"; no faster in the engine, "Runs 84–88"). With the pair and ``fused`` together, steps whose rank is
 ``FUSED_FROM_RANK`` or more take the fused kernel (``fuses``). The default is ``expand,shrink``. Off CUDA
 the torch path always serves.
 ``PREFT_LORA_TILES`` sets their launch shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it

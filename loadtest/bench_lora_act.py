@@ -3,17 +3,20 @@
     python3 -m loadtest.bench_lora_act --out $OUT/gpu-lora-act   # on the GPU machine
 
 On a full prefill step (16,384 tokens in groups of 1,024, 512 slots, rank 8 or --ranks) of each model's gate/up
-projection, times in one process: vLLM's activation kernel alone (``_C.silu_and_mul``), the LoRA added into
-gate/up by the shrink and expand kernels then vLLM's activation (what the engine ran before), and the
-activation kernel in each launch shape of ``SHAPES``, with the LoRA folded in (and how far its result is
-from the added LoRA's) and with no LoRA token (its activation on steps without adapters). Prints ms per
-call and the bandwidth the plain activation moves (gate, up and the output once each). Run 53's numbers
+projection, times in one process: vLLM's activation kernel alone (``_C.silu_and_mul``), torch's product of the
+two halves (the same traffic: what a generic elementwise kernel reaches), the LoRA added into gate/up by the
+shrink and expand kernels then vLLM's activation (what the engine runs), and the activation kernel in each
+launch shape of ``SHAPES``, each in both grid orders (row blocks or column tiles first), with the LoRA
+folded in (and how far its result is from the added LoRA's) and with no LoRA token (its activation on steps
+without adapters). Prints ms per call and the bandwidth each plain activation moves (gate, up and the output
+once each). Run 53's numbers
 (README, "Runs 49–54") came from an earlier version that also timed rank-1 updates in place of the
 products (slower in every shape) and compared against a gate_up the added LoRA had already been added to.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -27,6 +30,8 @@ from preft.vllm_plugin.tiles import Tiles
 SHAPES = [Tiles(r, c, w, 1) for r, c, w in ((64, 32, 4), (64, 64, 4), (64, 64, 8), (64, 128, 4), (64, 128, 8))]
 SHAPES += [Tiles(r, c, w, 1) for r, c, w in ((32, 64, 4), (32, 128, 4), (16, 128, 4), (128, 32, 4), (32, 32, 4))]
 SHAPES += [Tiles(128, 64, 8, 1)]  # (rank 64: B's tile over more rows)
+SHAPES += [Tiles(r, c, w, 1) for r, c, w in ((16, 256, 4), (32, 256, 8), (64, 256, 8), (128, 128, 8))]
+SHAPES += [dataclasses.replace(t, cols_first=True) for t in SHAPES]  # (each in the grid's other order)
 
 
 def bench(model: str, rank: int, iters: int) -> dict:
@@ -43,11 +48,19 @@ def bench(model: str, rank: int, iters: int) -> dict:
         return _timed(fn, device, iters)[0] * 1e3
 
     row["vllm_ms"] = timed(lambda: torch.ops._C.silu_and_mul(out, gate_up))
+    half = out.shape[1]
+    row["torch_mul_ms"] = timed(lambda: torch.mul(gate_up[:, :half], gate_up[:, half:], out=out))  # (same traffic)
+    row["torch_mul_TB_s"] = moved / row["torch_mul_ms"] / 1e9
     with lora_kernels.using("expand", "shrink"):  # (each call adds the LoRA into gate_up again)
         row["added_then_vllm_ms"] = timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))
         gate_up.zero_()
         lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
-    reference = out.float()
+        reference = out.float()
+        expand = dataclasses.replace(lora_kernels._TILES["expand"], cols_first=True)
+        with lora_kernels.tiled(expand=expand):  # (the expand's grid in its other order)
+            row["added_cols_first_then_vllm_ms"] = timed(
+                lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+            )
     with lora_kernels.using("expand", "shrink", "act"):
         for tiles in SHAPES:
             with lora_kernels.tiled(act=tiles):
@@ -58,9 +71,10 @@ def bench(model: str, rank: int, iters: int) -> dict:
             cell["plain_TB_s"] = moved / cell["plain_ms"] / 1e9
             row[tiles.label] = cell
             print(model, tiles.label, json.dumps({k: round(v, 4) for k, v in cell.items()}), flush=True)
-    best = min(SHAPES, key=lambda t: row[t.label]["folded_ms"])
-    row["best"] = best.label
-    row["folded_speedup_over_added"] = row["added_then_vllm_ms"] / row[best.label]["folded_ms"]
+    labels = [t.label for t in SHAPES]
+    row["best"] = min(labels, key=lambda label: row[label]["folded_ms"])
+    row["best_plain"] = min(labels, key=lambda label: row[label]["plain_ms"])
+    row["folded_speedup_over_added"] = row["added_then_vllm_ms"] / row[row["best"]]["folded_ms"]
     return row
 
 

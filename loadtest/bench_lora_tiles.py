@@ -5,7 +5,8 @@
 
 For each model shape and rank (the step of ``bench_lora_kernels``: 16,384 tokens in groups of one adapter,
 512 slots), times each kernel alone on each of the layer's four LoRA linears, in every launch shape of the
-sweep (``lora_kernels.Tiles``: rows per program, columns per tile or per iteration, warps, stages), the
+sweep (``lora_kernels.Tiles``: rows per program, columns per tile or per iteration, warps, stages, and the
+expand's grid order), the
 others at the default. Beside them, per linear: the base matmul, and an in-place add over y (the expand's
 traffic, read and written once, at the rate torch's own kernel reaches). Reports each kernel's bytes per
 second, the default shape's and the fastest shape's time per linear, and the layer's LoRA time with the
@@ -40,8 +41,10 @@ def shapes(kernel: str) -> list[Tiles]:
     if kernel == "shrink":  # cols: input columns per iteration of its loop, stages: that loop's pipeline
         swept = [Tiles(r, c, 4, s) for r, c, s in itertools.product(rows, (32, 64, 128), (2, 3, 4))]
         swept += [Tiles(64, c, 8, 3) for c in (64, 128)]
-    else:  # one tile per program: no loop to pipeline
-        swept = [Tiles(r, c, w, 3) for r, c, w in itertools.product(rows, (32, 64, 128, 256), (4, 8))]
+    else:  # one tile per program: no loop to pipeline; the grid in either order
+        swept = [
+            Tiles(r, c, w, 3, o) for r, c, w, o in itertools.product(rows, (32, 64, 128, 256), (4, 8), (False, True))
+        ]
     default = lora_kernels._TILES[kernel]
     return swept if default in swept else [default, *swept]
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from loadtest.bench_engine import ARCH_CONFIGS
 from loadtest.host_probe import HostProbe, speed_probe_ms
 from preft.vllm_plugin import lora_kernels, triton_launch
+from preft.vllm_plugin.tiles import parse_tiles
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CPU_SMALL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768, vocab_size=2048)
@@ -667,6 +668,7 @@ class Bench:
         # each LoRA configuration's passes again on other LoRA kernels, then launched otherwise, same engine
         variants = [(f"kernels: {k}", lambda k=k: lora_kernels.using(*k.split(","))) for k in a.lora_kernels]
         variants += [(f"launch: {m}", lambda m=m: triton_launch.launching(m)) for m in a.triton_launch]
+        variants += [(f"tiles: {t}", lambda t=t: lora_kernels.tiled(**parse_tiles(t))) for t in a.lora_tiles]
         for name, method, mode, rank, reqs, workloads in plan:
             if self.out_of_time(name):
                 break
@@ -779,6 +781,15 @@ def _regex(value: str) -> re.Pattern:
         return re.compile(value)
     except re.error as e:
         raise argparse.ArgumentTypeError(f"not a regex: {value!r} ({e})") from None
+
+
+def _tiles(value: str) -> str:
+    """A command-line PREFT_LORA_TILES value, checked while the arguments are parsed."""
+    try:
+        parse_tiles(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def _count(value: str) -> int:
@@ -1042,6 +1053,12 @@ def main() -> None:
         type=lambda v: [k for k in v.split(";") if k],
         default=[],
         help="';'-separated PREFT_LORA_KERNELS values: each LoRA configuration again with each, same engine",
+    )
+    ap.add_argument(
+        "--lora-tiles",
+        type=lambda v: [_tiles(t) for t in v.split(";") if t],
+        default=[],
+        help="';'-separated PREFT_LORA_TILES values: each LoRA configuration again with those shapes, same engine",
     )
     ap.add_argument(
         "--triton-launch",

@@ -26,7 +26,8 @@ def test_small_table_has_every_row(tmp_path):
     _bench(
         "--preset", "cpu-small", "--requests", "6", "--adapters", "3", "--warmup-requests", "3",
         "--workloads", "24x6,8x12", "--lora-ranks", "8,16", "--direft-ranks", "8,16", "--configs", "^(?!DiReFTP r16)",
-        "--lora-kernels", "none;fused,expand", "--stock-requests", "4", "--all-requests", "5", "--load-prompt-len", "4",
+        "--lora-kernels", "none;fused,expand", "--lora-tiles", "expand=64x64 cols-first", "--stock-requests", "4",
+        "--all-requests", "5", "--load-prompt-len", "4",
         "--pairs", "2", "--profile-dir", str(tmp_path / "prof"), "--profile-trace",
         "--workdir", str(tmp_path / "work"), "--out", str(out),
     )  # fmt: skip
@@ -38,9 +39,8 @@ def test_small_table_has_every_row(tmp_path):
         assert any(e.get("cat") == "cpu_op" for e in trace_gaps.load(tmp_path / "prof" / f"trace-{tag}.json.gz"))
     got = {(r["config"], r["prompt_len"], r["output_len"]) for r in rows}
     engine_base = "base (PreFT engine, before any adapter)"
-    variants = {
-        c: [f"{c} [kernels: {k}]" for k in ("none", "fused,expand")] for c in ("LoRAP r8", "LoRAP r16", "LoRA all r8")
-    }
+    labels = ("kernels: none", "kernels: fused,expand", "tiles: expand=64x64 cols-first")
+    variants = {c: [f"{c} [{label}]" for label in labels] for c in ("LoRAP r8", "LoRAP r16", "LoRA all r8")}
     every_workload = [
         "base", "stock multi-LoRA r8", engine_base, "DiReFTP r8", "LoRAP r8", "LoRA all r8",
         *variants["LoRAP r8"], *variants["LoRA all r8"],
@@ -105,9 +105,10 @@ def test_small_table_has_every_row(tmp_path):
 
 
 def test_bad_arguments_are_refused_before_any_engine_starts(tmp_path):
-    """A regex that does not compile or a negative count stops the run at argument parsing (exit 2), before
-    adapters or engines."""
-    for flag, value in (("--configs", "DiReFTP("), ("--host-profile", "DiReFTP("), ("--pairs", "-1"), ("--pairs", "x")):
+    """A regex that does not compile, a negative count or a launch shape the kernels cannot take stops the run at
+    argument parsing (exit 2), before adapters or engines."""
+    refused = [("--configs", "DiReFTP("), ("--host-profile", "DiReFTP("), ("--pairs", "-1"), ("--pairs", "x")]
+    for flag, value in [*refused, ("--lora-tiles", "expand=64x100"), ("--lora-tiles", "shrink=64x64 cols-first")]:
         done = subprocess.run(
             [sys.executable, "-m", "loadtest.bench_table1", "--preset", "cpu-small", flag, value,
              "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")],

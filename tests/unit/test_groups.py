@@ -263,10 +263,12 @@ def test_a_module_keeps_its_plan_and_the_step_its_arguments(lora_kernels_interpr
     [
         (64, lora_kernels.Tiles(rows=32, cols=16), lora_kernels.Tiles(rows=16, cols=32, stages=1)),
         (128, lora_kernels.Tiles(rows=128, cols=32, stages=4), lora_kernels.Tiles(rows=64, cols=256, warps=8)),
+        (64, lora_kernels.Tiles(rows=32, cols=16), lora_kernels.Tiles(rows=32, cols=32, cols_first=True)),
     ],
 )
 def test_lora_kernels_in_other_tiles_match_the_reference(lora_kernels_interpreted, block_rows, shrink, expand):
-    """Several programs per row block, wider and narrower tiles: what a tuning sweep tries."""
+    """Several programs per row block, wider and narrower tiles, the expand's grid in either order: what a
+    tuning sweep tries."""
     with lora_kernels.using("expand", "shrink"), lora_kernels.tiled(shrink=shrink, expand=expand):
         _check_lora_linear(LONG_RUNS, slices=(OUT, 8, 16), block_rows=block_rows)
         _check_lora_linear(LONG_RUNS[60:], slices=(272, 16, 16), in_cols=32, block_rows=block_rows)
@@ -371,7 +373,7 @@ def test_the_kernels_load_rank_columns_in_vectors_only_where_they_are_aligned(lo
         launcher = getattr(lora_kernels, name)
 
         def recording(grid, key, args, *rest, _launch=launcher, _name=name):
-            seen.append((_name, args[-1]))  # (RANK_ALIGNED: every kernel's last parameter)
+            seen.append((_name, args[_launch.fn.arg_names.index("RANK_ALIGNED")]))
             _launch(grid, key, args, *rest)
 
         monkeypatch.setattr(lora_kernels, name, recording)

@@ -41,9 +41,12 @@ def _reference(x, gate_up, a, b, token_slots):
     return torch.nn.functional.silu(y[:, :INTER]) * y[:, INTER:]
 
 
+@pytest.mark.parametrize("cols_first", [False, True], ids=["rows-first", "cols-first"])  # the grid's order
 @pytest.mark.parametrize("padding", [0, 7])  # rows past the step's tokens (a padded batch) have no adapter
 @pytest.mark.parametrize("token_slots", [TOKEN_SLOTS, [-1] * 3 + [1] * 130 + [-1] * 2], ids=["gathered", "span"])
-def test_the_kernel_matches_the_lora_added_into_gate_up(lora_kernels_interpreted, monkeypatch, token_slots, padding):
+def test_the_kernel_matches_the_lora_added_into_gate_up(
+    lora_kernels_interpreted, monkeypatch, token_slots, padding, cols_first
+):
     x, gate_up, a, b, groups = _case(token_slots, len(token_slots) + padding)
     expected = _reference(x, gate_up, a, b, token_slots)
     before = gate_up.clone()
@@ -51,7 +54,8 @@ def test_the_kernel_matches_the_lora_added_into_gate_up(lora_kernels_interpreted
     act = lora_act._ACT
     monkeypatch.setattr(lora_act, "_ACT", lambda *args: launched.append(1) or act(*args))
     out = torch.empty(gate_up.shape[0], INTER)
-    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+    with lora_kernels.tiled(act=Tiles(rows=32, cols=16, warps=4, stages=1, cols_first=cols_first)):
+        lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)  # (a grid of 4-5 row blocks by 3 column tiles)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # (another order of the products' sums)
     fused = "act" in lora_kernels.picked(gate_up)
     assert launched == [1] * fused

@@ -52,6 +52,7 @@ def global_accesses(kernel: str, use_span: bool, rank_block: int = 16, rank_alig
     names = fn.arg_names
     shape, warps, stages = LAUNCHES[kernel]
     rank = {"BLOCK_K" if kernel == "_expand_kernel" else "BLOCK_R": rank_block, "RANK_ALIGNED": rank_aligned}
+    rank["COLS_FIRST"] = False  # (the expand's grid order: its accesses are the same either way)
     constexprs = shape | rank | {"USE_SPAN": use_span, "SPLIT": 1, "BLOCK_M": ROWS, "PRECISION": "tf32"} | ONES
     constexprs = {k: v for k, v in constexprs.items() if k in names}  # (the fused kernel has no RANK_ALIGNED)
     signature = {}
@@ -138,7 +139,7 @@ def test_the_activation_reads_gate_up_and_writes_its_output_in_16_byte_vectors(r
     names = fn.arg_names
     tiles = lora_kernels.DEFAULT_TILES["act"]
     constexprs = {"BLOCK_K": 16, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.cols, "PRECISION": "tf32"}
-    constexprs |= {"RANK_ALIGNED": rank_aligned, "stride_b_rank": 1}
+    constexprs |= {"RANK_ALIGNED": rank_aligned, "COLS_FIRST": False, "stride_b_rank": 1}
     pointers = {"out_ptr": "*bf16", "gu_ptr": "*bf16", "z_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16"}
     signature = {
         n: "constexpr" if n in constexprs else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32") for n in names

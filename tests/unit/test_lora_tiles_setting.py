@@ -16,6 +16,9 @@ def test_labels_round_trip_and_leave_out_warps_and_stages():
     tiles = Tiles(rows=32, cols=256, warps=8, stages=2)
     assert Tiles.parse(tiles.label) == tiles and tiles.label == "32x256 w8 s2"
     assert Tiles.parse(" 64x64") == Tiles(64, 64, 4, 3) and Tiles.parse("16x32w2") == Tiles(16, 32, 2, 3)
+    ordered = Tiles(rows=64, cols=128, warps=8, stages=3, cols_first=True)
+    assert Tiles.parse(ordered.label) == ordered and ordered.label == "64x128 w8 s3 cols-first"
+    assert Tiles.parse("32x64 cols-first") == Tiles(32, 64, 4, 3, cols_first=True)
 
 
 def test_setting_names_either_kernel_or_both():
@@ -25,6 +28,7 @@ def test_setting_names_either_kernel_or_both():
         "shrink": Tiles(32, 64, 4, 4),
         "expand": Tiles(16, 32, 4, 3),
     }
+    assert parse_tiles("act=32x64 w4 s1 cols-first")["act"].cols_first
 
 
 @pytest.mark.parametrize(
@@ -39,6 +43,8 @@ def test_setting_names_either_kernel_or_both():
         ("expand=64x512", "cols must be a power of two from 16 to 256, not 512"),
         ("shrink=64x64 w3", "warps must be a power of two"),
         ("shrink=64x64 w4 s0", "stages must be 1 to 8"),
+        ("expand=64x64 colsfirst", "is not ROWSxCOLS"),
+        ("shrink=64x64 cols-first", "the shrink's grid has one order"),
     ],
 )
 def test_bad_settings_say_what_is_wrong(setting, message):

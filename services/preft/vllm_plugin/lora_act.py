@@ -75,16 +75,18 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
         RANK_ALIGNED: tl.constexpr,
+        COLS_FIRST: tl.constexpr,
     ):
         """out[t, n] = silu(gu[t, n] + Δg) · (gu[t, inter + n] + Δu), Δ = z[t] · B[slot(t)][n] where t has a slot.
 
         z[t] holds the gate's rank columns then the up's; the block's slots come from its entries in the
         slot table (block_offs: CSR offsets per block of BLOCK_M rows, block_slots: the slots). Each program
         holds four float32 tiles (gate, up, their deltas): its tiles are small (``_TILES["act"]``).
-        RANK_ALIGNED: as the expand's (z's and B's rank columns load in 16-byte vectors)."""
-        pid_m = tl.program_id(0)
+        RANK_ALIGNED: as the expand's (z's and B's rank columns load in 16-byte vectors). COLS_FIRST: the grid's
+        first axis runs over the column tiles, not the row blocks (``Tiles.cols_first``)."""
+        pid_m = tl.program_id(1 if COLS_FIRST else 0)
         t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = tl.program_id(0 if COLS_FIRST else 1) * BLOCK_N + tl.arange(0, BLOCK_N)
         t64 = t.to(tl.int64)
         mask_n = n < inter
         mask = (t < n_rows)[:, None] & mask_n[None, :]
@@ -210,8 +212,10 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
     call = (out.stride(0), gate_up.stride(0), stride_z, rows)
     # (the expand's RANK_ALIGNED; B's pointers are specialized on their alignment)
     rank_aligned = strides[2] == 1 and k.z_vectors(z_ptr, groups.rank, stride_z, strides[0], strides[1])
+    grid = (-(-rows // tiles.rows), -(-inter // tiles.cols))
+    order = (rank_aligned, tiles.cols_first)
     _ACT(
-        (-(-rows // tiles.rows), -(-inter // tiles.cols)),
+        grid[::-1] if tiles.cols_first else grid,
         (
             out.dtype,
             out_ptr % 16,
@@ -222,10 +226,10 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
             step.key,
             module.key,
             tiles.warps,
-            rank_aligned,
+            *order,
         ),
-        (out, gate_up, z, *call, *step.tensors, *module.tensors, rank_aligned),
+        (out, gate_up, z, *call, *step.tensors, *module.tensors, *order),
         tiles.warps,
         tiles.stages,
-        (out_ptr, gu_ptr, z_ptr, *call, *step.addresses, *module.addresses, rank_aligned),
+        (out_ptr, gu_ptr, z_ptr, *call, *step.addresses, *module.addresses, *order),
     )

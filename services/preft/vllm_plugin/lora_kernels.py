@@ -389,6 +389,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
         RANK_ALIGNED: tl.constexpr,
+        COLS_FIRST: tl.constexpr,
     ):
         """y[row(m), slice's first column + n] += z[m, s·z_slice_step :][:rank] · B_s[slot][n]: every slice at once
         (not ADD: y[...] = the product, y's rows not read).
@@ -397,11 +398,12 @@ if triton is not None:
         contiguous (z's and B's rows then load in 16-byte vectors, not an element at a time).
 
         Program (block, t): row block `block` (or a part of it), and t's entry of the tile table (slice s, its
-        first column n0), BLOCK_N columns. The slice table holds, per slice: B's offset from b0 in elements,
-        B's slot stride, the slice's width and its first column in y.
+        first column n0), BLOCK_N columns; (t, block) where COLS_FIRST (``Tiles.cols_first``). The slice table
+        holds, per slice: B's offset from b0 in elements, B's slot stride, the slice's width and its first
+        column in y.
         """
         m, rows, mask_m, slot = _group_rows(
-            tl.program_id(0),
+            tl.program_id(1 if COLS_FIRST else 0),
             rows_ptr,
             block_group_ptr,
             block_start_ptr,
@@ -412,7 +414,7 @@ if triton is not None:
             SPLIT,
             BLOCK_M,
         )
-        tile = tl.program_id(1)
+        tile = tl.program_id(0 if COLS_FIRST else 1)
         s = tl.load(tile_table_ptr + 2 * tile)
         n0 = tl.multiple_of(tl.load(tile_table_ptr + 2 * tile + 1), BLOCK_N)  # (tiles start at multiples)
         entry = slice_table_ptr + 4 * s
@@ -737,8 +739,10 @@ def _launch_expand(
     y_ptr, stride_y, z_ptr = y2.data_ptr(), y2.stride(0), z.data_ptr()
     call = (stride_y, stride_z, stride_z_col, z_slice_step, add)
     rank_aligned = plan.rank_aligned and stride_z_col == 1 and z_vectors(z_ptr, groups.rank, stride_z, z_slice_step)
+    grid = (grid_rows, plan.tiles.shape[0] // 2)
+    order = (rank_aligned, tiles.cols_first)
     _EXPAND(
-        (grid_rows, plan.tiles.shape[0] // 2),
+        grid[::-1] if tiles.cols_first else grid,
         (
             y2.dtype,
             y_ptr % 16,
@@ -750,12 +754,12 @@ def _launch_expand(
             plan.args.key,
             tiles.warps,
             tiles.stages,
-            rank_aligned,
+            *order,
         ),
-        (y2, z, *call, *step.tensors, *plan.args.tensors, rank_aligned),
+        (y2, z, *call, *step.tensors, *plan.args.tensors, *order),
         tiles.warps,
         tiles.stages,
-        (y_ptr, z_ptr, *call, *step.addresses, *plan.args.addresses, rank_aligned),
+        (y_ptr, z_ptr, *call, *step.addresses, *plan.args.addresses, *order),
     )
 
 

@@ -20,13 +20,16 @@ class Tiles:
     rows: rows per program, a divisor of the groups' row block (each block gets block ÷ rows programs; more rows
     than the block runs as the whole block: the engine's is ``lora_kernels.ROW_BLOCK``, 64); cols:
     the expand's output columns per program, the shrink's input columns per iteration of its loop; warps
-    and stages: Triton's num_warps and num_stages (the pipeline depth of the shrink's loop).
+    and stages: Triton's num_warps and num_stages (the pipeline depth of the shrink's loop); cols_first (the
+    expand and the activation): the grid's first axis, the one the device launches fastest, runs over the
+    column tiles (programs launched together then cover whole rows of y) instead of the row blocks.
     """
 
     rows: int
     cols: int
     warps: int = 4
     stages: int = 3
+    cols_first: bool = False
 
     def __post_init__(self) -> None:
         powers = {"rows": (self.rows, 16, 128), "cols": (self.cols, 16, 256), "warps": (self.warps, 1, 16)}
@@ -38,17 +41,17 @@ class Tiles:
 
     @property
     def label(self) -> str:
-        """``ROWSxCOLS wWARPS sSTAGES``: how the sweep names it and ``PREFT_LORA_TILES`` takes it."""
-        return f"{self.rows}x{self.cols} w{self.warps} s{self.stages}"
+        """``ROWSxCOLS wWARPS sSTAGES[ cols-first]``: how the sweep names it and ``PREFT_LORA_TILES`` takes it."""
+        return f"{self.rows}x{self.cols} w{self.warps} s{self.stages}" + " cols-first" * self.cols_first
 
     @classmethod
     def parse(cls, label: str) -> Tiles:
-        """The shape a label names (warps and stages may be left out)."""
-        found = re.fullmatch(r"\s*(\d+)x(\d+)(?:\s*w(\d+))?(?:\s*s(\d+))?\s*", label)
+        """The shape a label names (warps, stages and the order may be left out)."""
+        found = re.fullmatch(r"\s*(\d+)x(\d+)(?:\s*w(\d+))?(?:\s*s(\d+))?(\s+cols-first)?\s*", label)
         if not found:
-            raise ValueError(f"tiles: {label!r} is not ROWSxCOLS[ wWARPS][ sSTAGES], e.g. '64x64 w4 s4'")
-        rows, cols, warps, stages = found.groups()
-        return cls(int(rows), int(cols), int(warps or 4), int(stages or 3))
+            raise ValueError(f"tiles: {label!r} is not ROWSxCOLS[ wWARPS][ sSTAGES][ cols-first], e.g. '64x64 w4 s4'")
+        rows, cols, warps, stages, cols_first = found.groups()
+        return cls(int(rows), int(cols), int(warps or 4), int(stages or 3), cols_first is not None)
 
 
 def parse_tiles(setting: str) -> dict[str, Tiles]:
@@ -62,4 +65,6 @@ def parse_tiles(setting: str) -> dict[str, Tiles]:
         if kernel in tiles:
             raise ValueError(f"tiles: {kernel} given twice")
         tiles[kernel] = Tiles.parse(label)
+        if kernel == "shrink" and tiles[kernel].cols_first:
+            raise ValueError("tiles: the shrink's grid has one order (cols-first is the expand's and the act's)")
     return tiles

@@ -49,10 +49,14 @@ def _generate(engine, loras, seed: int) -> None:
     assert all(r.error is None for r in engine.generate(reqs))
 
 
+@pytest.mark.parametrize("in_process", [False, True], ids=["engine-core-process", "in-process"])
 def test_heap_is_frozen_when_idle_after_start_and_loads_and_removed_adapters_are_freed(
-    model_dirs, engine_factory, tmp_path, monkeypatch
+    model_dirs, engine_factory, tmp_path, monkeypatch, in_process
 ):
+    """In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``bench_table1`` runs the engine) the client steps the
+    engine core only while it has requests: the freeze must come with the step that finishes the last one."""
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (the probes below are functions)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if in_process else "1")
     engine = engine_factory(model_dirs["llama"], max_loras=2, max_lora_rank=8)
     rpc = engine.llm.collective_rpc
     loras = [build_lora(tmp_path / f"l{i}", model_dirs["llama"], rank=8, seed=40 + i) for i in range(4)]

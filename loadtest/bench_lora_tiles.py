@@ -3,17 +3,16 @@
     python3 -m loadtest.bench_lora_tiles --out loadtest/results/gpu-lora-tiles   # on the GPU machine
     # results: loadtest/results/gpu-lora-tiles.{json,png}
 
-For each model shape and rank (the step of ``bench_lora_kernels``: 16,384 tokens in groups of one adapter,
-512 slots), times each kernel alone on each of the layer's four LoRA linears, in every launch shape of the
-sweep (``lora_kernels.Tiles``: rows per program, columns per tile or per iteration, warps, stages, and the
-expand's grid order), the
-others at the default. Beside them, per linear: the base matmul, and an in-place add over y (the expand's
-traffic, read and written once, at the rate torch's own kernel reaches). Reports each kernel's bytes per
-second, the default shape's and the fastest shape's time per linear, and the layer's LoRA time with the
-default shapes, with the one shape per kernel that is fastest over the layer, and with the fastest shape
-per linear. Every shape's result is checked against the torch path. Last, prints the ``PREFT_LORA_TILES``
-setting of the shapes fastest over everything it ran (also written alone to OUT.tiles, for the engine's
-environment: ``export PREFT_LORA_TILES="$(cat OUT.tiles)"``).
+For each model shape and rank (the step of ``bench_lora_kernels``: 16,384 tokens in groups of one adapter, 512
+slots), times each kernel alone on each of the layer's four LoRA linears, in every launch shape of the sweep
+(``lora_kernels.Tiles``: rows per program, columns per tile or per iteration, warps, stages, and the expand's
+grid order), the others at the default. Beside them, per linear: the base matmul, and an in-place add over y
+(the expand's traffic, read and written once, at the rate torch's own kernel reaches). Reports each kernel's
+bytes per second, the default shape's and the fastest shape's time per linear, and the layer's LoRA time with
+the default shapes, with the one shape per kernel that is fastest over the layer, and with the fastest shape per
+linear. Every shape's result is checked against the torch path. Last, prints the ``PREFT_LORA_TILES`` setting of
+the shapes fastest over everything it ran (also written alone to OUT.tiles, for the engine's environment:
+``export PREFT_LORA_TILES="$(cat OUT.tiles)"``).
 """
 
 from __future__ import annotations

@@ -21,9 +21,10 @@ activation took together (0.319 against 0.321 ms on Qwen2.5-0.5B's full step; 0.
 Llama-3.1-8B's): the per-slot products cost what the expand's traffic did. With z's and B's rank columns in
 vectors (run 81, "Runs 80–83"): 0.299 against 0.319 ms at rank 8 in the default shape, but 0.447 against 0.351
 at rank 64, where its per-program B and z tiles grow with the rank; in the engine (runs 85–86, Qwen r8 at
-1024+128) its prefill steps cost what the pair's did (+0.570 against +0.582 s a pass). So it is not the
-default: ``act`` in ``PREFT_LORA_KERNELS`` picks it, and only then (on CUDA) does ``mlp_patch`` route the MLPs
-through it.
+1024+128) its prefill steps cost what the pair's did (+0.570 against +0.582 s a pass). Run 89 (both grid orders,
+``Tiles.cols_first``): best shapes unchanged, 0.287 against 0.310 ms at rank 8, 0.421 against 0.350 at rank 64;
+without LoRA 2.68 TB/s at best (vLLM's activation 2.40). So it is not the default: ``act`` in
+``PREFT_LORA_KERNELS`` picks it, and only then (on CUDA) does ``mlp_patch`` route the MLPs through it.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from preft.vllm_plugin.patching import wrap_method
 
 _loads = 0  # adapters read into host memory in this process
 _frozen_at = -1  # _loads at this process's last freeze (-1: never, so the first idle moment freezes the start-up heap)
-_WAS_BUSY = "_preft_was_busy"  # set on each EngineCore: whether its last step left requests
+_WAS_BUSY = "_preft_was_busy"  # set on each EngineCore: whether its last step left unfinished requests
 
 
 def enabled() -> bool:

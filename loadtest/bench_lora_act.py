@@ -4,8 +4,9 @@
 
 On a full prefill step (16,384 tokens in groups of 1,024, 512 slots, rank 8 or --ranks) of each model's gate/up
 projection, times in one process: vLLM's activation kernel alone (``_C.silu_and_mul``), torch's product of the
-two halves (the same traffic: what a generic elementwise kernel reaches), the LoRA added into gate/up by the
-shrink and expand kernels then vLLM's activation (what the engine runs), and the activation kernel in each
+two halves (the same traffic: what a generic elementwise kernel reaches) and of the same halves copied into
+tensors of their own (whether reading both halves of gate_up's rows is what costs), the LoRA added into gate/up
+by the shrink and expand kernels then vLLM's activation (what the engine runs), and the activation kernel in each
 launch shape of ``SHAPES``, each in both grid orders (row blocks or column tiles first), with the LoRA folded in
 (and how far its result is from the added LoRA's) and with no LoRA token (its activation on steps without
 adapters). Prints ms per call and the bandwidth each plain activation moves (gate, up and the output once each).
@@ -50,6 +51,9 @@ def bench(model: str, rank: int, iters: int) -> dict:
     half = out.shape[1]
     row["torch_mul_ms"] = timed(lambda: torch.mul(gate_up[:, :half], gate_up[:, half:], out=out))  # (same traffic)
     row["torch_mul_TB_s"] = moved / row["torch_mul_ms"] / 1e9
+    gate, up = gate_up[:, :half].contiguous(), gate_up[:, half:].contiguous()
+    row["torch_mul_apart_ms"] = timed(lambda: torch.mul(gate, up, out=out))  # (the halves in tensors of their own)
+    row["torch_mul_apart_TB_s"] = moved / row["torch_mul_apart_ms"] / 1e9
     with lora_kernels.using("expand", "shrink"):  # (each call adds the LoRA into gate_up again)
         row["added_then_vllm_ms"] = timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))
         gate_up.zero_()

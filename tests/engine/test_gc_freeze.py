@@ -84,7 +84,7 @@ def test_setting_is_read_by_each_engine_of_one_process(model_dirs, tmp_path, mon
     """``PREFT_GC_FREEZE`` set off, then on, for two engines in this process (``bench_gc_freeze``'s order): each
     follows its own, though the plugin registers once a process."""
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # (the engine core in this process, as registered)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # (both cores in this process: one registration)
     loras = [build_lora(tmp_path / f"l{i}", model_dirs["llama"], rank=8, seed=50 + i) for i in range(2)]
     for value, frozen in (("0", False), ("1", True)):
         monkeypatch.setenv("PREFT_GC_FREEZE", value)

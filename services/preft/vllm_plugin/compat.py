@@ -165,9 +165,10 @@ TOUCH_POINTS = (
     ),
     TouchPoint(
         "vllm.v1.engine.core:EngineCore.step",
-        "wrapped, with step_with_batch_queue: after a step that leaves scheduler.has_unfinished_requests() False, "
-        "model_executor.collective_rpc(gc_freeze.freeze_loaded): workers that loaded adapters since their "
-        "last freeze collect and freeze their heap (bound to step_fn after plugins load in EngineCore.__init__)",
+        "wrapped, with step_with_batch_queue (always, PREFT_GC_FREEZE read at each idle moment): after a step "
+        "that leaves scheduler.has_unfinished_requests() False, model_executor.collective_rpc("
+        "gc_freeze.freeze_loaded): workers that loaded adapters since their last freeze collect and freeze their "
+        "heap (bound to step_fn after plugins load in EngineCore.__init__)",
         "gc_freeze",
     ),
     TouchPoint(

@@ -685,6 +685,8 @@ class Bench:
                     break
                 with context():
                     self.measure(llm, "preft", variant, **kw)
+                    if a.profile_dir and name == f"LoRAP r{first_rank}":  # (each variant's kernels, beside)
+                        self.profile(llm, "lorap-" + re.sub(r"[^A-Za-z0-9.]+", "-", label).strip("-"), reqs, "prefill")
             if a.profile_dir and name == f"LoRAP r{first_rank}":
                 self.profile(llm, "lorap", reqs, "prefill")
         self.measure(llm, "preft", f"{base}, after all passes)", workloads=rest)

@@ -229,9 +229,9 @@ def test_settings_read_nested_environment(monkeypatch, tmp_path):
 def test_lora_kernels_setting_reaches_the_replica_environment(tmp_path):
     from preft.vllm_plugin import lora_kernels
 
-    default = EngineSettings(model_dir=tmp_path).lora_kernels  # the plugin reads it as the two kernels
-    assert lora_kernels._picked(default) == {"expand", "shrink"}
-    assert EngineSettings(model_dir=tmp_path).process_env()["PREFT_LORA_KERNELS"] == "expand,shrink"
+    default = EngineSettings(model_dir=tmp_path).lora_kernels  # the plugin reads it as the three kernels
+    assert lora_kernels._picked(default) == {"expand", "shrink", "act"}
+    assert EngineSettings(model_dir=tmp_path).process_env()["PREFT_LORA_KERNELS"] == "expand,shrink,act"
     for value, env in ((" fused, expand", "fused,expand"), ("none", "none")):
         assert EngineSettings(model_dir=tmp_path, lora_kernels=value).process_env()["PREFT_LORA_KERNELS"] == env
     for bad in ("", "expnd", "none,expand"):

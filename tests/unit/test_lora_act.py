@@ -10,7 +10,7 @@ from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_act, lora_kernels
 from preft.vllm_plugin.tiles import Tiles
 
-SLOTS, RANK, IN, INTER = 4, 16, 32, 48
+SLOTS, IN, INTER = 4, 32, 48
 # Runs across the kernel's 64-row blocks: a block with three slots, one with a slot's tokens on both sides of
 # another's (the same slot twice in a block), tokens without an adapter between and at the end
 TOKEN_SLOTS = [2] * 70 + [-1] * 5 + [0] * 3 + [1] * 10 + [0] * 4 + [3] * 60 + [-1] * 9
@@ -21,14 +21,15 @@ def _case(token_slots, rows, ranks=(8, 16, 8, 8), seed=0):
     dtype = torch.get_default_dtype()
     x = torch.randn(rows, IN, generator=gen, dtype=dtype)
     gate_up = torch.randn(rows, 2 * INTER, generator=gen, dtype=dtype)
-    a = [torch.randn(SLOTS, 1, RANK, IN, generator=gen, dtype=dtype) / IN**0.5 for _ in range(2)]
-    b = [torch.randn(SLOTS, 1, INTER, RANK, generator=gen, dtype=dtype) / RANK**0.5 for _ in range(2)]
+    rank = max(ranks)  # (vLLM's slots: the largest rank, the others padded with zeros)
+    a = [torch.randn(SLOTS, 1, rank, IN, generator=gen, dtype=dtype) / IN**0.5 for _ in range(2)]
+    b = [torch.randn(SLOTS, 1, INTER, rank, generator=gen, dtype=dtype) / rank**0.5 for _ in range(2)]
     for s, r in enumerate(ranks):  # vLLM's padding past each slot's rank
         for w in a:
             w[s, :, r:] = 0
         for w in b:
             w[s, :, :, r:] = 0
-    groups = g.SlotGroups.build(np.asarray(token_slots), "cpu", slot_ranks=np.asarray([*ranks, 0]), max_rank=RANK)
+    groups = g.SlotGroups.build(np.asarray(token_slots), "cpu", slot_ranks=np.asarray([*ranks, 0]), max_rank=rank)
     return x, gate_up, a, b, groups
 
 
@@ -44,10 +45,11 @@ def _reference(x, gate_up, a, b, token_slots):
 @pytest.mark.parametrize("cols_first", [False, True], ids=["rows-first", "cols-first"])  # the grid's order
 @pytest.mark.parametrize("padding", [0, 7])  # rows past the step's tokens (a padded batch) have no adapter
 @pytest.mark.parametrize("token_slots", [TOKEN_SLOTS, [-1] * 3 + [1] * 130 + [-1] * 2], ids=["gathered", "span"])
+@pytest.mark.parametrize("ranks", [(8, 16, 8, 8), (24, 8, 16, 24)], ids=["rank16", "rank24"])  # (24: two chunks)
 def test_the_kernel_matches_the_lora_added_into_gate_up(
-    lora_kernels_interpreted, monkeypatch, token_slots, padding, cols_first
+    lora_kernels_interpreted, monkeypatch, token_slots, padding, cols_first, ranks
 ):
-    x, gate_up, a, b, groups = _case(token_slots, len(token_slots) + padding)
+    x, gate_up, a, b, groups = _case(token_slots, len(token_slots) + padding, ranks)
     expected = _reference(x, gate_up, a, b, token_slots)
     before = gate_up.clone()
     launched = []
@@ -62,6 +64,23 @@ def test_the_kernel_matches_the_lora_added_into_gate_up(
     assert torch.equal(gate_up, before) == fused  # the kernel only reads gate_up; the torch path adds into it
 
 
+def test_a_step_above_the_fold_rank_adds_its_lora_into_gate_up_then_runs_the_kernel_without_it(
+    lora_kernels_interpreted, monkeypatch
+):
+    x, gate_up, a, b, groups = _case(TOKEN_SLOTS, len(TOKEN_SLOTS))  # (the step's rank: 16)
+    expected = _reference(x, gate_up, a, b, TOKEN_SLOTS)
+    before = gate_up.clone()
+    monkeypatch.setattr(lora_act, "FOLD_MAX_RANK", 8)
+    launches = []
+    act = lora_act._ACT
+    monkeypatch.setattr(lora_act, "_ACT", lambda grid, key, *rest: launches.append(key[-1]) or act(grid, key, *rest))
+    out = torch.empty(gate_up.shape[0], INTER)
+    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(gate_up, before)  # the LoRA was added into gate/up
+    assert launches == [False] * ("act" in lora_kernels.picked(gate_up))  # the kernel's variant without LoRA
+
+
 def test_a_step_makes_its_slot_table_once_and_each_block_lists_its_slots(lora_kernels_interpreted):
     x, gate_up, a, b, groups = _case(TOKEN_SLOTS, len(TOKEN_SLOTS))
     if "act" not in lora_kernels.picked(gate_up):
@@ -70,7 +89,7 @@ def test_a_step_makes_its_slot_table_once_and_each_block_lists_its_slots(lora_ke
     with lora_kernels.tiled(act=Tiles(rows=64, cols=32, warps=4, stages=1)):
         for _ in range(2):
             lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
-    tables = groups.launch_args["row blocks", 64].tensors
+    tables = groups.launch_args["row blocks", 64, lora_act.RANK_CHUNK].tensors
     token_slot, offs, slots = tables[:3]
     assert token_slot.tolist() == TOKEN_SLOTS
     per_block = [slots[offs[i] : offs[i + 1]].tolist() for i in range(len(offs) - 1)]

@@ -84,10 +84,10 @@ class EngineSettings(BaseSettings):
     lora_kernels: str = Field(
         DEFAULT_KERNELS,
         description="PREFT_LORA_KERNELS of the replica processes: the plugin's Triton LoRA kernels on GPU, "
-        "'expand,shrink' (the default), 'expand,shrink,fused' (the fused kernel on steps of rank 64 or more), "
-        "'expand', 'fused', 'none' (the torch path), and 'act' besides "
-        "the shrink (the MLP's gate/up LoRA folded into its activation); the README's issue-6 section says "
-        "what each measured",
+        "'expand,shrink,act' (the default: 'act' is the MLP's activation kernel, the gate/up LoRA folded in "
+        "up to rank 64), 'expand,shrink', 'expand,shrink,fused' (the fused kernel on steps of rank 64 or "
+        "more), 'expand', 'fused', 'none' (the torch path); the README's issue-6 section says what each "
+        "measured",
     )
     lora_tiles: str | None = Field(
         None,

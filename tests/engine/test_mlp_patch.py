@@ -9,6 +9,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from preft.devtools.tiny import build_lora
 from preft.engine.requests import GenerationRequest
@@ -47,6 +48,8 @@ def _tokens(engine, reqs: list[GenerationRequest]) -> dict[str, tuple[int, ...]]
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_patched_mlp_gives_the_tokens_of_vllms_forward(arch, model_dirs, adapters, engine_factory, tmp_path,
                                                            monkeypatch):  # fmt: skip
+    if torch.cuda.is_available():  # (test_exactness covers it there)
+        pytest.skip("on CUDA the engine already runs the patched forward: act is a default kernel")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (the patch below is a function)
     model = model_dirs[arch]
     gate_up_only = build_lora(tmp_path / "gate_up", model, rank=8, targets=("gate_proj", "up_proj"), seed=31)

@@ -9,9 +9,10 @@ tensors of their own (whether reading both halves of gate_up's rows is what cost
 by the shrink and expand kernels then vLLM's activation (what the engine ran until ``act`` became a default
 kernel: README "Runs 101–107"), and the activation kernel in each launch shape of ``SHAPES``, each in both grid
 orders (row blocks or column tiles first), with the LoRA folded in (and how far its result is from the added
-LoRA's) and with no LoRA token (its activation on steps without adapters). Prints ms per call and the bandwidth each plain activation moves (gate, up and the output once each).
-Run 53's numbers (README, "Runs 49–54") came from an earlier version that also timed rank-1 updates in place of
-the products (slower in every shape) and compared against a gate_up the added LoRA had already been added to.
+LoRA's) and with no LoRA token (its activation on steps without adapters). Prints ms per call and the bandwidth
+each plain activation moves (gate, up and the output once each). Run 53's numbers (README, "Runs 49–54") came
+from an earlier version that also timed rank-1 updates in place of the products (slower in every shape) and
+compared against a gate_up the added LoRA had already been added to.
 """
 
 from __future__ import annotations

@@ -348,6 +348,11 @@ def engine_kwargs(args, model: Path, dtype: str, real: bool, *, util: float, lor
     return kw
 
 
+def _file_tag(text: str) -> str:
+    """`text` as part of a file name: letters, digits and dots, each run of anything else one dash."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
+
+
 class Bench:
     def __init__(self, args) -> None:
         self.args = args
@@ -686,7 +691,7 @@ class Bench:
                 with context():
                     self.measure(llm, "preft", variant, **kw)
                     if a.profile_dir and name == f"LoRAP r{first_rank}":  # (each variant's kernels, beside)
-                        self.profile(llm, "lorap-" + re.sub(r"[^A-Za-z0-9.]+", "-", label).strip("-"), reqs, "prefill")
+                        self.profile(llm, _file_tag(f"lorap-{label}"), reqs, "prefill")
             if a.profile_dir and name == f"LoRAP r{first_rank}":
                 self.profile(llm, "lorap", reqs, "prefill")
         self.measure(llm, "preft", f"{base}, after all passes)", workloads=rest)
@@ -716,7 +721,7 @@ class Bench:
         stats.sort_stats("cumulative").print_stats(r"preft|lora|sched|output_processor|model_runner|execute_model", 40)
         folder = a.profile_dir or a.out.parent
         folder.mkdir(parents=True, exist_ok=True)
-        name = re.sub(r"[^A-Za-z0-9.]+", "-", f"host-{a.preset}-{tag}").strip("-")
+        name = _file_tag(f"host-{a.preset}-{tag}")
         (folder / f"{name}.txt").write_text(
             f"{tag}: {a.requests} requests, {a.profile_output_len} output tokens\n" + text.getvalue()
         )

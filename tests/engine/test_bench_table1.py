@@ -34,7 +34,8 @@ def test_small_table_has_every_row(tmp_path):
     report = json.loads(out.with_suffix(".json").read_text())
     rows = report["results"]
     assert report["settings"]["device"] == "cpu"
-    for tag in ("base-before-load", "lorap", "base-after-all"):  # profiled passes: kernel tables and timelines
+    variant_tags = ("lorap-kernels-none", "lorap-kernels-fused-expand", "lorap-tiles-expand-64x64-cols-first")
+    for tag in ("base-before-load", "lorap", *variant_tags, "base-after-all"):  # kernel tables and timelines
         assert (tmp_path / "prof" / f"profile-{tag}.txt").read_text().startswith(f"{tag}: ")
         assert any(e.get("cat") == "cpu_op" for e in trace_gaps.load(tmp_path / "prof" / f"trace-{tag}.json.gz"))
     got = {(r["config"], r["prompt_len"], r["output_len"]) for r in rows}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import random
 from pathlib import Path
 
@@ -12,6 +13,11 @@ import torch
 
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
 from preft.vllm_plugin import lora_act, lora_gemm, lora_kernels
+
+# torch.cuda.is_available() asks the CUDA runtime, which initializes the driver and so poisons fork, while
+# torch.cuda.is_initialized() stays False: vLLM then forks its engine core, which cannot use CUDA (run 108,
+# test_exactness's engines after its module-level check). Asked through NVML, the check leaves fork usable.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 ARCHS = ("llama", "qwen2")
 MARKER_BY_DIRECTORY = {"integration": "integration", "e2e": "e2e"}  # tests/<dir>/... get the marker
@@ -50,12 +56,13 @@ def _interpreter_refusal() -> str | None:
     return None if out.item() == 3 else f"a loop of 3 counted {out.item()}"
 
 
-@pytest.fixture(params=["expand,shrink,act", "fused,expand"])
+@pytest.fixture(params=["expand,shrink,act,fold", "expand,shrink,act", "fused,expand"])
 def lora_kernels_interpreted(monkeypatch, request):
     """The GPU LoRA kernels, run by Triton's interpreter on CPU tensors in place of the torch path.
 
-    Each test runs with each choice that serves a LoRA linear differently: the shrink and expand kernels
-    (and the activation's), and the fused kernel (the expand kernel still serves vLLM's separate expands)."""
+    Each test runs with each choice that serves a LoRA linear or the MLP's activation differently: the shrink
+    and expand kernels with the activation's, its gate/up LoRA folded in or added by the expand, and the fused
+    kernel (the expand kernel still serves vLLM's separate expands)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if (refusal := _interpreter_refusal()) is not None:
         pytest.skip(f"this Triton's interpreter cannot run the kernels' loops: {refusal}")

@@ -7,9 +7,10 @@ projection, times in one process: vLLM's activation kernel alone (``_C.silu_and_
 two halves (the same traffic: what a generic elementwise kernel reaches) and of the same halves copied into
 tensors of their own (whether reading both halves of gate_up's rows is what costs), the LoRA added into gate/up
 by the shrink and expand kernels then vLLM's activation (what the engine ran until ``act`` became a default
-kernel: README "Runs 101–107"), and the activation kernel in each launch shape of ``SHAPES``, each in both grid
-orders (row blocks or column tiles first), with the LoRA folded in (and how far its result is from the added
-LoRA's) and with no LoRA token (its activation on steps without adapters). Prints ms per call and the bandwidth
+kernel: README "Runs 101–107") or then the activation kernel without LoRA (``act`` without ``fold``), and the
+activation kernel in each launch shape of ``SHAPES``, each in both grid orders (row blocks or column tiles
+first), with the LoRA folded in (``fold``; and how far its result is from the added LoRA's) and with no LoRA
+token (its activation on steps without adapters). Prints ms per call and the bandwidth
 each plain activation moves (gate, up and the output once each). Run 53's numbers (README, "Runs 49–54") came
 from an earlier version that also timed rank-1 updates in place of the products (slower in every shape) and
 compared against a gate_up the added LoRA had already been added to.
@@ -65,7 +66,9 @@ def bench(model: str, rank: int, iters: int) -> dict:
             row["added_cols_first_then_vllm_ms"] = timed(
                 lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
             )
-    with lora_kernels.using("expand", "shrink", "act"):
+    with lora_kernels.using("expand", "shrink", "act"):  # (the default act tiles)
+        row["added_then_plain_ms"] = timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))
+    with lora_kernels.using("expand", "shrink", "act", "fold"):
         for tiles in SHAPES:
             with lora_kernels.tiled(act=tiles):
                 gate_up.zero_()
@@ -79,6 +82,7 @@ def bench(model: str, rank: int, iters: int) -> dict:
     row["best"] = min(labels, key=lambda label: row[label]["folded_ms"])
     row["best_plain"] = min(labels, key=lambda label: row[label]["plain_ms"])
     row["folded_speedup_over_added"] = row["added_then_vllm_ms"] / row[row["best"]]["folded_ms"]
+    row["folded_speedup_over_added_then_plain"] = row["added_then_plain_ms"] / row[row["best"]]["folded_ms"]
     return row
 
 

@@ -229,13 +229,17 @@ def test_settings_read_nested_environment(monkeypatch, tmp_path):
 def test_lora_kernels_setting_reaches_the_replica_environment(tmp_path):
     from preft.vllm_plugin import lora_kernels
 
-    default = EngineSettings(model_dir=tmp_path).lora_kernels  # the plugin reads it as the three kernels
-    assert lora_kernels._picked(default) == {"expand", "shrink", "act"}
-    assert EngineSettings(model_dir=tmp_path).process_env()["PREFT_LORA_KERNELS"] == "expand,shrink,act"
-    for value, env in ((" fused, expand", "fused,expand"), ("none", "none")):
+    default = EngineSettings(model_dir=tmp_path).lora_kernels  # the plugin reads it as the four names
+    assert lora_kernels._picked(default) == {"expand", "shrink", "act", "fold"}
+    assert EngineSettings(model_dir=tmp_path).process_env()["PREFT_LORA_KERNELS"] == "expand,shrink,act,fold"
+    choices = ((" fused, expand", "fused,expand"), ("none", "none"), ("expand,shrink,act", "expand,shrink,act"))
+    for value, env in choices:
         assert EngineSettings(model_dir=tmp_path, lora_kernels=value).process_env()["PREFT_LORA_KERNELS"] == env
     for bad in ("", "expnd", "none,expand"):
         with pytest.raises(ValueError, match="lora_kernels must be"):
+            EngineSettings(model_dir=tmp_path, lora_kernels=bad)
+    for bad in ("expand,fold", "expand,act,fold", "shrink,fold"):  # fold folds into act, from the shrink's z
+        with pytest.raises(ValueError, match="must name 'act' and 'shrink' beside 'fold'"):
             EngineSettings(model_dir=tmp_path, lora_kernels=bad)
 
 

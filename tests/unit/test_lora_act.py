@@ -54,14 +54,14 @@ def test_the_kernel_matches_the_lora_added_into_gate_up(
     before = gate_up.clone()
     launched = []
     act = lora_act._ACT
-    monkeypatch.setattr(lora_act, "_ACT", lambda *args: launched.append(1) or act(*args))
+    monkeypatch.setattr(lora_act, "_ACT", lambda grid, key, *rest: launched.append(key[-1]) or act(grid, key, *rest))
     out = torch.empty(gate_up.shape[0], INTER)
     with lora_kernels.tiled(act=Tiles(rows=32, cols=16, warps=4, stages=1, cols_first=cols_first)):
         lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)  # (a grid of 4-5 row blocks by 3 column tiles)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # (another order of the products' sums)
-    fused = "act" in lora_kernels.picked(gate_up)
-    assert launched == [1] * fused
-    assert torch.equal(gate_up, before) == fused  # the kernel only reads gate_up; the torch path adds into it
+    picked = lora_kernels.picked(gate_up)
+    assert launched == ["fold" in picked] * ("act" in picked)  # the variant with LoRA, or without it after the add
+    assert torch.equal(gate_up, before) == ("fold" in picked)  # folded, gate_up is only read
 
 
 def test_a_step_above_the_fold_rank_adds_its_lora_into_gate_up_then_runs_the_kernel_without_it(
@@ -83,8 +83,8 @@ def test_a_step_above_the_fold_rank_adds_its_lora_into_gate_up_then_runs_the_ker
 
 def test_a_step_makes_its_slot_table_once_and_each_block_lists_its_slots(lora_kernels_interpreted):
     x, gate_up, a, b, groups = _case(TOKEN_SLOTS, len(TOKEN_SLOTS))
-    if "act" not in lora_kernels.picked(gate_up):
-        pytest.skip("the activation kernel is not picked in this choice")
+    if "fold" not in lora_kernels.picked(gate_up):
+        pytest.skip("this choice does not fold the LoRA into the activation kernel")
     out = torch.empty(gate_up.shape[0], INTER)
     with lora_kernels.tiled(act=Tiles(rows=64, cols=32, warps=4, stages=1)):
         for _ in range(2):

@@ -84,8 +84,9 @@ class EngineSettings(BaseSettings):
     lora_kernels: str = Field(
         DEFAULT_KERNELS,
         description="PREFT_LORA_KERNELS of the replica processes: the plugin's Triton LoRA kernels on GPU, "
-        "'expand,shrink,act' (the default: 'act' is the MLP's activation kernel, the gate/up LoRA folded in "
-        "up to rank 64), 'expand,shrink', 'expand,shrink,fused' (the fused kernel on steps of rank 64 or "
+        "'expand,shrink,act,fold' (the default: 'act' is the MLP's activation kernel, 'fold' adds the gate/up "
+        "LoRA inside it up to rank 64), 'expand,shrink,act', 'expand,shrink', 'expand,shrink,fused' (the fused "
+        "kernel on steps of rank 64 or "
         "more), 'expand', 'fused', 'none' (the torch path); the README's issue-6 section says what each "
         "measured",
     )
@@ -134,9 +135,14 @@ class EngineSettings(BaseSettings):
     @classmethod
     def _known_kernels(cls, value: str) -> str:
         names = [n.strip() for n in value.split(",") if n.strip()]
-        if names == ["none"] or (names and set(names) <= set(KERNELS)):
-            return ",".join(names)
-        raise ValueError(f"lora_kernels must be 'none' or a comma list of {KERNELS}, not {value!r}")
+        if not (names == ["none"] or (names and set(names) <= set(KERNELS))):
+            raise ValueError(f"lora_kernels must be 'none' or a comma list of {KERNELS}, not {value!r}")
+        if "fold" in names and not {"act", "shrink"} <= set(names):
+            raise ValueError(
+                f"lora_kernels must name 'act' and 'shrink' beside 'fold' (it adds the gate/up LoRA inside the "
+                f"activation kernel, from the shrink's z), not {value!r}"
+            )
+        return ",".join(names)
 
     @field_validator("lora_tiles")
     @classmethod

@@ -12,9 +12,10 @@ Rows are taken in token order, in blocks of the ``act`` tiles' rows; a block may
 (where one request's tokens end and the next one's begin) or none: per step, the host lists each block's
 distinct slots (``row_block_tables``) and the kernel adds one product per slot, each masked to that slot's rows.
 Δ is added in float32 and rounded once to y's dtype, as the expand's add into y is, before the activation.
-``act`` in ``PREFT_LORA_KERNELS`` (the default, with ``shrink``) picks it on CUDA; steps of a rank above
-``FOLD_MAX_RANK`` add the LoRA into gate/up (``groups.lora_linear``) and run the kernel without LoRA on the
-result, as steps without LoRA tokens do; off CUDA the LoRA is added and torch computes the activation.
+``act`` in ``PREFT_LORA_KERNELS`` picks the kernel on CUDA, and ``fold`` beside it and ``shrink`` (all three in
+the default) the LoRA inside it. Without ``fold``, and on steps of a rank above ``FOLD_MAX_RANK``, the LoRA is
+added into gate/up (``groups.lora_linear``) and the kernel runs without LoRA on the result, as on steps without
+LoRA tokens; off CUDA the LoRA is added and torch computes the activation.
 
 Measured on the H200 (README, "Runs 101–107"), Qwen2.5-0.5B's full step (16,384 × 4,864), with the shrink,
 against the shrink, the expand and vLLM's activation: 0.227 ms against 0.313 at rank 8 (Llama-3.1-8B: 0.616
@@ -197,11 +198,10 @@ def row_block_tables(groups: g.SlotGroups, rows: int, rank_chunk: int | None = N
 
 
 def fuses(gate_up: torch.Tensor, x: torch.Tensor, a_stacked, b_stacked, rank: int) -> k.SplitPlan | None:
-    """The gate/up projection's plan when the kernels take this activation (``act`` and ``shrink`` picked,
-    CUDA, the step's rank at most ``FOLD_MAX_RANK``, the gate's and up's B alike): None to add the LoRA into
-    gate/up instead."""
-    kernels = k.picked(gate_up)
-    if "act" not in kernels or "shrink" not in kernels or triton is None or rank > FOLD_MAX_RANK:
+    """The gate/up projection's plan when its LoRA is folded into the activation (``act``, ``fold`` and
+    ``shrink`` picked, CUDA, the step's rank at most ``FOLD_MAX_RANK``, the gate's and up's B alike): None to
+    add the LoRA into gate/up instead."""
+    if not {"act", "fold", "shrink"} <= k.picked(gate_up) or triton is None or rank > FOLD_MAX_RANK:
         return None
     half = gate_up.shape[-1] // 2
     plan = k.split_plan(gate_up, x, a_stacked, b_stacked, [half, half])

@@ -19,11 +19,11 @@ was slower on the H200).
 
 ``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at
 ranks 8 and 16, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every
-step), or ``none`` (the torch path); ``act`` adds the MLP's activation, with the gate/up LoRA folded in up to
-rank 64 (``lora_act``: on the H200 1.38× faster than the pair's gate/up and vLLM's activation at rank 8, 1.09×
-at 32, 1.03× at 64; README "Runs 101–107"). With the pair and ``fused`` together, steps whose rank is
-``FUSED_FROM_RANK`` or more take the fused kernel (``fuses``). The default is ``expand,shrink,act``. Off CUDA
-the torch path always serves.
+step), or ``none`` (the torch path); ``act`` adds the MLP's activation kernel (``lora_act``), and ``fold``
+beside it and ``shrink`` adds the gate/up LoRA inside it up to rank 64 (on the H200 1.38× faster than the
+pair's gate/up and vLLM's activation at rank 8, 1.09× at 32, 1.03× at 64; README "Runs 101–107"). With the
+pair and ``fused`` together, steps whose rank is ``FUSED_FROM_RANK`` or more take the fused kernel
+(``fuses``). The default is ``expand,shrink,act,fold``. Off CUDA the torch path always serves.
 ``PREFT_LORA_TILES`` sets their launch shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it
 ran on: ``shrink=64x64 w4 s4,expand=64x128 w8 s3,act=32x64 w4 s1 cols-first`` (any may be left out: the defaults below
 serve it).
@@ -72,6 +72,8 @@ def _picked(setting: str) -> frozenset[str]:
     names = {n.strip() for n in setting.split(",")} - {"", "none", "0"}
     if names - set(KERNELS):
         logger.warning("PREFT_LORA_KERNELS: unknown %s (known: %s)", sorted(names - set(KERNELS)), KERNELS)
+    if "fold" in names and not {"act", "shrink"} <= names:
+        logger.warning("PREFT_LORA_KERNELS: 'fold' serves only beside 'act' and 'shrink'")
     return frozenset(names & set(KERNELS))
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KERNELS = ("expand", "shrink", "fused", "act")  # what PREFT_LORA_KERNELS may pick (or "none": the torch path)
-DEFAULT_KERNELS = "expand,shrink,act"
+# What PREFT_LORA_KERNELS may pick (or "none": the torch path). "act" is the MLP's activation kernel; "fold" (with
+# "act" and "shrink") adds the gate/up projection's LoRA inside it instead of into gate/up by the expand.
+KERNELS = ("expand", "shrink", "fused", "act", "fold")
+DEFAULT_KERNELS = "expand,shrink,act,fold"
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,12 @@ KERNELS = ("expand", "shrink", "fused", "act", "fold")
 DEFAULT_KERNELS = "expand,shrink,act,fold"
 
 
+def fold_lacks_its_kernels(names: set[str] | frozenset[str]) -> bool:
+    """Whether these kernel names pick "fold" without "act" and "shrink", which it needs (it adds the LoRA
+    inside the activation kernel, from the shrink's z)."""
+    return "fold" in names and not {"act", "shrink"} <= names
+
+
 @dataclass(frozen=True)
 class Tiles:
     """The launch shape of the shrink, the expand or the activation kernel.

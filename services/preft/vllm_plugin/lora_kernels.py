@@ -20,8 +20,9 @@ was slower on the H200).
 ``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at
 ranks 8 and 16, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every
 step), or ``none`` (the torch path); ``act`` adds the MLP's activation kernel (``lora_act``), and ``fold``
-beside it and ``shrink`` adds the gate/up LoRA inside it up to rank 64 (on the H200 1.38× faster than the
-pair's gate/up and vLLM's activation at rank 8, 1.09× at 32, 1.03× at 64; README "Runs 101–107"). With the
+beside it and ``shrink`` adds the gate/up LoRA inside it up to rank 32 (on the H200 1.38× faster than the
+pair's gate/up and vLLM's activation at rank 8, 1.09× at 32; at 64 0.82× the pair's gate/up and the kernel
+without LoRA: README "Runs 113–117"). With the
 pair and ``fused`` together, steps whose rank is ``FUSED_FROM_RANK`` or more take the fused kernel
 (``fuses``). The default is ``expand,shrink,act,fold``. Off CUDA the torch path always serves.
 ``PREFT_LORA_TILES`` sets their launch shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it

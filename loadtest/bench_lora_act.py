@@ -18,8 +18,10 @@ compared against a gate_up the added LoRA had already been added to.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 
 import torch
 
@@ -34,6 +36,21 @@ SHAPES += [Tiles(r, c, w, 1) for r, c, w in ((32, 64, 4), (32, 128, 4), (16, 128
 SHAPES += [Tiles(128, 64, 8, 1)]  # (rank 64: B's tile over more rows)
 SHAPES += [Tiles(r, c, w, 1) for r, c, w in ((16, 256, 4), (32, 256, 8), (64, 256, 8), (128, 128, 8))]
 SHAPES += [dataclasses.replace(t, cols_first=True) for t in SHAPES]  # (each in the grid's other order)
+# (the rank loop's z and B loads pipelined, two and three deep: rank 32 and 64 run two and four 16-wide chunks)
+PIPELINED = ((32, 64, 4), (32, 128, 4), (64, 64, 8), (64, 128, 8))
+SHAPES += [Tiles(r, c, w, s, True) for r, c, w in PIPELINED for s in (2, 3)]
+
+
+@contextlib.contextmanager
+def folding_at(rank: int) -> Iterator[None]:
+    """The fold taken at this rank, above ``lora_act.FOLD_MAX_RANK`` too: the bench measures the ranks that
+    set it. (Runs 107 and 118 timed rank 64 above it: each call added the LoRA into gate/up once more.)"""
+    before = lora_act.FOLD_MAX_RANK
+    lora_act.FOLD_MAX_RANK = max(before, rank)
+    try:
+        yield
+    finally:
+        lora_act.FOLD_MAX_RANK = before
 
 
 def bench(model: str, rank: int, iters: int) -> dict:
@@ -68,7 +85,9 @@ def bench(model: str, rank: int, iters: int) -> dict:
             )
     with lora_kernels.using("expand", "shrink", "act"):  # (the default act tiles)
         row["added_then_plain_ms"] = timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))
-    with lora_kernels.using("expand", "shrink", "act", "fold"):
+    with lora_kernels.using("expand", "shrink", "act", "fold"), folding_at(rank):
+        if lora_act.fuses(gate_up, x, a, b, groups.rank) is None:
+            raise RuntimeError(f"{model} rank {rank}: the LoRA would be added into gate/up, not folded")
         for tiles in SHAPES:
             with lora_kernels.tiled(act=tiles):
                 gate_up.zero_()

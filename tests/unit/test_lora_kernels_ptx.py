@@ -187,7 +187,7 @@ def test_the_activation_holds_few_registers_so_enough_reads_stay_in_flight():
     """Run 101: the activation without LoRA moved 2.6 TB/s where a plain kernel over the same gate/up moved ~4:
     its LoRA branch (four float32 tiles) took 122 registers a thread, in both variants, and so too few programs
     per SM. Now the variant without LoRA compiles without the branch (as few as the plain kernel: 32) and the
-    folded one sums the products into gate's and up's own tiles, 16 rank columns at a time (72 at any rank)."""
+    folded one sums the products into gate's and up's own tiles, 16 rank columns at a time (64 at any rank)."""
     plain, _ = _activation(rank_aligned=True, lora=False)
     accesses = Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*", plain.asm["ptx"]))
     assert set(accesses) == {"ld.global.v4.b32", "st.global.v4.b32"}, accesses  # gate, up and out only

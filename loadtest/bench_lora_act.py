@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Iterator
+from unittest import mock
 
 import torch
 
@@ -42,21 +42,10 @@ PIPELINED = ((32, 64, 4), (32, 128, 4), (64, 64, 8), (64, 128, 8))
 SHAPES += [Tiles(r, c, w, s, True) for r, c, w in PIPELINED for s in (2, 3)]
 
 
-@contextlib.contextmanager
-def _set(name: str, value: int) -> Iterator[None]:
-    """lora_act's setting ``name`` at this value meanwhile."""
-    before = getattr(lora_act, name)
-    setattr(lora_act, name, value)
-    try:
-        yield
-    finally:
-        setattr(lora_act, name, before)
-
-
 def folding_at(rank: int) -> contextlib.AbstractContextManager[None]:
     """The fold taken at this rank, above ``lora_act.FOLD_MAX_RANK`` too: the bench measures the ranks that
     set it. (Runs 107 and 118 timed rank 64 above it: each call added the LoRA into gate/up once more.)"""
-    return _set("FOLD_MAX_RANK", max(lora_act.FOLD_MAX_RANK, rank))
+    return mock.patch.object(lora_act, "FOLD_MAX_RANK", max(lora_act.FOLD_MAX_RANK, rank))
 
 
 def bench(model: str, rank: int, iters: int) -> dict:
@@ -98,7 +87,7 @@ def bench(model: str, rank: int, iters: int) -> dict:
         cells = [(t, lora_act.RANK_CHUNK) for t in SHAPES] + [(t, k) for k in (32, 64) if k < 2 * rank for t in wide]
         for tiles, chunk in cells:
             label = tiles.label + f" k{chunk}" * (chunk != lora_act.RANK_CHUNK)
-            with lora_kernels.tiled(act=tiles), _set("RANK_CHUNK", chunk):
+            with lora_kernels.tiled(act=tiles), mock.patch.object(lora_act, "RANK_CHUNK", chunk):
                 gate_up.zero_()
                 cell = {"folded_ms": timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))}
                 cell["max_rel_diff"] = float((out.float() - reference).abs().max() / reference.abs().max())

@@ -25,8 +25,9 @@ the pair's gate/up and the kernel without LoRA: 1.31× faster at rank 8 and 0.82
 and 1.20× at 32 on run 118's loop order: README "Runs 113–118"). With the pair and ``fused`` together, steps
 whose rank is ``FUSED_FROM_RANK`` or more take the fused kernel (``fuses``). The default is
 ``expand,shrink,act,fold``. Off CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch
-shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it ran on: ``shrink=64x64 w4 s4,expand=64x128 w8 s3,
-act=64x64 w8 s1 cols-first`` (any may be left out: the defaults below serve it).
+shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it ran on (any may be left out: the defaults
+below serve it):
+``shrink=64x64 w4 s4,expand=64x128 w8 s3,act=64x64 w8 s1 cols-first``.
 """
 
 from __future__ import annotations

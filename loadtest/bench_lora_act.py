@@ -10,8 +10,9 @@ by the shrink and expand kernels then vLLM's activation (what the engine ran unt
 kernel: README "Runs 101–107") or then the activation kernel without LoRA (``act`` without ``fold``), and the
 activation kernel in each launch shape of ``SHAPES``, each in both grid orders (row blocks or column tiles
 first), with the LoRA folded in (``fold``; and how far its result is from the added LoRA's) and with no LoRA
-token (its activation on steps without adapters); above rank 16, the ``PIPELINED`` shapes folded again in wider
-rank chunks (``lora_act.RANK_CHUNK`` 32 and 64, labelled `` k32`` and `` k64``). Prints ms per call and the bandwidth
+token (its activation on steps without adapters); above rank 16, the ``PIPELINED`` shapes folded again in the
+other rank chunks than ``lora_act.RANK_CHUNK`` that change the kernel (16 and 64, labelled `` k16`` and `` k64``;
+run 119 set ``RANK_CHUNK`` from the `` k32`` cells of then). Prints ms per call and the bandwidth
 each plain activation moves (gate, up and the output once each). Run 53's numbers (README, "Runs 49–54") came
 from an earlier version that also timed rank-1 updates in place of the products (slower in every shape) and
 compared against a gate_up the added LoRA had already been added to.
@@ -37,7 +38,7 @@ SHAPES += [Tiles(r, c, w, 1) for r, c, w in ((32, 64, 4), (32, 128, 4), (16, 128
 SHAPES += [Tiles(128, 64, 8, 1)]  # (rank 64: B's tile over more rows)
 SHAPES += [Tiles(r, c, w, 1) for r, c, w in ((16, 256, 4), (32, 256, 8), (64, 256, 8), (128, 128, 8))]
 SHAPES += [dataclasses.replace(t, cols_first=True) for t in SHAPES]  # (each in the grid's other order)
-# (the rank loop's z and B loads pipelined, two and three deep: rank 32 and 64 run two and four 16-wide chunks)
+# (the rank loop's z and B loads pipelined, two and three deep: rank 64 runs two 32-wide chunks, four 16-wide)
 PIPELINED = ((32, 64, 4), (32, 128, 4), (64, 64, 8), (64, 128, 8))
 SHAPES += [Tiles(r, c, w, s, True) for r, c, w in PIPELINED for s in (2, 3)]
 
@@ -84,7 +85,9 @@ def bench(model: str, rank: int, iters: int) -> dict:
         if lora_act.fuses(gate_up, x, a, b, groups.rank) is None:
             raise RuntimeError(f"{model} rank {rank}: the LoRA would be added into gate/up, not folded")
         wide = [t for t in SHAPES if t.stages == 1 and t.cols_first and (t.rows, t.cols, t.warps) in PIPELINED]
-        cells = [(t, lora_act.RANK_CHUNK) for t in SHAPES] + [(t, k) for k in (32, 64) if k < 2 * rank for t in wide]
+        block = lora_kernels._block(rank)  # (the chunk a kernel runs: the rank's tile, at most RANK_CHUNK)
+        other = [k for k in (16, 32, 64) if min(block, k) != min(block, lora_act.RANK_CHUNK)]
+        cells = [(t, lora_act.RANK_CHUNK) for t in SHAPES] + [(t, k) for k in other for t in wide]
         for tiles, chunk in cells:
             label = tiles.label + f" k{chunk}" * (chunk != lora_act.RANK_CHUNK)
             with lora_kernels.tiled(act=tiles), mock.patch.object(lora_act, "RANK_CHUNK", chunk):

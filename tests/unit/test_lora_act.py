@@ -45,12 +45,13 @@ def _reference(x, gate_up, a, b, token_slots):
 @pytest.mark.parametrize("cols_first", [False, True], ids=["rows-first", "cols-first"])  # the grid's order
 @pytest.mark.parametrize("padding", [0, 7])  # rows past the step's tokens (a padded batch) have no adapter
 @pytest.mark.parametrize("token_slots", [TOKEN_SLOTS, [-1] * 3 + [1] * 130 + [-1] * 2], ids=["gathered", "span"])
-# (24: two rank chunks; 40: three, the last one partial, above FOLD_MAX_RANK, where bench_lora_act folds too)
+# (in 16-wide rank chunks, 24: two; 40: three, the last one partial; in 32-wide, 24: one partial, 40: two)
 @pytest.mark.parametrize("ranks", [(8, 16, 8, 8), (24, 8, 16, 24), (40, 8, 16, 40)], ids=["r16", "r24", "r40"])
+@pytest.mark.parametrize("chunk", [16, 32], ids=lambda k: f"k{k}")
 def test_the_kernel_matches_the_lora_added_into_gate_up(
-    lora_kernels_interpreted, monkeypatch, token_slots, padding, cols_first, ranks
+    lora_kernels_interpreted, monkeypatch, token_slots, padding, cols_first, ranks, chunk
 ):
-    monkeypatch.setattr(lora_act, "FOLD_MAX_RANK", max(lora_act.FOLD_MAX_RANK, *ranks))
+    monkeypatch.setattr(lora_act, "RANK_CHUNK", chunk)
     x, gate_up, a, b, groups = _case(token_slots, len(token_slots) + padding, ranks)
     expected = _reference(x, gate_up, a, b, token_slots)
     before = gate_up.clone()

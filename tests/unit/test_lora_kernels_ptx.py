@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from preft.vllm_plugin import lora_kernels
+from preft.vllm_plugin import lora_act, lora_kernels
 
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -132,14 +132,12 @@ def test_kernels_refuse_weights_that_are_not_16_byte_aligned():
     assert not lora_kernels.can_fuse(x, [aligned], [torch.zeros(2 * 40 * 8 + 1)[1:].view(2, 40, 8)])
 
 
-def _activation(rank_aligned: bool, lora: bool):
-    """lora_act's kernel as the engine launches it (its default tiles, 16-wide rank chunks), for sm_90."""
-    from preft.vllm_plugin import lora_act
-
+def _activation(rank_aligned: bool, lora: bool, block_k: int = 16):
+    """lora_act's kernel as the engine launches it (its default tiles, `block_k`-wide rank chunks), for sm_90."""
     fn = lora_act._silu_mul_lora_kernel
     names = fn.arg_names
     tiles = lora_kernels.DEFAULT_TILES["act"]
-    constexprs = {"BLOCK_K": 16, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.cols, "PRECISION": "tf32"}
+    constexprs = {"BLOCK_K": block_k, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.cols, "PRECISION": "tf32"}
     constexprs |= {"RANK_ALIGNED": rank_aligned, "COLS_FIRST": tiles.cols_first, "LORA": lora, "stride_b_rank": 1}
     pointers = {"out_ptr": "*bf16", "gu_ptr": "*bf16", "z_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16"}
     signature = {
@@ -158,16 +156,21 @@ def _activation(rank_aligned: bool, lora: bool):
         pytest.skip(f"cannot compile for sm_90 here: {error}")
 
 
+# (the rank chunks: 16 columns at ranks up to 16, lora_act.RANK_CHUNK above)
+CHUNKS = pytest.mark.parametrize("block_k", [16, lora_act.RANK_CHUNK], ids=lambda k: f"k{k}")
+
+
+@CHUNKS
 @pytest.mark.parametrize("rank_aligned", [False, True])
-def test_the_activation_reads_gate_up_and_writes_its_output_in_16_byte_vectors(rank_aligned):
+def test_the_activation_reads_gate_up_and_writes_its_output_in_16_byte_vectors(rank_aligned, block_k):
     """The activation with the gate/up LoRA folded in (lora_act) moves gate, up and its output as the plain
     activation does: 16 bytes per thread at a time; its LoRA's z and B, where the rank is aligned, so too."""
-    compiled, tiles = _activation(rank_aligned, lora=True)
+    compiled, tiles = _activation(rank_aligned, lora=True, block_k=block_k)
     accesses = Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*", compiled.asm["ptx"]))
     vectors = tiles.rows * tiles.cols * 2 // (32 * tiles.warps * 16)  # one bf16 tile
     assert {op: n for op, n in accesses.items() if op.startswith("st.")} == {"st.global.v4.b32": vectors}, accesses
-    b_vectors = 16 * tiles.cols * 2 // (32 * tiles.warps * 16)  # a bf16 tile of B (16 rank rows), gate's and up's
-    assert accesses["ld.global.v4.b32"] == 2 * vectors + rank_aligned * 2 * b_vectors, accesses  # gate and up
+    lora_vectors = sum(block_k * n * 2 // (32 * tiles.warps * 16) for n in (tiles.rows, tiles.cols))  # z's, B's
+    assert accesses["ld.global.v4.b32"] == 2 * (vectors + rank_aligned * lora_vectors), accesses  # gate's, up's
     assert bool([op for op in accesses if op.endswith(".b16")]) != rank_aligned, accesses
 
 
@@ -183,13 +186,15 @@ def _registers(compiled) -> int:
     return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
-def test_the_activation_holds_few_registers_so_enough_reads_stay_in_flight():
+@CHUNKS
+def test_the_activation_holds_few_registers_so_enough_reads_stay_in_flight(block_k):
     """Run 101: the activation without LoRA moved 2.6 TB/s where a plain kernel over the same gate/up moved ~4:
     its LoRA branch (four float32 tiles) took 122 registers a thread, in both variants, and so too few programs
     per SM. Now the variant without LoRA compiles without the branch (as few as the plain kernel: 32) and the
-    folded one sums the products into gate's and up's own tiles, 16 rank columns at a time (64 at any rank)."""
+    folded one sums the products into gate's and up's own tiles, 16 or 32 rank columns at a time (64 at any
+    rank; 80 in 64-wide chunks)."""
     plain, _ = _activation(rank_aligned=True, lora=False)
     accesses = Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*", plain.asm["ptx"]))
     assert set(accesses) == {"ld.global.v4.b32", "st.global.v4.b32"}, accesses  # gate, up and out only
     assert _registers(plain) <= 40
-    assert _registers(_activation(rank_aligned=True, lora=True)[0]) <= 80
+    assert _registers(_activation(rank_aligned=True, lora=True, block_k=block_k)[0]) <= 80

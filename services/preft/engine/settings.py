@@ -85,7 +85,7 @@ class EngineSettings(BaseSettings):
         DEFAULT_KERNELS,
         description="PREFT_LORA_KERNELS of the replica processes: the plugin's Triton LoRA kernels on GPU, "
         "'expand,shrink,act,fold' (the default: 'act' is the MLP's activation kernel, 'fold' adds the gate/up "
-        "LoRA inside it up to rank 32), 'expand,shrink,act', 'expand,shrink', 'expand,shrink,fused' (the fused "
+        "LoRA inside it up to rank 64), 'expand,shrink,act', 'expand,shrink', 'expand,shrink,fused' (the fused "
         "kernel on steps of rank 64 or more), 'expand', 'fused', 'none' (the torch path); the README's issue-6 "
         "section says what each measured",
     )

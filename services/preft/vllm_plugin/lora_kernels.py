@@ -17,16 +17,15 @@ rank columns in 16-byte vectors (README, "Runs 73–76" and "Runs 77–79": a Qw
 rank 64 in 0.395 ms against 0.574); elsewhere an element at a time (and always in the fused kernel: its variant
 was slower on the H200).
 
-``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at
-ranks 8 and 16, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every
-step), or ``none`` (the torch path); ``act`` adds the MLP's activation kernel (``lora_act``), and ``fold``
-beside it and ``shrink`` adds the gate/up LoRA inside it up to rank 32 (on Qwen's step on the H200, against
-the pair's gate/up and the kernel without LoRA: 1.31× faster at rank 8 and 0.82× at 64 in run 113, 1.39× at 16
-and 1.20× at 32 on run 118's loop order: README "Runs 113–118"). With the pair and ``fused`` together, steps
-whose rank is ``FUSED_FROM_RANK`` or more take the fused kernel (``fuses``). The default is
-``expand,shrink,act,fold``. Off CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch
-shapes, as ``loadtest/bench_lora_tiles`` prints them for the GPU it ran on (any may be left out: the defaults
-below serve it):
+``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at ranks 8 and
+16, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every step), or ``none``
+(the torch path); ``act`` adds the MLP's activation kernel (``lora_act``), and ``fold`` beside it and ``shrink``
+adds the gate/up LoRA inside it up to rank 64 (on Qwen's step on the H200, against the pair's gate/up and the kernel
+without LoRA: 1.37× faster at rank 8, 1.34× at 16, 1.25× at 32 and 1.08× at 64 in run 119, the last two in 32-wide
+rank chunks; Llama-3.1-8B 1.44× to 1.18×: README "Runs 119–124"). With the pair and ``fused`` together, steps whose
+rank is ``FUSED_FROM_RANK`` or more take the fused kernel (``fuses``). The default is ``expand,shrink,act,fold``.
+Off CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch shapes, as
+``loadtest/bench_lora_tiles`` prints them for the GPU it ran on (any may be left out: the defaults below serve it):
 ``shrink=64x64 w4 s4,expand=64x128 w8 s3,act=64x64 w8 s1 cols-first``.
 """
 

@@ -1,12 +1,12 @@
 """The MLP's activation with its gate/up projection's LoRA folded in: out = silu(gate + Δgate) · (up + Δup).
 
-On Qwen's prefill steps the expand of the fused gate/up projection was most of the LoRA's device time: it
-reads and writes y, [tokens, 2 × intermediate], the widest output of the layer (77% of the expand's columns
-on Qwen2.5-0.5B, 67% on Llama-3.1-8B), only for the activation to read y again. Here the shrink writes
-z = x·Aᵀ at each adapted token's row, and one kernel over all the step's rows reads gate and up, adds
-z·Bᵀ (rank ≤ 64: one to four ``tl.dot`` per slot and tile) where a row has an adapter, and writes silu(gate)·up: y's
-extra read and write are gone (the aim: the activation at the cost it has without adapters). ``mlp_patch``
-routes each Llama/Qwen2 MLP through ``preft::lora_silu_and_mul``, which lands here.
+On Qwen's prefill steps the expand of the fused gate/up projection was most of the LoRA's device time: it reads
+and writes y, [tokens, 2 × intermediate], the widest output of the layer (77% of the expand's columns on
+Qwen2.5-0.5B, 67% on Llama-3.1-8B), only for the activation to read y again. Here the shrink writes z = x·Aᵀ at
+each adapted token's row, and one kernel over all the step's rows reads gate and up, adds z·Bᵀ (rank ≤ 64: one or
+two ``tl.dot`` each for gate and up, per slot and tile) where a row has an adapter, and writes silu(gate)·up: y's
+extra read and write are gone (the aim: the activation at the cost it has without adapters). ``mlp_patch`` routes
+each Llama/Qwen2 MLP through ``preft::lora_silu_and_mul``, which lands here.
 
 Rows are taken in token order, in blocks of the ``act`` tiles' rows; a block may hold tokens of several slots
 (where one request's tokens end and the next one's begin) or none: per step, the host lists each block's

@@ -1,7 +1,9 @@
 """The engine's greedy tokens are the HF/peft reference's, in mixed batches, in float32.
 
 One engine per architecture (Llama, Qwen2) with 2 adapter slots, 32-token steps (so longer prompts are
-prefilled in chunks) and 32-token KV blocks (so prompts span several prefix-cache blocks).
+prefilled in chunks) and 32-token KV blocks (so prompts span several prefix-cache blocks). Beside the shared
+adapters (ranks 4 and 8) the mixed batch has a LoRA of rank 40 on every module: steps that hold it run rank 40
+(on CUDA the gate/up LoRA folded into the activation in two rank chunks, the last one partial).
 
 The reference is fed the engine's tokens and must rank each of them first. On CPU that means the same tokens.
 On CUDA the engine's float32 kernels (Triton attention, cuBLAS) add in other orders than torch on the CPU, so
@@ -18,6 +20,7 @@ import random
 import pytest
 import torch
 
+from preft.devtools.tiny import build_lora
 from preft.engine.requests import GenerationRequest
 from tests.conftest import random_prompt
 from tests.engine.conftest import MAX_LORAS, MAX_NUM_BATCHED_TOKENS
@@ -25,7 +28,8 @@ from tests.reference import reference_logits
 
 pytestmark = pytest.mark.engine
 
-ADAPTERS = ("lora_a", "lora_b", "lora_c", "direft_a", "direft_b")
+ADAPTERS = ("lora_a", "lora_b", "lora_c", "lora_wide", "direft_a", "direft_b")
+WIDE_RANK = 40  # above lora_act.RANK_CHUNK, not a multiple of it
 PROMPT_LENGTHS = (5, 13, 47, 90)  # 47 and 90 exceed the 32-token step: chunked prefill
 MAX_TOKENS = 12
 LOGIT_TIE = 0.02 if torch.cuda.is_available() else 0.0  # the logits' spread here is ~1.5 (std over the vocabulary)
@@ -82,15 +86,22 @@ def arch(request):
 
 @pytest.fixture(scope="module")
 def engine(arch, model_dirs, engine_factory):
-    return engine_factory(model_dirs[arch])
+    return engine_factory(model_dirs[arch], max_lora_rank=64)
 
 
 @pytest.fixture(scope="module")
-def batch_run(arch, engine, model_dirs, adapters):
+def batch_adapters(arch, model_dirs, adapters, tmp_path_factory) -> dict:
+    """The shared adapters and a LoRA of rank WIDE_RANK on every module."""
+    wide = tmp_path_factory.mktemp(f"wide-{arch}") / "lora_wide"
+    return {**adapters[arch], "lora_wide": build_lora(wide, model_dirs[arch], rank=WIDE_RANK, seed=14)}
+
+
+@pytest.fixture(scope="module")
+def batch_run(arch, engine, batch_adapters):
     """One mixed batch through the engine."""
     rng = random.Random(f"prompts-{arch}")
     prompts = [random_prompt(rng, n) for n in PROMPT_LENGTHS]
-    reqs = _mixed_batch(adapters[arch], prompts)
+    reqs = _mixed_batch(batch_adapters, prompts)
     return reqs, engine.generate(reqs)
 
 

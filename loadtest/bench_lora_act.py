@@ -85,8 +85,8 @@ def bench(model: str, rank: int, iters: int) -> dict:
         if lora_act.fuses(gate_up, x, a, b, groups.rank) is None:
             raise RuntimeError(f"{model} rank {rank}: the LoRA would be added into gate/up, not folded")
         wide = [t for t in SHAPES if t.stages == 1 and t.cols_first and (t.rows, t.cols, t.warps) in PIPELINED]
-        block = lora_kernels._block(rank)  # (the chunk a kernel runs: the rank's tile, at most RANK_CHUNK)
-        other = [k for k in (16, 32, 64) if min(block, k) != min(block, lora_act.RANK_CHUNK)]
+        tile = lora_act.rank_tile(rank, lora_act.RANK_CHUNK)
+        other = [k for k in (16, 32, 64) if lora_act.rank_tile(rank, k) != tile]  # (chunks that change the kernel)
         cells = [(t, lora_act.RANK_CHUNK) for t in SHAPES] + [(t, k) for k in other for t in wide]
         for tiles, chunk in cells:
             label = tiles.label + f" k{chunk}" * (chunk != lora_act.RANK_CHUNK)

@@ -179,6 +179,11 @@ def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
         torch.mul(torch.nn.functional.silu(gate_up[..., :half]), gate_up[..., half:], out=out)
 
 
+def rank_tile(rank: int, rank_chunk: int | None) -> int:
+    """The rank columns a product takes at this rank: the rank's tile, at most `rank_chunk` (None: no limit)."""
+    return k._block(rank) if rank_chunk is None else min(k._block(rank), rank_chunk)
+
+
 def row_block_tables(groups: g.SlotGroups, rows: int, rank_chunk: int | None = None) -> k._Args:
     """The step's slot per token and, per block of `rows` token rows, its distinct slots (CSR), then the rank
     tile (the rank's, at most `rank_chunk`): made on the step's first use in blocks of `rows` and kept with the
@@ -194,8 +199,8 @@ def row_block_tables(groups: g.SlotGroups, rows: int, rank_chunk: int | None = N
         n_blocks = int(blocks[-1]) + 1 if blocks.size else 0
         offs = np.searchsorted(blocks, np.arange(n_blocks + 2))  # (one more entry: rows past its blocks)
         token_slot, block_offs, block_slots = g.to_device((slots, offs, keys % width), groups.rows.device)
-        block = k._block(groups.rank) if rank_chunk is None else min(k._block(groups.rank), rank_chunk)
-        values = (token_slot, block_offs, block_slots, slots.size, n_blocks, groups.rank, block)
+        tile = rank_tile(groups.rank, rank_chunk)
+        values = (token_slot, block_offs, block_slots, slots.size, n_blocks, groups.rank, tile)
         kept = groups.launch_args[("row blocks", rows, rank_chunk)] = k._args(values, (values[-1],))
     return kept
 

@@ -196,9 +196,10 @@ def test_the_activation_holds_few_registers_so_enough_reads_stay_in_flight(block
     per SM. Now the variant without LoRA compiles without the branch (as few as the plain kernel: 32) and the
     folded one sums the products into gate's and up's own tiles, 16 or 32 rank columns at a time (64 at any
     rank; 80 in 64-wide chunks). Over several column tiles a program computes each tile's addresses and masks
-    again (68 at 32-wide chunks): hoisted out of the loop, they held 88."""
+    again (at 32-wide chunks 68 with Triton 3.9, 80 with 3.6, the H200's): hoisted out of the loop, they held 88
+    (86 with 3.6)."""
     plain, _ = _activation(rank_aligned=True, lora=False, col_tiles=col_tiles)
     accesses = Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*", plain.asm["ptx"]))
     assert set(accesses) == {"ld.global.v4.b32", "st.global.v4.b32"}, accesses  # gate, up and out only
     assert _registers(plain) <= 40
-    assert _registers(_activation(rank_aligned=True, lora=True, block_k=block_k, col_tiles=col_tiles)[0]) <= 72
+    assert _registers(_activation(rank_aligned=True, lora=True, block_k=block_k, col_tiles=col_tiles)[0]) <= 80

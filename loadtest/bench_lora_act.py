@@ -10,10 +10,9 @@ by the shrink and expand kernels then vLLM's activation (what the engine ran unt
 kernel: README "Runs 101–107") or then the activation kernel without LoRA (``act`` without ``fold``), and the
 activation kernel in each launch shape of ``SHAPES``, each in both grid orders (row blocks or column tiles
 first), with the LoRA folded in (``fold``; and how far its result is from the added LoRA's) and with no LoRA
-token (its activation on steps without adapters). The ``PIPELINED`` shapes (cols-first, one stage) come first,
-each over 1, 2 and 4 column tiles per program (``COLUMN_TILES``, labelled `` c2`` and `` c4``) and, above rank
-16, in the other rank chunks than ``lora_act.RANK_CHUNK`` that change the kernel (16 and 64, labelled `` k16``
-and `` k64``; run 119 set ``RANK_CHUNK`` from the `` k32`` cells of then). Prints ms per call and the bandwidth
+token (its activation on steps without adapters); above rank 16, the ``PIPELINED`` shapes folded again in the
+other rank chunks than ``lora_act.RANK_CHUNK`` that change the kernel (16 and 64, labelled `` k16`` and `` k64``;
+run 119 set ``RANK_CHUNK`` from the `` k32`` cells of then). Prints ms per call and the bandwidth
 each plain activation moves (gate, up and the output once each). Run 53's numbers (README, "Runs 49–54") came
 from an earlier version that also timed rank-1 updates in place of the products (slower in every shape) and
 compared against a gate_up the added LoRA had already been added to.
@@ -42,7 +41,6 @@ SHAPES += [dataclasses.replace(t, cols_first=True) for t in SHAPES]  # (each in 
 # (the rank loop's z and B loads pipelined, two and three deep: rank 64 runs two 32-wide chunks, four 16-wide)
 PIPELINED = ((32, 64, 4), (32, 128, 4), (64, 64, 8), (64, 128, 8))
 SHAPES += [Tiles(r, c, w, s, True) for r, c, w in PIPELINED for s in (2, 3)]
-COLUMN_TILES = (1, 2, 4)  # column tiles per program (``Tiles.col_tiles``), timed on the PIPELINED shapes
 
 
 def folding_at(rank: int) -> contextlib.AbstractContextManager[None]:
@@ -89,14 +87,7 @@ def bench(model: str, rank: int, iters: int) -> dict:
         wide = [t for t in SHAPES if t.stages == 1 and t.cols_first and (t.rows, t.cols, t.warps) in PIPELINED]
         tile = lora_act.rank_tile(rank, lora_act.RANK_CHUNK)
         other = [k for k in (16, 32, 64) if lora_act.rank_tile(rank, k) != tile]  # (chunks that change the kernel)
-        # (first the pipelined shapes in each rank chunk and column tiles per program, then every shape as set)
-        cells = [
-            (dataclasses.replace(t, col_tiles=c), k)
-            for t in wide
-            for k in (lora_act.RANK_CHUNK, *other)
-            for c in COLUMN_TILES
-        ]
-        cells += [(t, lora_act.RANK_CHUNK) for t in SHAPES if t not in wide]
+        cells = [(t, lora_act.RANK_CHUNK) for t in SHAPES] + [(t, k) for k in other for t in wide]
         for tiles, chunk in cells:
             label = tiles.label + f" k{chunk}" * (chunk != lora_act.RANK_CHUNK)
             with lora_kernels.tiled(act=tiles), mock.patch.object(lora_act, "RANK_CHUNK", chunk):

@@ -48,10 +48,8 @@ def _reference(x, gate_up, a, b, token_slots):
 # (in 16-wide rank chunks, 24: two; 40: three, the last one partial; in 32-wide, 24: one partial, 40: two)
 @pytest.mark.parametrize("ranks", [(8, 16, 8, 8), (24, 8, 16, 24), (40, 8, 16, 40)], ids=["r16", "r24", "r40"])
 @pytest.mark.parametrize("chunk", [16, 32], ids=lambda k: f"k{k}")
-# (column tiles per program; 2: the last program's second tile lies past the columns)
-@pytest.mark.parametrize("column_tiles", [1, 2], ids=lambda c: f"c{c}")
 def test_the_kernel_matches_the_lora_added_into_gate_up(
-    lora_kernels_interpreted, monkeypatch, token_slots, padding, cols_first, ranks, chunk, column_tiles
+    lora_kernels_interpreted, monkeypatch, token_slots, padding, cols_first, ranks, chunk
 ):
     monkeypatch.setattr(lora_act, "RANK_CHUNK", chunk)
     x, gate_up, a, b, groups = _case(token_slots, len(token_slots) + padding, ranks)
@@ -61,9 +59,7 @@ def test_the_kernel_matches_the_lora_added_into_gate_up(
     act = lora_act._ACT
     monkeypatch.setattr(lora_act, "_ACT", lambda grid, key, *rest: launched.append(key[-1]) or act(grid, key, *rest))
     out = torch.empty(gate_up.shape[0], INTER)
-    with lora_kernels.tiled(
-        act=Tiles(rows=32, cols=16, warps=4, stages=1, cols_first=cols_first, col_tiles=column_tiles)
-    ):
+    with lora_kernels.tiled(act=Tiles(rows=32, cols=16, warps=4, stages=1, cols_first=cols_first)):
         lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)  # (a grid of 4-5 row blocks by 3 column tiles)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # (another order of the products' sums)
     picked = lora_kernels.picked(gate_up)

@@ -132,15 +132,13 @@ def test_kernels_refuse_weights_that_are_not_16_byte_aligned():
     assert not lora_kernels.can_fuse(x, [aligned], [torch.zeros(2 * 40 * 8 + 1)[1:].view(2, 40, 8)])
 
 
-def _activation(rank_aligned: bool, lora: bool, block_k: int = 16, col_tiles: int | None = None):
-    """lora_act's kernel as the engine launches it (its default tiles and column tiles per program, `block_k`-wide
-    rank chunks), for sm_90."""
+def _activation(rank_aligned: bool, lora: bool, block_k: int = 16):
+    """lora_act's kernel as the engine launches it (its default tiles, `block_k`-wide rank chunks), for sm_90."""
     fn = lora_act._silu_mul_lora_kernel
     names = fn.arg_names
     tiles = lora_kernels.DEFAULT_TILES["act"]
     constexprs = {"BLOCK_K": block_k, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.cols, "PRECISION": "tf32"}
     constexprs |= {"RANK_ALIGNED": rank_aligned, "COLS_FIRST": tiles.cols_first, "LORA": lora, "stride_b_rank": 1}
-    constexprs["COL_TILES"] = col_tiles or tiles.col_tiles
     pointers = {"out_ptr": "*bf16", "gu_ptr": "*bf16", "z_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16"}
     signature = {
         n: "constexpr" if n in constexprs else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32") for n in names
@@ -189,17 +187,14 @@ def _registers(compiled) -> int:
 
 
 @CHUNKS
-@pytest.mark.parametrize("col_tiles", [1, 4], ids=lambda c: f"c{c}")
-def test_the_activation_holds_few_registers_so_enough_reads_stay_in_flight(block_k, col_tiles):
+def test_the_activation_holds_few_registers_so_enough_reads_stay_in_flight(block_k):
     """Run 101: the activation without LoRA moved 2.6 TB/s where a plain kernel over the same gate/up moved ~4:
     its LoRA branch (four float32 tiles) took 122 registers a thread, in both variants, and so too few programs
     per SM. Now the variant without LoRA compiles without the branch (as few as the plain kernel: 32) and the
     folded one sums the products into gate's and up's own tiles, 16 or 32 rank columns at a time (64 at any
-    rank; 80 in 64-wide chunks). Over several column tiles a program computes each tile's addresses and masks
-    again (at 32-wide chunks 68 with Triton 3.9, 80 with 3.6, the H200's): hoisted out of the loop, they held 88
-    (86 with 3.6)."""
-    plain, _ = _activation(rank_aligned=True, lora=False, col_tiles=col_tiles)
+    rank; 80 in 64-wide chunks)."""
+    plain, _ = _activation(rank_aligned=True, lora=False)
     accesses = Counter(re.findall(r"(?:ld|st)\.global[.a-z0-9]*", plain.asm["ptx"]))
     assert set(accesses) == {"ld.global.v4.b32", "st.global.v4.b32"}, accesses  # gate, up and out only
     assert _registers(plain) <= 40
-    assert _registers(_activation(rank_aligned=True, lora=True, block_k=block_k, col_tiles=col_tiles)[0]) <= 80
+    assert _registers(_activation(rank_aligned=True, lora=True, block_k=block_k)[0]) <= 80

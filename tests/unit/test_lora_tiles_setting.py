@@ -19,9 +19,6 @@ def test_labels_round_trip_and_leave_out_warps_and_stages():
     ordered = Tiles(rows=64, cols=128, warps=8, stages=3, cols_first=True)
     assert Tiles.parse(ordered.label) == ordered and ordered.label == "64x128 w8 s3 cols-first"
     assert Tiles.parse("32x64 cols-first") == Tiles(32, 64, 4, 3, cols_first=True)
-    spanning = Tiles(rows=64, cols=64, warps=8, stages=1, cols_first=True, col_tiles=4)
-    assert Tiles.parse(spanning.label) == spanning and spanning.label == "64x64 w8 s1 cols-first c4"
-    assert Tiles.parse("32x64 c2") == Tiles(32, 64, col_tiles=2)
 
 
 def test_setting_names_either_kernel_or_both():
@@ -32,7 +29,6 @@ def test_setting_names_either_kernel_or_both():
         "expand": Tiles(16, 32, 4, 3),
     }
     assert parse_tiles("act=32x64 w4 s1 cols-first")["act"].cols_first
-    assert parse_tiles("act=64x64 w8 s1 cols-first c2")["act"].col_tiles == 2
 
 
 @pytest.mark.parametrize(
@@ -49,9 +45,6 @@ def test_setting_names_either_kernel_or_both():
         ("shrink=64x64 w4 s0", "stages must be 1 to 8"),
         ("expand=64x64 colsfirst", "is not ROWSxCOLS"),
         ("shrink=64x64 cols-first", "the shrink's grid has one order"),
-        ("expand=64x64 c2", "the expand's programs take one column tile each"),
-        ("act=64x64 c3", "col_tiles must be a power of two from 1 to 16, not 3"),
-        ("act=64x64 c", "is not ROWSxCOLS"),
     ],
 )
 def test_bad_settings_say_what_is_wrong(setting, message):

@@ -78,7 +78,7 @@ if triton is not None:
         one: each slot's rows read only their own z, chunk by chunk (run 118: 7–9% faster at ranks 16 and 32)."""
         kk = tl.arange(0, BLOCK_K)
         for e in range(first, last):
-            slot = tl.load(block_slots_ptr + e).to(tl.int32)
+            slot = tl.load(block_slots_ptr + e)
             slot_rows = (slot_t == slot)[:, None]
             b_slot = b_ptr + slot.to(tl.int64) * stride_b_slot + b_cols[None, :]
             for k0 in range(0, rank, BLOCK_K):
@@ -121,53 +121,49 @@ if triton is not None:
         PRECISION: tl.constexpr,
         RANK_ALIGNED: tl.constexpr,
         COLS_FIRST: tl.constexpr,
-        COL_TILES: tl.constexpr,
         LORA: tl.constexpr,
     ):
         """out[t, n] = silu(gu[t, n] + Δg) · (gu[t, inter + n] + Δu), Δ = z[t] · B[slot(t)][n] where t has a slot.
 
         z[t] holds the gate's rank columns then the up's; the block's slots come from its entries in the
         slot table (block_offs: CSR offsets per block of BLOCK_M rows, block_slots: the slots). Each program
-        takes COL_TILES column tiles of one row block, one after the other (its z read again for each: from the
-        SM's L1 cache after the first), and holds each as two float32 tiles, gate and up: each slot's products
-        are summed into them (tl.dot's accumulator), gate's before up's. RANK_ALIGNED: as the expand's (z's and
-        B's rank columns load in 16-byte vectors). COLS_FIRST: the grid's first axis runs over the column tiles
-        (``Tiles.cols_first``), not the row blocks. LORA: False compiles the plain activation (a step without
-        LoRA tokens: no table or product is read)."""
+        holds two float32 tiles, gate and up: each slot's products are summed into them (tl.dot's accumulator),
+        gate's before up's. RANK_ALIGNED: as the expand's (z's and B's rank columns load in 16-byte vectors).
+        COLS_FIRST: the grid's first axis runs over the column tiles, not the row blocks (``Tiles.cols_first``).
+        LORA: False compiles the plain activation (a step without LoRA tokens: no table or product is read)."""
         pid_m = tl.program_id(1 if COLS_FIRST else 0)
         t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(0 if COLS_FIRST else 1) * BLOCK_N + tl.arange(0, BLOCK_N)
         t64 = t.to(tl.int64)
-        for j in tl.range(COL_TILES, loop_unroll_factor=1, disable_licm=True):  # (each tile's addresses again)
-            n = (tl.program_id(0 if COLS_FIRST else 1) * COL_TILES + j) * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = n < inter
-            mask = (t < n_rows)[:, None] & mask_n[None, :]
-            ptrs = gu_ptr + t64[:, None] * stride_gu + n[None, :]
-            gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-            if LORA:
-                block = tl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
-                first = tl.load(block_offs_ptr + block)
-                last = tl.load(block_offs_ptr + block + 1)
-                if last > first:
-                    slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1).to(tl.int32)
-                    if RANK_ALIGNED:
-                        rank, stride_z, z_ptr = k._rank_aligned(rank, stride_z, z_ptr)
-                        stride_b_out, stride_b_slot = stride_b_out // 8 * 8, stride_b_slot // 8 * 8
-                    z_rows = z_ptr + t64 * stride_z
-                    b_cols = n.to(tl.int64) * stride_b_out
-                    # gate's products, then up's, each summed into its tile (one float32 tile of Δ at a time)
-                    gate = _add_products(
-                        gate, z_rows, slot_t, bg_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
-                        block_slots_ptr, first, last, BLOCK_K, PRECISION,
-                    )  # fmt: skip
-                    up = _add_products(
-                        up, z_rows + rank, slot_t, bu_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
-                        block_slots_ptr, first, last, BLOCK_K, PRECISION,
-                    )  # fmt: skip
-                    gate = gate.to(gu_ptr.dtype.element_ty).to(tl.float32)  # (y's rounding)
-                    up = up.to(gu_ptr.dtype.element_ty).to(tl.float32)
-            h = gate / (1.0 + tl.exp(-gate)) * up
-            tl.store(out_ptr + t64[:, None] * stride_out + n[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
+        mask_n = n < inter
+        mask = (t < n_rows)[:, None] & mask_n[None, :]
+        ptrs = gu_ptr + t64[:, None] * stride_gu + n[None, :]
+        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+        if LORA:
+            block = tl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
+            first = tl.load(block_offs_ptr + block)
+            last = tl.load(block_offs_ptr + block + 1)
+            if last > first:
+                slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
+                if RANK_ALIGNED:
+                    rank, stride_z, z_ptr = k._rank_aligned(rank, stride_z, z_ptr)
+                    stride_b_out, stride_b_slot = stride_b_out // 8 * 8, stride_b_slot // 8 * 8
+                z_rows = z_ptr + t64 * stride_z
+                b_cols = n.to(tl.int64) * stride_b_out
+                # gate's products, then up's, each summed into its tile (one float32 tile of Δ at a time)
+                gate = _add_products(
+                    gate, z_rows, slot_t, bg_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
+                    block_slots_ptr, first, last, BLOCK_K, PRECISION,
+                )  # fmt: skip
+                up = _add_products(
+                    up, z_rows + rank, slot_t, bu_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
+                    block_slots_ptr, first, last, BLOCK_K, PRECISION,
+                )  # fmt: skip
+                gate = gate.to(gu_ptr.dtype.element_ty).to(tl.float32)  # (y's rounding)
+                up = up.to(gu_ptr.dtype.element_ty).to(tl.float32)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + t64[:, None] * stride_out + n[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
 
     _ACT = triton_launch.Launcher(_silu_mul_lora_kernel)
 
@@ -263,8 +259,8 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
     call = (out.stride(0), gate_up.stride(0), stride_z, rows)
     # (the expand's RANK_ALIGNED; B's pointers are specialized on their alignment)
     rank_aligned = strides[2] == 1 and k.z_vectors(z_ptr, groups.rank, stride_z, strides[0], strides[1])
-    grid = (-(-rows // tiles.rows), -(-inter // (tiles.cols * tiles.col_tiles)))
-    order = (rank_aligned, tiles.cols_first, tiles.col_tiles, not groups.empty)
+    grid = (-(-rows // tiles.rows), -(-inter // tiles.cols))
+    order = (rank_aligned, tiles.cols_first, not groups.empty)
     _ACT(
         grid[::-1] if tiles.cols_first else grid,
         (

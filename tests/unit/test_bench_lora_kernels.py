@@ -66,3 +66,15 @@ def test_bench_options_refuse_unknown_models_and_bad_ranks(capsys):
             ap.parse_args(bad)
         assert exit_.value.code == 2
         assert bad[1] in capsys.readouterr().err
+
+
+def test_ncu_step_runs_the_layers_lora_kernels_once_per_call():
+    """loadtest/ncu_lora_step's call (what Nsight Compute profiles on the GPU) adds every LoRA linear's product."""
+    from loadtest import ncu_lora_step
+
+    args = argparse.Namespace(tokens=128, group_size=64, slots=8)
+    run, ys, out = ncu_lora_step.layer("qwen05", 8, args, torch.device("cpu"))
+    out.fill_(float("nan"))
+    run()
+    assert all(y.abs().sum() > 0 for y in ys)  # (gate/up's too: off CUDA its LoRA is added, not folded)
+    assert not out.isnan().any()

@@ -5,14 +5,15 @@
 
 The step is ``bench_lora_kernels``'s (16,384 tokens in groups of 1,024, 512 slots). Each (model, rank) runs, in
 this order: the gate/up shrink and the activation with that LoRA folded in (``lora_act``), the activation of a step
-without LoRA tokens, and the shrink and the expand of q/k/v, o and down. Every call runs three times first (Triton
-compiles, the caches warm), then once between ``cudaProfilerStart`` and ``cudaProfilerStop``: ``ncu
+without LoRA tokens, and the shrink and the expand of q/k/v, o and down. They run ``--iters`` times first (3:
+Triton compiles, the caches warm), then once between ``cudaProfilerStart`` and ``cudaProfilerStop``: ``ncu
 --profile-from-start off`` profiles only those launches.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +24,9 @@ from preft.vllm_plugin import lora_act
 GATE_UP = 2  # the step's modules: q/k/v, o, gate/up, down
 
 
-def layer(model: str, rank: int, args: argparse.Namespace, device: torch.device):
+def layer(
+    model: str, rank: int, args: argparse.Namespace, device: torch.device
+) -> tuple[Callable[[], None], list[torch.Tensor], torch.Tensor]:
     """A call that runs the layer's LoRA kernels once, on a step of this model and rank, and what it writes: the
     outputs of the LoRA linears (on CUDA gate/up's is only read: its LoRA is folded into the activation) and the
     activation's."""

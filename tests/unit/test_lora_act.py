@@ -111,3 +111,45 @@ def test_the_kernel_without_lora_tokens_is_the_plain_activation(lora_kernels_int
     out = torch.empty(70, INTER)
     lora_act.lora_silu_and_mul(out, gate_up, x, a, b, g.empty_groups())
     torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:])
+
+
+@pytest.mark.parametrize("cols_first", [False, True], ids=["rows-first", "cols-first"])
+@pytest.mark.parametrize("padding", [0, 7])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "plain"])
+def test_through_tma_descriptors_the_kernel_computes_the_same(
+    lora_kernels_interpreted, monkeypatch, cols_first, padding, lora
+):
+    """``tma`` picked: gate, up and the output through TMA descriptors (Triton's interpreter runs them), whose
+    reads past the ends are zeros and whose stores stop there (the rows past the last full 32-row block, the
+    columns past out's end in its rows; the fold's products as in the pointer form)."""
+    token_slots = TOKEN_SLOTS if lora else [-1] * len(TOKEN_SLOTS)
+    x, gate_up, a, b, groups = _case(token_slots, len(token_slots) + padding, (24, 8, 16, 24))
+    if "act" not in lora_kernels.picked(gate_up):
+        pytest.skip("this choice does not run the activation kernel")
+    expected = _reference(x, gate_up, a, b, token_slots)
+    monkeypatch.setattr(lora_act, "_ACT", lambda *args: pytest.fail("launched without the descriptors"))
+    rows = torch.full((gate_up.shape[0], INTER + 16), float("nan"))
+    out = rows[:, :INTER]  # (a row stride past its width: what lies beyond stays untouched)
+    tma = lora_kernels.using(*lora_kernels.chosen(), "tma")
+    with tma, lora_kernels.tiled(act=Tiles(32, 16, 4, 1, cols_first=cols_first)):
+        lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups if lora else g.empty_groups())
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert rows[:, INTER:].isnan().all()
+
+
+def test_with_tma_picked_an_output_tma_cannot_take_goes_through_the_pointers(lora_kernels_interpreted, monkeypatch):
+    """TMA needs each row 16-byte aligned: an output whose rows are 49 floats apart is written through the
+    pointers (the engine's launcher), with the same result."""
+    x, gate_up, a, b, groups = _case(TOKEN_SLOTS, len(TOKEN_SLOTS))
+    if "act" not in lora_kernels.picked(gate_up):
+        pytest.skip("this choice does not run the activation kernel")
+    expected = _reference(x, gate_up, a, b, TOKEN_SLOTS)
+    launched = []
+    act = lora_act._ACT
+    monkeypatch.setattr(lora_act, "_ACT", lambda *args: launched.append(True) or act(*args))
+    out = torch.empty(gate_up.shape[0], INTER + 1)[:, :INTER]
+    assert not lora_act._tma_fits(out) and lora_act._tma_fits(gate_up)
+    with lora_kernels.using(*lora_kernels.chosen(), "tma"):
+        lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+    assert launched == [True]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from preft.common.settings import RedisSettings, S3Settings
 from preft.engine.vllm_engine import EngineOptions
-from preft.vllm_plugin.tiles import DEFAULT_KERNELS, KERNELS, fold_lacks_its_kernels, parse_tiles
+from preft.vllm_plugin.tiles import DEFAULT_KERNELS, KERNELS, fold_lacks_its_kernels, parse_tiles, tma_lacks_act
 
 
 class ReplicaSettings(BaseModel):
@@ -140,6 +140,10 @@ class EngineSettings(BaseSettings):
             raise ValueError(
                 f"lora_kernels must name 'act' and 'shrink' beside 'fold' (it adds the gate/up LoRA inside the "
                 f"activation kernel, from the shrink's z), not {value!r}"
+            )
+        if tma_lacks_act(set(names)):
+            raise ValueError(
+                f"lora_kernels must name 'act' beside 'tma' (the activation kernel's loads), not {value!r}"
             )
         return ",".join(names)
 

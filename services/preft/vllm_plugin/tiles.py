@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 # What PREFT_LORA_KERNELS may pick (or "none": the torch path). "act" is the MLP's activation kernel; "fold" (with
 # "act" and "shrink") adds the gate/up projection's LoRA inside it instead of into gate/up by the expand.
-KERNELS = ("expand", "shrink", "fused", "act", "fold")
+KERNELS = ("expand", "shrink", "fused", "act", "fold", "tma")
 DEFAULT_KERNELS = "expand,shrink,act,fold"
 
 
@@ -19,6 +19,12 @@ def fold_lacks_its_kernels(names: set[str] | frozenset[str]) -> bool:
     """Whether these kernel names pick "fold" without "act" and "shrink", which it needs (it adds the LoRA
     inside the activation kernel, from the shrink's z)."""
     return "fold" in names and not {"act", "shrink"} <= names
+
+
+def tma_lacks_act(names: set[str] | frozenset[str]) -> bool:
+    """Whether these kernel names pick "tma" without "act" (it moves the activation kernel's gate, up and
+    output through TMA descriptors)."""
+    return "tma" in names and "act" not in names
 
 
 @dataclass(frozen=True)

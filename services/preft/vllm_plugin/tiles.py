@@ -10,7 +10,8 @@ import re
 from dataclasses import dataclass
 
 # What PREFT_LORA_KERNELS may pick (or "none": the torch path). "act" is the MLP's activation kernel; "fold" (with
-# "act" and "shrink") adds the gate/up projection's LoRA inside it instead of into gate/up by the expand.
+# "act" and "shrink") adds the gate/up projection's LoRA inside it instead of into gate/up by the expand; "tma"
+# (with "act") moves its gate, up and output through TMA descriptors on Hopper and later (lora_act).
 KERNELS = ("expand", "shrink", "fused", "act", "fold", "tma")
 DEFAULT_KERNELS = "expand,shrink,act,fold"
 

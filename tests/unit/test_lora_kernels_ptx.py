@@ -147,9 +147,9 @@ def _activation(rank_aligned: bool, lora: bool, block_k: int = 16, tma: bool = F
     signature = {
         n: "constexpr" if n in constexprs else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32") for n in names
     }
-    aligned = ("bg_ptr", "bu_ptr", "stride_out", "stride_gu", "inter", "stride_b_slot") + ("out_ptr", "gu_ptr") * (
-        not tma
-    )
+    aligned = ("bg_ptr", "bu_ptr", "stride_out", "stride_gu", "inter", "stride_b_slot")
+    if not tma:  # (a descriptor is not a pointer: its alignment is the descriptor's own check)
+        aligned += ("out_ptr", "gu_ptr")
     source = ASTSource(
         fn,
         signature,

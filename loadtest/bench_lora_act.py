@@ -12,8 +12,7 @@ activation kernel in each launch shape of ``SHAPES``, each in both grid orders (
 first), with the LoRA folded in (``fold``; and how far its result is from the added LoRA's) and with no LoRA
 token (its activation on steps without adapters); above rank 16, the ``PIPELINED`` shapes folded again in the
 other rank chunks than ``lora_act.RANK_CHUNK`` that change the kernel (16 and 64, labelled `` k16`` and `` k64``;
-run 119 set ``RANK_CHUNK`` from the `` k32`` cells of then), and the ``PIPELINED`` shapes with gate, up and the
-output through TMA descriptors (``tma`` picked beside them, labelled `` tma``). Prints ms per call and the bandwidth
+run 119 set ``RANK_CHUNK`` from the `` k32`` cells of then). Prints ms per call and the bandwidth
 each plain activation moves (gate, up and the output once each). Run 53's numbers (README, "Runs 49–54") came
 from an earlier version that also timed rank-1 updates in place of the products (slower in every shape) and
 compared against a gate_up the added LoRA had already been added to.
@@ -88,13 +87,10 @@ def bench(model: str, rank: int, iters: int) -> dict:
         wide = [t for t in SHAPES if t.stages == 1 and t.cols_first and (t.rows, t.cols, t.warps) in PIPELINED]
         tile = lora_act.rank_tile(rank, lora_act.RANK_CHUNK)
         other = [k for k in (16, 32, 64) if lora_act.rank_tile(rank, k) != tile]  # (chunks that change the kernel)
-        cells = [(t, lora_act.RANK_CHUNK, False) for t in SHAPES] + [(t, k, False) for k in other for t in wide]
-        cells += [(t, lora_act.RANK_CHUNK, True) for t in wide]  # (gate, up and the output through TMA)
-        for tiles, chunk, tma in cells:
-            label = tiles.label + f" k{chunk}" * (chunk != lora_act.RANK_CHUNK) + " tma" * tma
-            chunked = mock.patch.object(lora_act, "RANK_CHUNK", chunk)
-            kernels = lora_kernels.using(*lora_kernels.chosen(), "tma") if tma else contextlib.nullcontext()
-            with lora_kernels.tiled(act=tiles), chunked, kernels:
+        cells = [(t, lora_act.RANK_CHUNK) for t in SHAPES] + [(t, k) for k in other for t in wide]
+        for tiles, chunk in cells:
+            label = tiles.label + f" k{chunk}" * (chunk != lora_act.RANK_CHUNK)
+            with lora_kernels.tiled(act=tiles), mock.patch.object(lora_act, "RANK_CHUNK", chunk):
                 gate_up.zero_()
                 cell = {"folded_ms": timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))}
                 cell["max_rel_diff"] = float((out.float() - reference).abs().max() / reference.abs().max())

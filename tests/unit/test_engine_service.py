@@ -241,10 +241,6 @@ def test_lora_kernels_setting_reaches_the_replica_environment(tmp_path):
     for bad in ("expand,fold", "expand,act,fold", "shrink,fold"):  # fold folds into act, from the shrink's z
         with pytest.raises(ValueError, match="must name 'act' and 'shrink' beside 'fold'"):
             EngineSettings(model_dir=tmp_path, lora_kernels=bad)
-    with pytest.raises(ValueError, match="must name 'act' beside 'tma'"):  # (the activation kernel's loads)
-        EngineSettings(model_dir=tmp_path, lora_kernels="expand,shrink,tma")
-    kernels = EngineSettings(model_dir=tmp_path, lora_kernels="expand,shrink,act,fold,tma").lora_kernels
-    assert lora_kernels._picked(kernels) == {"expand", "shrink", "act", "fold", "tma"}
 
 
 def test_lora_tiles_setting_is_checked_and_reaches_the_replica_environment(tmp_path):

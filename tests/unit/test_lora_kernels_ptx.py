@@ -132,24 +132,18 @@ def test_kernels_refuse_weights_that_are_not_16_byte_aligned():
     assert not lora_kernels.can_fuse(x, [aligned], [torch.zeros(2 * 40 * 8 + 1)[1:].view(2, 40, 8)])
 
 
-def _activation(rank_aligned: bool, lora: bool, block_k: int = 16, tma: bool = False):
-    """lora_act's kernel as the engine launches it (its default tiles, `block_k`-wide rank chunks), for sm_90
-    (tma: as it launches with ``tma`` picked, out and gate_up as TMA descriptors)."""
+def _activation(rank_aligned: bool, lora: bool, block_k: int = 16):
+    """lora_act's kernel as the engine launches it (its default tiles, `block_k`-wide rank chunks), for sm_90."""
     fn = lora_act._silu_mul_lora_kernel
     names = fn.arg_names
     tiles = lora_kernels.DEFAULT_TILES["act"]
     constexprs = {"BLOCK_K": block_k, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.cols, "PRECISION": "tf32"}
     constexprs |= {"RANK_ALIGNED": rank_aligned, "COLS_FIRST": tiles.cols_first, "LORA": lora, "stride_b_rank": 1}
-    constexprs |= {"TMA": tma}
     pointers = {"out_ptr": "*bf16", "gu_ptr": "*bf16", "z_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16"}
-    if tma:
-        pointers |= dict.fromkeys(("out_ptr", "gu_ptr"), f"tensordesc<bf16[{tiles.rows}, {tiles.cols}]>")
     signature = {
         n: "constexpr" if n in constexprs else pointers.get(n, "*i64" if n.endswith("_ptr") else "i32") for n in names
     }
-    aligned = ("bg_ptr", "bu_ptr", "stride_out", "stride_gu", "inter", "stride_b_slot")
-    if not tma:  # (a descriptor is not a pointer: its alignment is the descriptor's own check)
-        aligned += ("out_ptr", "gu_ptr")
+    aligned = ("out_ptr", "gu_ptr", "bg_ptr", "bu_ptr", "stride_out", "stride_gu", "inter", "stride_b_slot")
     source = ASTSource(
         fn,
         signature,
@@ -205,21 +199,3 @@ def test_the_activation_holds_few_registers_so_enough_reads_stay_in_flight(block
     assert set(accesses) == {"ld.global.v4.b32", "st.global.v4.b32"}, accesses  # gate, up and out only
     assert _registers(plain) <= 40
     assert _registers(_activation(rank_aligned=True, lora=True, block_k=block_k)[0]) <= 80
-
-
-@CHUNKS
-def test_through_tma_descriptors_the_products_take_gate_and_up_without_a_layout_conversion(block_k):
-    """Run 135: on sm_90 the fold's products run on wgmma, whose accumulator layout is not the one gate and up
-    load in, so the pointer form converts gate and up into it and the output out of it through shared memory.
-    Through TMA descriptors (``tma`` picked) gate and up arrive in shared memory and load from there
-    into the accumulator's layout, and the output leaves through it: no conversion, and the only global loads
-    left are the tables', z's and B's."""
-    pointers, _ = _activation(rank_aligned=True, lora=True, block_k=block_k)
-    tma, _ = _activation(rank_aligned=True, lora=True, block_k=block_k, tma=True)
-    assert pointers.asm["ttgir"].count("ttg.convert_layout") == 3  # (gate and up in, the output out)
-    assert "ttg.convert_layout" not in tma.asm["ttgir"]
-    ptx = tma.asm["ptx"]
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx)) == 2  # gate, up
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::\w+", ptx)) == 1  # the output
-    assert "st.global" not in ptx
-    assert _registers(tma) <= _registers(pointers)

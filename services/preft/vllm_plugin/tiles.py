@@ -10,9 +10,8 @@ import re
 from dataclasses import dataclass
 
 # What PREFT_LORA_KERNELS may pick (or "none": the torch path). "act" is the MLP's activation kernel; "fold" (with
-# "act" and "shrink") adds the gate/up projection's LoRA inside it instead of into gate/up by the expand; "tma"
-# (with "act") moves its gate, up and output through TMA descriptors on Hopper and later (lora_act).
-KERNELS = ("expand", "shrink", "fused", "act", "fold", "tma")
+# "act" and "shrink") adds the gate/up projection's LoRA inside it instead of into gate/up by the expand.
+KERNELS = ("expand", "shrink", "fused", "act", "fold")
 DEFAULT_KERNELS = "expand,shrink,act,fold"
 
 
@@ -20,7 +19,6 @@ DEFAULT_KERNELS = "expand,shrink,act,fold"
 # without it; set straight in PREFT_LORA_KERNELS, they are logged and do nothing)
 _NEEDS = {
     "fold": ({"act", "shrink"}, "it adds the gate/up LoRA inside the activation kernel, from the shrink's z"),
-    "tma": ({"act"}, "it moves the activation kernel's gate, up and output"),
 }
 
 

@@ -53,6 +53,31 @@ def test_tiles_sweep_times_each_kernel_per_linear_and_checks_every_shape(lora_ke
     assert all(tiles[k].label in row["linears"]["qkv"][k]["shapes"] for k in tiles)
 
 
+def test_shrink_bench_times_each_width_per_linear_and_checks_it(lora_kernels_interpreted, monkeypatch, tmp_path):
+    """Widths that put one, two and all of q/k/v's three slices in a program: each times every linear, each
+    computes the same z as one slice a program, and the report and its plot are written."""
+    from loadtest import bench_lora_kernels as kernels
+    from loadtest import bench_lora_shrink
+
+    from preft.vllm_plugin import lora_kernels
+
+    monkeypatch.setitem(kernels.SHAPES, "tiny", (64, (64, 16, 16), 128))
+    width = lora_kernels.SHRINK_WIDTH
+    row = bench_lora_shrink.bench("tiny", 16, 256, 128, 4, torch.device("cpu"), 1, [0, 32, 64], 2)
+    assert width == lora_kernels.SHRINK_WIDTH  # (restored)
+    assert list(row["linears"]) == ["qkv", "o", "gate_up", "down"]
+    qkv = row["linears"]["qkv"]
+    assert qkv["slices_per_program"] == {0: 1, 32: 2, 64: 4}
+    assert row["linears"]["o"]["slices_per_program"] == {0: 1, 32: 1, 64: 1}
+    for linear in row["linears"].values():
+        assert all(len(t) == 2 and min(t) > 0 for t in linear["rounds_us"].values())
+        assert all(d < 1e-5 for d in linear["max_rel_diff_from_one_slice_a_program"].values())
+    assert row["layer_us"][32] == sum(e["us"][32] for e in row["linears"].values())
+    out = tmp_path / "shrink"
+    bench_lora_shrink.write_plot({"device": "cpu", "widths": [0, 32, 64], "rows": [row, row]}, out)
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
 def test_bench_options_refuse_unknown_models_and_bad_ranks(capsys):
     """The kernel benches' --models and --ranks are checked as they are parsed: a clear usage error, not a
     traceback after the GPU work has started."""

@@ -184,6 +184,15 @@ def test_lora_kernels_on_wide_slices(lora_kernels_interpreted, slices, monkeypat
     assert len(fused) == lora_kernels.available(torch.zeros(1), "fused")
 
 
+@pytest.mark.parametrize(("width", "per_program"), [(0, 1), (32, 2), (64, 4)])
+def test_the_shrink_takes_a_modules_slices_side_by_side(lora_kernels_interpreted, monkeypatch, width, per_program):
+    """Three slices of rank 16: one a program, two (the second program's other slice past the last), all."""
+    monkeypatch.setattr(lora_kernels, "SHRINK_WIDTH", width)
+    assert lora_kernels.slices_per_program(3, RANK) == per_program
+    assert lora_kernels.slices_per_program(1, RANK) == 1
+    _check_lora_linear(LONG_RUNS[60:], slices=(OUT, 8, 16))
+
+
 def test_shrink_and_expand_kernels_make_two_launches_per_lora_linear(lora_kernels_interpreted, monkeypatch):
     """Whatever its number of slices, and with widths that are and are not multiples of 16."""
     launches = []

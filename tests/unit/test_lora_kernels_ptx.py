@@ -48,14 +48,18 @@ LAUNCHES = {
 }
 
 
-def global_accesses(kernel: str, use_span: bool, rank_block: int = 16, rank_aligned: bool = True) -> Counter[str]:
+def global_accesses(
+    kernel: str, use_span: bool, rank_block: int = 16, rank_aligned: bool = True, slices_per_program: int = 1
+) -> Counter[str]:
     """How many of each global load and store and asynchronous copy instruction the kernel's sm_90 PTX holds
-    (e.g. st.global.b16, cp.async.cg.shared.global), for ranks up to `rank_block`."""
+    (e.g. st.global.b16, cp.async.cg.shared.global), for ranks up to `rank_block` (the shrink: in programs of
+    `slices_per_program` slices)."""
     fn = getattr(lora_kernels, kernel)
     names = fn.arg_names
     shape, warps, stages = LAUNCHES[kernel]
     rank = {"BLOCK_K" if kernel == "_expand_kernel" else "BLOCK_R": rank_block, "RANK_ALIGNED": rank_aligned}
     rank["COLS_FIRST"] = False  # (the expand's grid order: its accesses are the same either way)
+    rank["SLICES_PER_PROGRAM"] = slices_per_program
     constexprs = shape | rank | {"USE_SPAN": use_span, "SPLIT": 1, "BLOCK_M": ROWS, "PRECISION": "tf32"} | ONES
     constexprs = {k: v for k, v in constexprs.items() if k in names}  # (the fused kernel has no RANK_ALIGNED)
     signature = {}
@@ -96,28 +100,28 @@ def test_y_is_read_and_written_in_16_byte_vectors(kernel, use_span):
 
 
 @pytest.mark.parametrize("use_span", [False, True])
-@pytest.mark.parametrize("kernel", ["_shrink_kernel", "_lora_kernel"])
-def test_x_and_a_load_in_pipelined_16_byte_copies(kernel, use_span):
-    """Each input tile, x's rows and A's (its address read from a table, asserted 16-byte aligned), is fetched
-    by cp.async ahead of the loop iteration that needs it; before, A came one bf16 at a time, every iteration
-    waiting for it."""
-    accesses = _compiled(kernel, use_span)
+@pytest.mark.parametrize(("kernel", "per"), [("_shrink_kernel", 1), ("_shrink_kernel", 2), ("_lora_kernel", 1)])
+def test_x_and_a_load_in_pipelined_16_byte_copies(kernel, per, use_span):
+    """Each input tile, x's rows and A's (its address read from a table, asserted 16-byte aligned; with slices
+    side by side, one address per slice's rank row), is fetched by cp.async ahead of the loop iteration that
+    needs it; before, A came one bf16 at a time, every iteration waiting for it."""
+    accesses = _compiled(kernel, use_span, slices_per_program=per)
     assert accesses["cp.async.cg.shared.global"] > 0, accesses
     if kernel == "_shrink_kernel":  # (the fused kernel still loads B's few rank columns one by one)
         assert "ld.global.b16" not in accesses, accesses
 
 
 @pytest.mark.parametrize("rank_block", [16, 64])
-@pytest.mark.parametrize("kernel", ["_shrink_kernel", "_expand_kernel"])
-def test_z_and_b_move_in_vectors_where_the_rank_is_aligned(kernel, rank_block):
+@pytest.mark.parametrize(("kernel", "per"), [("_shrink_kernel", 1), ("_shrink_kernel", 2), ("_expand_kernel", 1)])
+def test_z_and_b_move_in_vectors_where_the_rank_is_aligned(kernel, per, rank_block):
     """The rank-64 expand waited on memory latency (H200 run 72: 30% of DRAM's peak, 24% occupancy): each
     thread loaded z's and B's rank columns one bf16 at a time, 48 loads a thread at rank 64, and the shrink
     stored z so. Where the rank, z's and B's strides are multiples of 8 and z and B aligned (RANK_ALIGNED:
     the engine's padded ranks and weights), none is left; without it, they are there. (Triton 3.6, the
     H200's, keeps no tl.multiple_of on a value a jit function returns: run 73's expand still loaded B so.)"""
-    aligned = _compiled(kernel, True, rank_block=rank_block)
+    aligned = _compiled(kernel, True, rank_block=rank_block, slices_per_program=per)
     assert not [op for op in aligned if op.endswith(".b16")], aligned
-    unaligned = _compiled(kernel, True, rank_block=rank_block, rank_aligned=False)
+    unaligned = _compiled(kernel, True, rank_block=rank_block, rank_aligned=False, slices_per_program=per)
     assert [op for op in unaligned if op.endswith(".b16")], unaligned
 
 

@@ -5,9 +5,10 @@ grouped matmuls whose outputs are a few columns wide, materializes each output s
 into a strided slice of y (in the LoRAP profile on the H200 that add alone took 14 ms of a 66 ms pass:
 ``loadtest/results/gpu-profile-lorap.txt``); a module with three slices makes ~10 launches. These kernels read
 A and B where their slots keep them and x and y at their token rows (no gather or scatter): the shrink is one
-launch for all of a module's slices, and so is the expand, which adds straight into y and writes nothing else
-(``split_plan`` keeps each module's launch arguments: on Qwen's prefill steps issuing the launches is the cost).
-The fused kernel does a whole LoRA linear in one launch, each program recomputing its rows' z.
+launch for all of a module's slices (its programs take several slices side by side, reading x once for them:
+``SHRINK_WIDTH``), and so is the expand, which adds straight into y and writes nothing else (``split_plan``
+keeps each module's launch arguments: on Qwen's prefill steps issuing the launches is the cost). The fused
+kernel does a whole LoRA linear in one launch, each program recomputing its rows' z.
 
 Each program takes one block of rows inside one group (``SlotGroups.block_group`` / ``block_start``, built on
 the host with the groups). Ranks are small, so each product is a few ``tl.dot`` per tile; float32 runs them in
@@ -57,6 +58,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ROW_BLOCK = 64  # SlotGroups cuts each group's rows into blocks of this many; programs take a block or part of one
+# The shrink's widest z tile: a program takes as many of a module's slices (q/k/v, gate/up) side by side as
+# fit, so that x's rows are read once for them (``slices_per_program``); 0: one slice a program, as before
+# run 147, which on the H200 took a layer's shrinks from 90.1 to 84.4 µs on Qwen2.5-0.5B at rank 64 (gate/up
+# 16.4 to 10.7), 75.3 to 61.2 at rank 8 (q/k/v 17.8 to 7.2), Llama-3.1-8B's 327 to 290 and 261 to 225 (256
+# columns: no faster, q/k/v slower on Qwen at rank 64; README "Runs 142–147")
+SHRINK_WIDTH = 128
 _BLOCK_N = 128  # the fused kernel: output columns per tile
 _BLOCK_C = 64  # the fused kernel: input columns per iteration
 _FUSED_WARPS, _FUSED_STAGES = 4, 3  # the fused kernel's launch (Triton's defaults on CUDA)
@@ -230,36 +237,28 @@ if triton is not None:
     @triton.jit
     def _shrink_rows(
         x_ptr,
-        a_ptr,
+        a_cols,
+        mask_cols,
         rows,
         mask_m,
-        slot,
         in_cols,
-        rank,
         scale,
         stride_x,
-        stride_a_slot,
-        stride_a_rank,
         BLOCK_M: tl.constexpr,
-        BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        """[BLOCK_M, BLOCK_R] in x's dtype: scale · x[rows] · A[slot][:rank]ᵀ (columns past rank are 0)."""
-        r = tl.arange(0, BLOCK_R)
-        mask_r = r < rank
-        acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)  # (tl.zeros is a jit function: the tests interpret it)
+        """[BLOCK_M, len(a_cols)] in x's dtype: scale · x[rows] · Aᵀ, A's rows at the addresses a_cols (columns
+        where mask_cols is false are 0)."""
+        # (tl.zeros is a jit function: the tests interpret it)
+        acc = tl.full((BLOCK_M, a_cols.shape[0]), 0.0, tl.float32)
         for c0 in range(0, in_cols, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             mask_c = c < in_cols
             x = tl.load(
                 x_ptr + rows[:, None] * stride_x + c[None, :], mask=mask_m[:, None] & mask_c[None, :], other=0.0
             )
-            a = tl.load(
-                a_ptr + slot * stride_a_slot + r[None, :] * stride_a_rank + c[:, None],
-                mask=mask_c[:, None] & mask_r[None, :],
-                other=0.0,
-            )
+            a = tl.load(a_cols[None, :] + c[:, None], mask=mask_c[:, None] & mask_cols[None, :], other=0.0)
             acc += tl.dot(x, a, input_precision=PRECISION)
         return (acc * scale).to(x_ptr.dtype.element_ty)
 
@@ -314,16 +313,19 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_R: tl.constexpr,
         a_table_ptr,
+        slices,
         in_cols,
         stride_a_slot,
         stride_a_rank,
         BLOCK_C: tl.constexpr,
         PRECISION: tl.constexpr,
         RANK_ALIGNED: tl.constexpr,
+        SLICES_PER_PROGRAM: tl.constexpr,
     ):
-        """z[m, s·rank + r] = scale · x[row(m)] · A_s[slot][r] for slice s = program_id(1) (Z_BY_ROW: z[row(m)]).
-        RANK_ALIGNED: rank and z's row stride are multiples of 8 and z starts 16-byte aligned (z's rows are then
-        stored in 16-byte vectors)."""
+        """z[m, s·rank + r] = scale · x[row(m)] · A_s[slot][r] for the slices s of program_id(1): the
+        SLICES_PER_PROGRAM from program_id(1) · SLICES_PER_PROGRAM on, side by side in one product (x's rows
+        read once for them all), up to `slices` (Z_BY_ROW: z[row(m)]). RANK_ALIGNED: rank and z's row stride
+        are multiples of 8 and z starts 16-byte aligned (z's rows are then stored in 16-byte vectors)."""
         m, rows, mask_m, slot = _group_rows(
             tl.program_id(0),
             rows_ptr,
@@ -336,31 +338,28 @@ if triton is not None:
             SPLIT,
             BLOCK_M,
         )
-        s = tl.program_id(1)
-        a_ptr = tl.multiple_of(tl.load(a_table_ptr + s).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)  # (can_shrink)
-        z = _shrink_rows(
-            x_ptr,
-            a_ptr,
-            rows,
-            mask_m,
-            slot,
-            in_cols,
-            rank,
-            scale,
-            stride_x,
-            stride_a_slot,
-            stride_a_rank,
-            BLOCK_M,
-            BLOCK_R,
-            BLOCK_C,
-            PRECISION,
-        )
-        r = tl.arange(0, BLOCK_R)
+        a_type: tl.constexpr = tl.pointer_type(x_ptr.dtype.element_ty)
+        if SLICES_PER_PROGRAM == 1:  # (a constexpr branch: Triton compiles only the one taken)
+            s = tl.program_id(1)
+            r = tl.arange(0, BLOCK_R)
+            a_ptr = tl.multiple_of(tl.load(a_table_ptr + s).to(a_type), 16)  # (can_shrink)
+            mask_cols = r < rank
+        else:  # column j: slice s's rank row r, A_s's address gathered from the table per column
+            j = tl.arange(0, SLICES_PER_PROGRAM * BLOCK_R)
+            s = tl.program_id(1) * SLICES_PER_PROGRAM + j // BLOCK_R
+            r = j % BLOCK_R
+            a_ptr = tl.multiple_of(tl.load(a_table_ptr + s, mask=s < slices, other=0).to(a_type), 16)
+            mask_cols = (r < rank) & (s < slices)
+        a_cols = a_ptr + slot * stride_a_slot + r * stride_a_rank
+        z = _shrink_rows(x_ptr, a_cols, mask_cols, rows, mask_m, in_cols, scale, stride_x, BLOCK_M, BLOCK_C, PRECISION)
         if RANK_ALIGNED:
             rank, stride_z, z_ptr = _rank_aligned(rank, stride_z, z_ptr)
+        mask_z = r < rank  # (rank as the compiler now knows it)
+        if SLICES_PER_PROGRAM > 1:
+            mask_z = mask_z & (s < slices)
         z_rows = rows if Z_BY_ROW else m.to(tl.int64)  # (at its token's row: for the activation, lora_act)
         ptrs = z_ptr + z_rows[:, None] * stride_z + (s * rank + r)[None, :]
-        tl.store(ptrs, z, mask=mask_m[:, None] & (r < rank)[None, :])
+        tl.store(ptrs, z, mask=mask_m[:, None] & mask_z[None, :])
 
     @triton.jit(**_jit_options(["stride_z", "z_slice_step"], ["z_ptr", "slice_table_ptr", "tile_table_ptr"]))
     def _expand_kernel(
@@ -501,25 +500,10 @@ if triton is not None:
         a_ptr = tl.multiple_of(tl.load(entry).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)  # (can_fuse)
         b_ptr = tl.multiple_of(tl.load(entry + 1).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
         stride_b_slot, width, y_offset = _slice_entry(entry + 2, ALIGNED)
-        z = _shrink_rows(
-            x_ptr,
-            a_ptr,
-            rows,
-            mask_m,
-            slot,
-            in_cols,
-            rank,
-            scale,
-            stride_x,
-            stride_a_slot,
-            stride_a_rank,
-            BLOCK_M,
-            BLOCK_R,
-            BLOCK_C,
-            PRECISION,
-        )
         k = tl.arange(0, BLOCK_R)
         mask_k = k < rank
+        a_cols = a_ptr + slot * stride_a_slot + k * stride_a_rank
+        z = _shrink_rows(x_ptr, a_cols, mask_k, rows, mask_m, in_cols, scale, stride_x, BLOCK_M, BLOCK_C, PRECISION)
         col_end = tl.minimum(col0 + cols_per_program, width)
         for n0 in range(col0, col_end, BLOCK_N):  # (cols_per_program is a multiple of BLOCK_N: only width masks)
             n = n0 + tl.arange(0, BLOCK_N)
@@ -638,8 +622,17 @@ def _shrink_args(
     x_dtype: torch.dtype, a: Sequence[torch.Tensor], a_table: torch.Tensor, in_cols: int, cols: int
 ) -> _Args:
     """The shrink's run of arguments that a module's A (and x's width and dtype) and the tiles' columns fix."""
-    values = (a_table, in_cols, a[0].stride(0), a[0].stride(1), cols, _precision(x_dtype))
+    values = (a_table, len(a), in_cols, a[0].stride(0), a[0].stride(1), cols, _precision(x_dtype))
     return _args(values, (x_dtype, a_table.data_ptr() % 16, *values[1:]))
+
+
+def slices_per_program(slices: int, rank: int) -> int:
+    """How many of a module's slices one shrink program takes, side by side: the most, a power of two, whose
+    rank tiles fit in ``SHRINK_WIDTH`` columns (at least one)."""
+    per, block = 1, _block(rank)
+    while per < slices and 2 * per * block <= SHRINK_WIDTH:
+        per *= 2
+    return per
 
 
 def _launch_shrink(
@@ -658,13 +651,14 @@ def _launch_shrink(
     x_ptr, stride_x, z_ptr = x2.data_ptr(), x2.stride(0), z.data_ptr()
     call = (stride_x, stride_z, scale, by_row)
     rank_aligned = z_vectors(z_ptr, groups.rank, stride_z)
+    per = slices_per_program(slices, groups.rank)
     _SHRINK(
-        (grid_rows, slices),
-        (x_ptr % 16, stride_x, by_row, step.key, module.key, tiles.warps, tiles.stages, rank_aligned),
-        (x2, z, *call, *step.tensors, *module.tensors, rank_aligned),
+        (grid_rows, -(-slices // per)),
+        (x_ptr % 16, stride_x, by_row, step.key, module.key, tiles.warps, tiles.stages, rank_aligned, per),
+        (x2, z, *call, *step.tensors, *module.tensors, rank_aligned, per),
         tiles.warps,
         tiles.stages,
-        (x_ptr, z_ptr, *call, *step.addresses, *module.addresses, rank_aligned),
+        (x_ptr, z_ptr, *call, *step.addresses, *module.addresses, rank_aligned, per),
     )
 
 
@@ -1080,6 +1074,9 @@ def _compile(device: torch.device, dtype: torch.dtype, width: int, max_rank: int
                 slot_ranks = np.full(3, rank)
                 groups = SlotGroups.build(np.asarray(token_slots), device, slot_ranks=slot_ranks, max_rank=rank)
                 z = shrink(y2, a, 1.0, groups) if "shrink" in _KERNELS else y2[: len(groups.rows), :rank]
+                if "shrink" in _KERNELS:  # (modules of 2 and 3 slices: q/k/v, gate/up)
+                    for slices in (2, 3):
+                        shrink(y2, a * slices, 1.0, groups)
                 if "expand" in _KERNELS:
                     expand_add(y2, z, b, 0, width, groups)
                 if fuses(rank, _KERNELS):  # (rank: the largest of its block, so a threshold inside one counts)

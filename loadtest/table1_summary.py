@@ -171,7 +171,7 @@ def summarize(current: list[dict], earlier: list[dict]) -> list[Summary]:
     for code, rows in (("current", current), ("earlier", earlier)):
         mine: dict[tuple, list[dict]] = {}
         paces: dict[tuple, list[tuple[str, float, float]]] = {}
-        for r in rows:
+        for r in _compared(rows):
             mine.setdefault((r["model"], r["prompt_len"], r["output_len"], _config(r)), []).append(r)
             if r["engine"] == "preft":
                 paces.setdefault((code, r["model"], r["prompt_len"], r["output_len"]), []).extend(_paces(r)[0])
@@ -185,6 +185,13 @@ def summarize(current: list[dict], earlier: list[dict]) -> list[Summary]:
         ref = stock.get((s.model, s.prompt_len, s.output_len, s.rank)) if s.method == "lora" else None
         s.ratio_to_stock = round(s.tokens_per_s / ref.tokens_per_s, 3) if ref else None
     return sorted(out, key=_order)
+
+
+def _compared(rows: list[dict]) -> list[dict]:
+    """These rows less the base requests of a run and workload where no adapter ran (a run cut short after its
+    base pass): a base that nothing is compared with."""
+    adapted = {_run_workload(r) for r in rows if r["engine"] == "preft" and r["method"] is not None}
+    return [r for r in rows if _config(r) != BASE_REQUESTS or _run_workload(r) in adapted]
 
 
 def _order(s: Summary) -> tuple:

@@ -90,6 +90,24 @@ def test_configurations_the_current_runs_lack_come_from_earlier_reports(reports)
     assert "| qwen05 | 1024+128 | base model (vLLM without LoRA) (old) |" in table
 
 
+def test_a_base_pass_no_adapter_was_compared_with_is_left_out(reports, tmp_path):
+    """A run cut short after its base pass: that workload's base requests stay the earlier reports', and the
+    other workload's the runs' that compared adapters with them."""
+    current, earlier = reports
+    lone = _row("base (PreFT engine, before any adapter)", "preft", None, 999.0)
+    cut = _report(tmp_path / "run-cut.json", lone | {"prompt_len": 128, "output_len": 1024})
+    old = _report(
+        tmp_path / "old-128.json",
+        _row("base (PreFT engine, before any adapter)", "preft", None, 50.0) | {"prompt_len": 128, "output_len": 1024},
+        _row("DiReFTP r8", "preft", "direft", 55.0) | {"prompt_len": 128, "output_len": 1024},
+        device=None,
+    )
+    rows = summarize(_rows([*current, cut]), _rows([*earlier, old], "NVIDIA H200"))
+    base = {(s.prompt_len, s.output_len): s for s in rows if s.config == BASE_REQUESTS}
+    assert base[(128, 1024)].code == "earlier" and base[(128, 1024)].tokens_per_s == 50.0
+    assert base[(1024, 128)].runs == ["run-a", "run-b"] and base[(1024, 128)].tokens_per_s == 100.0
+
+
 def test_the_command_writes_json_and_plot(reports, tmp_path, capsys, monkeypatch):
     current, earlier = reports
     out = tmp_path / "table" / "gpu-table1"

@@ -60,8 +60,8 @@ logger = logging.getLogger(__name__)
 ROW_BLOCK = 64  # SlotGroups cuts each group's rows into blocks of this many; programs take a block or part of one
 # The shrink's widest z tile: a program takes as many of a module's slices (q/k/v, gate/up) side by side as
 # fit, so that x's rows are read once for them (``slices_per_program``); 0: one slice a program, as before
-# run 147, which on the H200 took a layer's shrinks from 90.1 to 84.4 µs on Qwen2.5-0.5B at rank 64 (gate/up
-# 16.4 to 10.7), 75.3 to 61.2 at rank 8 (q/k/v 17.8 to 7.2), Llama-3.1-8B's 327 to 290 and 261 to 225 (256
+# run 147, which on the H200 took a layer's shrinks from 90.0 to 84.5 µs on Qwen2.5-0.5B at rank 64 (gate/up
+# 16.4 to 10.7), 75.3 to 61.2 at rank 8 (q/k/v 17.8 to 7.2), Llama-3.1-8B's 327 to 290 and 261 to 226 (256
 # columns: no faster, q/k/v slower on Qwen at rank 64; README "Runs 142–147")
 SHRINK_WIDTH = 128
 _BLOCK_N = 128  # the fused kernel: output columns per tile

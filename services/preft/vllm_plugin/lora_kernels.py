@@ -59,10 +59,10 @@ logger = logging.getLogger(__name__)
 
 ROW_BLOCK = 64  # SlotGroups cuts each group's rows into blocks of this many; programs take a block or part of one
 # The shrink's widest z tile: a program takes as many of a module's slices (q/k/v, gate/up) side by side as
-# fit, so that x's rows are read once for them (``slices_per_program``); 0: one slice a program, as before
-# run 147, which on the H200 took a layer's shrinks from 90.0 to 84.5 µs on Qwen2.5-0.5B at rank 64 (gate/up
-# 16.4 to 10.7), 75.3 to 61.2 at rank 8 (q/k/v 17.8 to 7.2), Llama-3.1-8B's 327 to 290 and 261 to 226 (256
-# columns: no faster, q/k/v slower on Qwen at rank 64; README "Runs 142–147")
+# fit, so that x's rows are read once for them (``slices_per_program``); 0: one slice a program, the form before.
+# On the H200 (run 147) 128 took a layer's shrinks from 90.0 to 84.5 µs on Qwen2.5-0.5B at rank 64 (gate/up
+# 16.4 to 10.7), 75.3 to 61.2 at rank 8 (q/k/v 17.8 to 7.2), Llama-3.1-8B's 327 to 290 and 261 to 226; 256 was
+# no faster, and slower on Qwen's q/k/v at rank 64 (README "Runs 142–147")
 SHRINK_WIDTH = 128
 _BLOCK_N = 128  # the fused kernel: output columns per tile
 _BLOCK_C = 64  # the fused kernel: input columns per iteration
@@ -1073,10 +1073,12 @@ def _compile(device: torch.device, dtype: torch.dtype, width: int, max_rank: int
             for token_slots in ([0] * tokens, [0, -1] + [1] * (tokens - 2)):  # a span; rows gathered
                 slot_ranks = np.full(3, rank)
                 groups = SlotGroups.build(np.asarray(token_slots), device, slot_ranks=slot_ranks, max_rank=rank)
-                z = shrink(y2, a, 1.0, groups) if "shrink" in _KERNELS else y2[: len(groups.rows), :rank]
-                if "shrink" in _KERNELS:  # (modules of 2 and 3 slices: q/k/v, gate/up)
-                    for slices in (2, 3):
+                if "shrink" in _KERNELS:
+                    z = shrink(y2, a, 1.0, groups)
+                    for slices in (2, 3):  # (modules of 2 and 3 slices side by side: gate/up, q/k/v)
                         shrink(y2, a * slices, 1.0, groups)
+                else:
+                    z = y2[: len(groups.rows), :rank]
                 if "expand" in _KERNELS:
                     expand_add(y2, z, b, 0, width, groups)
                 if fuses(rank, _KERNELS):  # (rank: the largest of its block, so a threshold inside one counts)

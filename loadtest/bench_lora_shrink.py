@@ -97,6 +97,17 @@ def bench(
     return {"model": model, "rank": rank, "tokens": tokens, "linears": linears, "layer_us": layer}
 
 
+def width_list(value: str) -> list[int]:
+    """--widths: comma-separated SHRINK_WIDTH values, each 0 or more (a usage error otherwise)."""
+    try:
+        widths = [int(w) for w in value.split(",")]
+    except ValueError:
+        widths = []
+    if not widths or min(widths) < 0:
+        raise argparse.ArgumentTypeError(f"widths must be comma-separated whole numbers, 0 or more, not {value!r}")
+    return widths
+
+
 def write_plot(report: dict, out: Path) -> None:
     """OUT.png: per model and rank, each linear's shrink time at each width, over the one-slice-a-program form."""
     import matplotlib
@@ -125,23 +136,22 @@ def write_plot(report: dict, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_arguments(ap, ranks="64,8", group_size=1024, iters=50)
-    ap.add_argument("--widths", default="0,128,256", help="SHRINK_WIDTH values, comma-separated")
+    ap.add_argument("--widths", type=width_list, default="0,128,256", help="SHRINK_WIDTH values, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.png")
     args = ap.parse_args()
     device = torch.device(args.device)
-    widths = [int(w) for w in args.widths.split(",")]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     rows = []
     for model, rank in models_and_ranks(args):
-        row = bench(model, rank, args.tokens, args.group_size, args.slots, device, args.iters, widths, args.rounds)
+        row = bench(model, rank, args.tokens, args.group_size, args.slots, device, args.iters, args.widths, args.rounds)
         rows.append(row)
-        per = {n: {w: round(e["us"][w], 1) for w in widths} for n, e in row["linears"].items()}
+        per = {n: {w: round(e["us"][w], 1) for w in args.widths} for n, e in row["linears"].items()}
         print(json.dumps({"model": model, "rank": rank, "layer_us": row["layer_us"], **per}), flush=True)
         if args.out:  # after each row: what a cut-short run measured stays
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            report = {"device": name, "torch": torch.__version__, "widths": widths, "rows": rows}
+            report = {"device": name, "torch": torch.__version__, "widths": args.widths, "rows": rows}
             args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
             write_plot(report, args.out)
 

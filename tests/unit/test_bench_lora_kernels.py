@@ -73,6 +73,10 @@ def test_shrink_bench_times_each_width_per_linear_and_checks_it(lora_kernels_int
         assert all(len(t) == 2 and min(t) > 0 for t in linear["rounds_us"].values())
         assert all(d < 1e-5 for d in linear["max_rel_diff_from_one_slice_a_program"].values())
     assert row["layer_us"][32] == sum(e["us"][32] for e in row["linears"].values())
+    assert bench_lora_shrink.width_list("0,128") == [0, 128]
+    for bad in ("abc", "64,-1", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="whole numbers, 0 or more"):
+            bench_lora_shrink.width_list(bad)
     out = tmp_path / "shrink"
     bench_lora_shrink.write_plot({"device": "cpu", "widths": [0, 32, 64], "rows": [row, row]}, out)
     assert out.with_suffix(".png").stat().st_size > 0

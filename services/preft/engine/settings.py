@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from preft.common.settings import RedisSettings, S3Settings
 from preft.engine.vllm_engine import EngineOptions
-from preft.vllm_plugin.tiles import DEFAULT_KERNELS, KERNELS, lacking, parse_tiles
+from preft.vllm_plugin.tiles import DEFAULT_KERNELS, KERNELS, fold_lacks_its_kernels, parse_tiles
 
 
 class ReplicaSettings(BaseModel):
@@ -136,8 +136,11 @@ class EngineSettings(BaseSettings):
         names = [n.strip() for n in value.split(",") if n.strip()]
         if not (names == ["none"] or (names and set(names) <= set(KERNELS))):
             raise ValueError(f"lora_kernels must be 'none' or a comma list of {KERNELS}, not {value!r}")
-        for name, needed, why in lacking(set(names)):
-            raise ValueError(f"lora_kernels must name {needed} beside {name!r} ({why}), not {value!r}")
+        if fold_lacks_its_kernels(set(names)):
+            raise ValueError(
+                f"lora_kernels must name 'act' and 'shrink' beside 'fold' (it adds the gate/up LoRA inside the "
+                f"activation kernel, from the shrink's z), not {value!r}"
+            )
         return ",".join(names)
 
     @field_validator("lora_tiles")

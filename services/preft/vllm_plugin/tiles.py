@@ -15,21 +15,10 @@ KERNELS = ("expand", "shrink", "fused", "act", "fold")
 DEFAULT_KERNELS = "expand,shrink,act,fold"
 
 
-# The choices that serve only beside others, with what they need and why (the engine's settings refuse them
-# without it; set straight in PREFT_LORA_KERNELS, they are logged and do nothing)
-_NEEDS = {
-    "fold": ({"act", "shrink"}, "it adds the gate/up LoRA inside the activation kernel, from the shrink's z"),
-}
-
-
-def lacking(names: set[str] | frozenset[str]) -> list[tuple[str, str, str]]:
-    """Each choice among these kernel names that lacks a kernel it needs: (the choice, what it needs as
-    "'a' and 'b'", why)."""
-    return [
-        (name, " and ".join(repr(n) for n in sorted(needed)), why)
-        for name, (needed, why) in _NEEDS.items()
-        if name in names and not needed <= names
-    ]
+def fold_lacks_its_kernels(names: set[str] | frozenset[str]) -> bool:
+    """Whether these kernel names pick "fold" without "act" and "shrink", which it needs (it adds the LoRA
+    inside the activation kernel, from the shrink's z)."""
+    return "fold" in names and not {"act", "shrink"} <= names
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,16 @@ def add_step_arguments(ap: argparse.ArgumentParser, *, ranks: str, group_size: i
     ap.add_argument("--iters", type=int, default=iters)
 
 
+def add_device_argument(ap: argparse.ArgumentParser) -> None:
+    """--device: where the step runs (default CUDA where there is one)."""
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_name(device: torch.device) -> str:
+    """How a report names the device it ran on."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def models_and_ranks(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     """Each (model, rank) of --models and --ranks, models outermost."""
     for model in args.models:
@@ -208,7 +218,7 @@ def write_plot(report: dict, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_arguments(ap, ranks="8,16,64", group_size=256, iters=20)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(ap)
     ap.add_argument("--tolerance", type=float, default=0.02, help="largest relative difference of the two paths")
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json")
     args = ap.parse_args()
@@ -220,8 +230,7 @@ def main() -> None:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        report = {"device": name, "torch": torch.__version__, "rows": rows}
+        report = {"device": device_name(device), "torch": torch.__version__, "rows": rows}
         args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
         write_plot(report, args.out)
         print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")

@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from loadtest.bench_lora_kernels import add_step_arguments, models_and_ranks, step
+from loadtest.bench_lora_kernels import (
+    _timed,
+    add_device_argument,
+    add_step_arguments,
+    device_name,
+    models_and_ranks,
+    step,
+)
 from preft.vllm_plugin import lora_kernels
 
 LINEARS = ("qkv", "o", "gate_up", "down")
@@ -30,13 +36,10 @@ LINEARS = ("qkv", "o", "gate_up", "down")
 
 def device_us(fn, device: torch.device, iters: int) -> float:
     """µs per call of fn: on CUDA `iters` calls captured in a CUDA graph and replayed (after one replay to
-    warm), elsewhere the wall time of `iters` calls."""
-    fn()  # (compiles)
+    warm), elsewhere the wall time of `iters` calls (``bench_lora_kernels._timed``)."""
     if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) / iters * 1e6
+        return _timed(fn, device, iters)[0] * 1e6
+    fn()  # (compiles)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -138,11 +141,11 @@ def main() -> None:
     add_step_arguments(ap, ranks="64,8", group_size=1024, iters=50)
     ap.add_argument("--widths", type=width_list, default="0,128,256", help="SHRINK_WIDTH values, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(ap)
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.png")
     args = ap.parse_args()
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    name = device_name(device)
     rows = []
     for model, rank in models_and_ranks(args):
         row = bench(model, rank, args.tokens, args.group_size, args.slots, device, args.iters, args.widths, args.rounds)

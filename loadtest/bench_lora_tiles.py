@@ -25,7 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loadtest.bench_lora_kernels import _timed, add_step_arguments, models_and_ranks, step
+from loadtest.bench_lora_kernels import (
+    _timed,
+    add_device_argument,
+    add_step_arguments,
+    device_name,
+    models_and_ranks,
+    step,
+)
 from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_kernels
 from preft.vllm_plugin.lora_kernels import Tiles
@@ -179,12 +186,12 @@ def _print(row: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_arguments(ap, ranks="8,16", group_size=1024, iters=20)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(ap)
     ap.add_argument("--tolerance", type=float, default=0.02, help="largest relative difference from the torch path")
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.png")
     args = ap.parse_args()
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    name = device_name(device)
     rows = []
     for model, rank in models_and_ranks(args):
         row = sweep(model, rank, args.tokens, args.group_size, args.slots, device, args.iters)

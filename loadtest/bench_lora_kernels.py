@@ -69,6 +69,27 @@ def _timed(fn, device: torch.device, iters: int) -> tuple[float, float]:
     return (time.perf_counter() - start) / iters, (issued - start) / iters
 
 
+def device_us(fn, device: torch.device, iters: int) -> float:
+    """µs per call of fn, the device's alone: on CUDA `iters` calls captured in one CUDA graph and replayed
+    (after one replay to warm), so the host's launches do not count (on Qwen's layer they take longer than
+    a shrink); elsewhere the wall time of `iters` calls (``_timed``)."""
+    if device.type != "cuda":
+        return _timed(fn, device, iters)[0] * 1e6
+    fn()  # (compiles, and builds the step's tables outside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
 def max_rel_diff(outputs: list[torch.Tensor], references: list[torch.Tensor]) -> float:
     """The largest of each output's max |difference| from its reference, relative to the reference's max |value|."""
     return max(float((o - r).abs().max() / r.abs().max()) for o, r in zip(outputs, references, strict=True))

@@ -7,9 +7,8 @@ On the step of ``bench_lora_kernels`` (16,384 tokens in groups of one adapter, 5
 alone on each of the layer's four LoRA linears at each ``lora_kernels.SHRINK_WIDTH`` of --widths (0: one slice a
 program, each re-reading x; wider: a module's slices side by side in one program, x read once for them), the
 widths alternated over --rounds. On CUDA each time is --iters launches replayed from one CUDA graph, so it is the
-device's alone (``bench_lora_tiles`` times wall time, and on Qwen's layer the host's launches take longer than
-the device's shrink); elsewhere the wall time of a call. Checks each width's z against the one-slice-a-program
-form. Reports per linear the fastest round per width, and the layer's sum per width.
+device's alone (``bench_lora_kernels.device_us``); elsewhere the wall time of a call. Checks each width's z against
+the one-slice-a-program form. Reports per linear the fastest round per width, and the layer's sum per width.
 """
 
 from __future__ import annotations
@@ -22,36 +21,16 @@ import numpy as np
 import torch
 
 from loadtest.bench_lora_kernels import (
-    _timed,
     add_device_argument,
     add_step_arguments,
     device_name,
+    device_us,
     models_and_ranks,
     step,
 )
 from preft.vllm_plugin import lora_kernels
 
 LINEARS = ("qkv", "o", "gate_up", "down")
-
-
-def device_us(fn, device: torch.device, iters: int) -> float:
-    """µs per call of fn: on CUDA `iters` calls captured in a CUDA graph and replayed (after one replay to
-    warm), elsewhere the wall time of `iters` calls (``bench_lora_kernels._timed``)."""
-    if device.type != "cuda":
-        return _timed(fn, device, iters)[0] * 1e6
-    fn()  # (compiles)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 def bench(

@@ -10,7 +10,10 @@ grid order), the others at the default. Beside them, per linear: the base matmul
 (the expand's traffic, read and written once, at the rate torch's own kernel reaches). Reports each kernel's
 bytes per second, the default shape's and the fastest shape's time per linear, and the layer's LoRA time with
 the default shapes, with the one shape per kernel that is fastest over the layer, and with the fastest shape per
-linear. Every shape's result is checked against the torch path. Last, prints the ``PREFT_LORA_TILES`` setting of
+linear. Every shape's result is checked against the torch path. Each time is the device's alone: on CUDA --iters
+calls replayed from one CUDA graph (``bench_lora_kernels.device_us``). Until run 147 it was the wall time of
+--iters calls, which on Qwen's layer can be the host's launches (run 146: Qwen's shrinks 19–37 µs in no order,
+where run 147's device time is 90 µs for the layer's four). Last, prints the ``PREFT_LORA_TILES`` setting of
 the shapes fastest over everything it ran (also written alone to OUT.tiles, for the engine's environment:
 ``export PREFT_LORA_TILES="$(cat OUT.tiles)"``).
 """
@@ -26,10 +29,10 @@ import numpy as np
 import torch
 
 from loadtest.bench_lora_kernels import (
-    _timed,
     add_device_argument,
     add_step_arguments,
     device_name,
+    device_us,
     models_and_ranks,
     step,
 )
@@ -75,8 +78,8 @@ def sweep(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
         entry = {
             "in": n_in,
             "out": n_out,
-            "base_matmul_us": _timed(lambda x=x, w=w, y=y: torch.matmul(x, w.t(), out=y), device, iters)[0] * 1e6,
-            "y_add_us": _timed(lambda y=y: y.add_(1.0), device, iters)[0] * 1e6,
+            "base_matmul_us": device_us(lambda x=x, w=w, y=y: torch.matmul(x, w.t(), out=y), device, iters),
+            "y_add_us": device_us(lambda y=y: y.add_(1.0), device, iters),
         }
         entry["y_add_gb_per_s"] = traffic["expand"] / entry["y_add_us"] / 1e3
         with lora_kernels.using("expand", "shrink"):
@@ -85,7 +88,7 @@ def sweep(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
                 for tiles in shapes(kernel):
                     with lora_kernels.tiled(**{kernel: tiles}):
                         plan = lora_kernels.split_plan(y, x, a, b, slices)
-                        seconds = _timed(_launch(kernel, x, y, plan, groups), device, iters)[0]
+                        seconds = device_us(_launch(kernel, x, y, plan, groups), device, iters) / 1e6
                         y.zero_()
                         lora_kernels.split_linear(y, x, plan, 1.0, groups)
                         diff = float((y.to(torch.float32) - want).abs().max() / want.abs().max())
@@ -200,7 +203,8 @@ def main() -> None:
         if args.out:  # after each row: what a cut-short run measured stays
             args.out.parent.mkdir(parents=True, exist_ok=True)
             tiles = fastest_overall(rows)
-            report = {"device": name, "torch": torch.__version__, "tiles": tiles, "rows": rows}
+            timing = "device (CUDA graph replay)" if device.type == "cuda" else "wall"
+            report = {"device": name, "torch": torch.__version__, "timing": timing, "tiles": tiles, "rows": rows}
             args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
             args.out.with_suffix(".tiles").write_text(tiles + "\n")
             write_plot(report, args.out)

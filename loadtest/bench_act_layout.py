@@ -2,7 +2,7 @@
 
     python3 -m loadtest.bench_act_layout --out $OUT/gpu-act-layout   # on the GPU machine
 
-Run 97 (README, "Runs 97–100"), Qwen's full prefill step (16,384 × 4,864): torch's product of gate and up moved
+Run 97 (RUNS.md, "Runs 97–100"), Qwen's full prefill step (16,384 × 4,864): torch's product of gate and up moved
 2.24 TB/s reading the two halves of gate_up's rows, and 4.26 TB/s reading the same values from tensors of their
 own; vLLM's activation kernel (2.40) and ``lora_act``'s (2.5–2.7) read the halves. But torch takes its
 vectorized path only on contiguous tensors, so that pair alone does not say whether the layout or torch's

@@ -7,13 +7,13 @@ projection, times in one process: vLLM's activation kernel alone (``_C.silu_and_
 two halves (the same traffic: what a generic elementwise kernel reaches) and of the same halves copied into
 tensors of their own (whether reading both halves of gate_up's rows is what costs), the LoRA added into gate/up
 by the shrink and expand kernels then vLLM's activation (what the engine ran until ``act`` became a default
-kernel: README "Runs 101–107") or then the activation kernel without LoRA (``act`` without ``fold``), and the
+kernel: RUNS.md "Runs 101–107") or then the activation kernel without LoRA (``act`` without ``fold``), and the
 activation kernel in each launch shape of ``SHAPES``, each in both grid orders (row blocks or column tiles
 first), with the LoRA folded in (``fold``; and how far its result is from the added LoRA's) and with no LoRA
 token (its activation on steps without adapters); above rank 16, the ``PIPELINED`` shapes folded again in the
 other rank chunks than ``lora_act.RANK_CHUNK`` that change the kernel (16 and 64, labelled `` k16`` and `` k64``;
 run 119 set ``RANK_CHUNK`` from the `` k32`` cells of then). Prints ms per call and the bandwidth
-each plain activation moves (gate, up and the output once each). Run 53's numbers (README, "Runs 49–54") came
+each plain activation moves (gate, up and the output once each). Run 53's numbers (RUNS.md, "Runs 49–54") came
 from an earlier version that also timed rank-1 updates in place of the products (slower in every shape) and
 compared against a gate_up the added LoRA had already been added to.
 """

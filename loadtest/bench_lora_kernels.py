@@ -33,7 +33,7 @@ from preft.vllm_plugin import lora_kernels, triton_launch
 SHAPES = {"qwen05": (896, (896, 128, 128), 4864), "llama8b": (4096, (4096, 1024, 1024), 14336)}
 # path: (the LoRA kernels it picks, how they are launched: triton_launch's direct launches, or Triton's own,
 # whether the shrink and expand move z's and B's rank columns in vectors: lora_kernels.rank_vectors; off, as
-# until README "Runs 73–76")
+# until RUNS.md "Runs 73–76")
 PATHS = {
     "torch": ((), "direct", True),
     "expand": (("expand",), "direct", True),

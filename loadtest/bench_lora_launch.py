@@ -2,7 +2,7 @@
 
     python3 -m loadtest.bench_lora_launch --out $OUT/gpu-lora-launch   # on the GPU machine
 
-On Qwen2.5-0.5B's prefill steps the LoRA calls are host-bound (README, "Runs 41–48"). This times, in one process,
+On Qwen2.5-0.5B's prefill steps the LoRA calls are host-bound (RUNS.md, "Runs 41–48"). This times, in one process,
 what issuing one LoRA linear (the fused gate/up projection of Qwen2.5-0.5B, rank 8) is made of: the whole
 call (``groups.lora_linear``) with the engine's direct launches and with Triton's own launch path, the
 same through the custom op as the compiled model calls it (``torch.ops.preft.lora_linear``), one

@@ -1,7 +1,7 @@
 """One decoder layer's LoRA kernels on a prefill step, each launched once inside a profiler range, for Nsight Compute.
 
     ncu --profile-from-start off --set full python3 -m loadtest.ncu_lora_step --models qwen05 --ranks 64 \
-        > $OUT/ncu.txt                                                  # on the GPU machine (README, "Runs 134–141")
+        > $OUT/ncu.txt                                                  # on the GPU machine (RUNS.md, "Runs 134–141")
 
 The step is ``bench_lora_kernels``'s (16,384 tokens in groups of 1,024, 512 slots). Each (model, rank) runs, in
 this order: the gate/up shrink and the activation with that LoRA folded in (``lora_act``), the activation of a step

@@ -4,7 +4,7 @@
 # Each half is its own bench_table1 process, pinned to one GPU with its own work folder; logs and result files
 # go to OUT_PREFIX-gpu{0,1}.{log,json,png}, then one merged OUT_PREFIX.{json,png}. BENCH_TIMEOUT_S bounds both.
 # The halves share the host: a host-bound engine (Qwen-0.5B's decode) ran its base passes' decode steps at
-# 16-24 ms instead of 11 ms while the other half wrote or loaded adapters (README, runs 10-11); measure
+# 16-24 ms instead of 11 ms while the other half wrote or loaded adapters (RUNS.md, runs 10-11); measure
 # such an engine's A/B comparisons in one process on its own.
 set -uo pipefail
 out=$1

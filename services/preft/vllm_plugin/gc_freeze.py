@@ -2,7 +2,7 @@
 
 vLLM keeps every adapter it loads as a LoRAModel of per-module weights: some 700 objects the collector
 tracks per Qwen2.5-0.5B adapter, 365k after 512 adapters. Every full collection walks them all: on the H200,
-a pass that met one spent 0.26 s in the collector against 0.04 s before any load (README, "Runs 80–83"),
+a pass that met one spent 0.26 s in the collector against 0.04 s before any load (loadtest/RUNS.md, "Runs 80–83"),
 and the walk grows with the adapters held in host memory. vLLM freezes its own start-up heap
 (``gc.freeze``) for this reason, but adapters arrive later, on demand.
 

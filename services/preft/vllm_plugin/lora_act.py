@@ -17,16 +17,16 @@ the default) the LoRA inside it. Without ``fold``, and on steps of a rank above 
 added into gate/up (``groups.lora_linear``) and the kernel runs without LoRA on the result, as on steps without
 LoRA tokens; off CUDA the LoRA is added and torch computes the activation.
 
-Measured on the H200 (README, "Runs 101–107", "Runs 113–118", "Runs 119–124" and "Runs 125–133"), Qwen2.5-0.5B's
-full step (16,384 × 4,864), the shrink and this kernel against the shrink, the expand of gate/up and this kernel
-without LoRA (0.115 ms, 4.1 TB/s, against vLLM's activation's 0.200), run 119: 0.221 ms against 0.302 at rank 8
-(Llama-3.1-8B 0.610 against 0.876), 0.226 against 0.303 at rank 16, and in 32-wide rank chunks (``RANK_CHUNK``)
-0.250 against 0.313 at rank 32 and 0.317 against 0.343 at rank 64 (Llama 0.842 against 0.992). In 16-wide chunks
-rank 64 lost (0.361; Llama 0.998), so until run 119 ``FOLD_MAX_RANK`` was 32; on the loops before run 118 (the rank
-chunks' the outer one) it lost more (0.415, run 113; 413 µs a call in run 114's engine, 294 in run 123's). Run 132:
-the block's first slot read before gate and up, its gate's and up's products in one loop, took the shrink and this
-kernel from 0.309 to 0.267 ms at rank 64 and from 0.220 to 0.199 at rank 8 (Llama 0.825 to 0.777 and 0.596 to 0.555;
-this kernel without LoRA 0.116 and 0.331 there).
+Measured on the H200 (the run log, loadtest/RUNS.md: "Runs 101–107", "Runs 113–118", "Runs 119–124" and "Runs
+125–133"), Qwen2.5-0.5B's full step (16,384 × 4,864), the shrink and this kernel against the shrink, the expand of
+gate/up and this kernel without LoRA (0.115 ms, 4.1 TB/s, against vLLM's activation's 0.200), run 119: 0.221 ms
+against 0.302 at rank 8 (Llama-3.1-8B 0.610 against 0.876), 0.226 against 0.303 at rank 16, and in 32-wide rank
+chunks (``RANK_CHUNK``) 0.250 against 0.313 at rank 32 and 0.317 against 0.343 at rank 64 (Llama 0.842 against
+0.992). In 16-wide chunks rank 64 lost (0.361; Llama 0.998), so until run 119 ``FOLD_MAX_RANK`` was 32; on the loops
+before run 118 (the rank chunks' the outer one) it lost more (0.415, run 113; 413 µs a call in run 114's engine, 294
+in run 123's). Run 132: the block's first slot read before gate and up, its gate's and up's products in one loop,
+took the shrink and this kernel from 0.309 to 0.267 ms at rank 64 and from 0.220 to 0.199 at rank 8 (Llama 0.825 to
+0.777 and 0.596 to 0.555; this kernel without LoRA 0.116 and 0.331 there).
 
 What made the kernel fast: until run 103 each program held four float32 tiles (gate, up, and each one's Δ) across
 the LoRA branch, which compiled to 122 registers a thread at rank 8 (the variant without LoRA too): too few programs

@@ -11,7 +11,7 @@ width and first column are multiples of BLOCK_N, else ``gemm_plan`` says no), an
 distinct slots (``lora_act.row_block_tables``): one product per slot, masked to that slot's rows. Row blocks
 without a slot are the plain GEMM. ``loadtest/bench_lora_gemm`` times it against cuBLAS and the engine's order.
 
-Measured on the H200 (README, "Runs 55–60"): slower. The GEMM itself loses more to cuBLAS than the epilogue
+Measured on the H200 (loadtest/RUNS.md, "Runs 55–60"): slower. The GEMM itself loses more to cuBLAS than the epilogue
 saves (Qwen2.5-0.5B's layer at best, TMA 256×128×64: 0.883 ms without LoRA against cuBLAS's 0.662, 1.087 with it
 against the engine's 0.994), so the engine does not route its linears here.
 """

@@ -544,8 +544,9 @@ def promql_metric_names(expr: str) -> set[str]:
     return names
 
 
-def declared_metric_series() -> set[str]:
-    """Series names preft exports (services/preft/common/metrics.py), with their counter/histogram suffixes."""
+def declared_metric_series(kind: str | None = None) -> set[str]:
+    """Series names preft exports (services/preft/common/metrics.py), with their counter/histogram suffixes; `kind`:
+    only those of that type's metrics (counter, gauge, histogram)."""
     from prometheus_client.metrics import MetricWrapperBase
 
     import preft.common.metrics as metrics
@@ -555,6 +556,8 @@ def declared_metric_series() -> set[str]:
         if not isinstance(obj, MetricWrapperBase):
             continue
         for family in obj.describe():
+            if kind is not None and family.type != kind:
+                continue
             if family.type == "histogram":
                 series |= {f"{family.name}_bucket", f"{family.name}_sum", f"{family.name}_count"}
             elif family.type == "counter":
@@ -562,3 +565,24 @@ def declared_metric_series() -> set[str]:
             else:
                 series.add(family.name)
     return series
+
+
+def engine_metric_relabelings() -> list[Obj]:
+    """The engine PodMonitor's metricRelabelings, as deploy/base/monitoring/servicemonitor.yaml has them."""
+    docs = load_all((DEPLOY / "base" / "monitoring" / "servicemonitor.yaml").read_text())
+    return one(docs, "PodMonitor", "preft-engine")["spec"]["podMetricsEndpoints"][0]["metricRelabelings"]
+
+
+def relabel(labels: dict[str, str], rules: list[Obj]) -> dict[str, str]:
+    """Prometheus's relabeling of one sample's labels (`__name__` included) by `replace` rules, in order: the source
+    labels' values joined by the separator, matched whole against the regex, set the target to the replacement with
+    the regex's groups expanded ($1, ${1})."""
+    out = dict(labels)
+    for rule in rules:
+        assert rule.get("action", "replace").lower() == "replace", f"relabel() models replace only: {rule}"
+        value = rule.get("separator", ";").join(out.get(name, "") for name in rule.get("sourceLabels", []))
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if match:
+            replacement = re.sub(r"\$\{?(\d+)\}?", r"\\\1", rule.get("replacement", "$1"))
+            out[rule["targetLabel"]] = match.expand(replacement)
+    return out

@@ -100,3 +100,22 @@ def test_dashboard_ships_in_a_configmap_for_the_grafana_sidecar(kustomize_output
     cm = m.one(kustomize_outputs["dev"], "ConfigMap", "preft-grafana-dashboard")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["preft-serve.json"])["uid"] == "preft-serve"
+
+
+def test_engine_podmonitor_gives_the_replicas_samples_back_their_names(kustomize_outputs):
+    """Each replica's preft_* samples reach Prometheus through Ray's metrics port (engine.ray_metrics): Ray names a
+    sample ray_<name>, and appends _total to a counter without it (a histogram's _bucket, _sum and _count are
+    copied as counters). The PodMonitor's relabelings must turn each back into the series preft declares, so the
+    rules and the dashboard read it, and leave Ray's own series alone. (That Ray names them so is checked against a
+    real Ray node in tests/integration/engine/test_serve_app.py.)"""
+    rules = m.engine_metric_relabelings()
+    monitor = m.one(kustomize_outputs["gpu"], "PodMonitor", "preft-engine")
+    assert monitor["spec"]["podMetricsEndpoints"][0]["metricRelabelings"] == rules  # (what the overlays deploy)
+    engine = {s for s in m.declared_metric_series() if not s.startswith("preft_gateway_")}
+    gauges = m.declared_metric_series(kind="gauge")
+    assert engine and gauges < engine
+    for series in sorted(engine):
+        exported = f"ray_{series}" if series in gauges or series.endswith("_total") else f"ray_{series}_total"
+        assert m.relabel({"__name__": exported, "mode": "prefill"}, rules) == {"__name__": series, "mode": "prefill"}
+    for ray_own in ("ray_tasks", "ray_node_cpu_utilization", "ray_serve_num_http_requests_total"):
+        assert m.relabel({"__name__": ray_own}, rules) == {"__name__": ray_own}

@@ -28,6 +28,7 @@ from preft.engine.paging.downloader import BlobSource
 from preft.engine.paging.hot import HotSource, RedisHotSource, RegistryHotSource
 from preft.engine.paging.pager import Pager
 from preft.engine.protocol import EngineFactory
+from preft.engine.ray_metrics import RayMetricsBridge
 from preft.engine.residency import ResidencyPublisher, redis_client
 from preft.engine.service import EngineService
 from preft.engine.settings import EngineSettings
@@ -49,7 +50,8 @@ class ResidentAdapter:
 
 @serve.ingress()
 class EngineDeployment:
-    """One engine replica: owns its EngineService (vLLM engine, pager, residency publisher) and its HTTP app."""
+    """One engine replica: owns its EngineService (vLLM engine, pager, residency publisher), its HTTP app and the
+    copy of its metrics into Ray's (`ray_metrics`)."""
 
     async def __init__(
         self,
@@ -103,6 +105,9 @@ class EngineDeployment:
         # "+ 1": the "base" id is registered too (every replica serves base requests).
         max_ids = settings.replica.max_adapters_per_replica + 1
         self._load_adapter = serve.multiplexed(max_num_models_per_replica=max_ids)(self._make_loader())
+        self._metrics_bridge = RayMetricsBridge() if settings.replica.ray_metrics_interval_s > 0 else None
+        if self._metrics_bridge is not None:  # (from the start: the prefetch's paging is counted too)
+            self._metrics_bridge.start(settings.replica.ray_metrics_interval_s)
         await self._service.start()
         logger.info("replica %s started its engine in %.1f s", replica_id, self._service.start_seconds)
 
@@ -133,6 +138,8 @@ class EngineDeployment:
     async def __del__(self) -> None:
         # Serve has already waited for in-flight requests; whatever is left of the budget goes to stragglers.
         await self._service.drain(self._settings.replica.graceful_shutdown_timeout_s / 2)
+        if self._metrics_bridge is not None:
+            await self._metrics_bridge.stop()
 
 
 def _log_through_serve() -> None:

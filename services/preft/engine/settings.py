@@ -39,6 +39,12 @@ class ReplicaSettings(BaseModel):
     )
     health_check_period_s: float = Field(5.0, gt=0, description="How often Serve calls check_health()")
     health_check_timeout_s: float = Field(10.0, gt=0, description="A check_health() slower than this fails")
+    ray_metrics_interval_s: float = Field(
+        5.0,
+        ge=0,
+        description="How often a replica copies its preft_* metrics into Ray's, which each Ray node exports on its "
+        "metrics port for a per-pod scrape (engine.ray_metrics); 0 = never (the replica's /metrics still serves them)",
+    )
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Extra environment variables of the replica processes (runtime_env)"
     )

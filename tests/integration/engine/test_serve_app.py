@@ -13,6 +13,7 @@ import uuid
 import httpx
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from preft.common.settings import RedisSettings, S3Settings
@@ -23,6 +24,7 @@ from preft.registry.blobstore import BlobStore
 from preft.stack import free_port
 from tests.adapter_specs import spec_for, upload
 from tests.conftest import random_prompt
+from tests.deploy.manifests import engine_metric_relabelings, relabel
 from tests.reference import reference_generate
 
 pytestmark = pytest.mark.engine
@@ -49,7 +51,13 @@ def specs(bucket, adapters):
 
 
 @pytest.fixture(scope="module")
-def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs):
+def ray_metrics_port():
+    """The Ray node's metrics port (what the PodMonitor scrapes on each Ray pod)."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs, ray_metrics_port):
     import ray
     from ray import serve
 
@@ -79,11 +87,18 @@ def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs):
             max_adapters_per_replica=4,
             graceful_shutdown_timeout_s=15,
             health_check_period_s=2,
+            ray_metrics_interval_s=1.0,
         ),
         app_name=APP,
     )
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=ray_metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},  # (Ray's default: 10 s)
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         started = time.perf_counter()
@@ -215,6 +230,56 @@ def test_replica_publishes_its_adapters_to_redis(serve_app, specs, redis_server)
     held = {m.decode() for m in r.smembers(keys[0])}
     assert specs["lora_a"].digest in held or specs["lora_b"].digest in held
     assert 0 < r.pttl(keys[0]) <= 5000
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples of a Prometheus text export, keyed by name and sorted labels."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_replica_metrics_reach_rays_metrics_port_under_their_own_names(serve_app, ray_metrics_port):
+    """What a fleet's Prometheus reads of a replica: the Ray node's metrics port, relabeled as the engine's PodMonitor
+    does (deploy/base/monitoring). After the requests above, every preft_* counter sample of the replica's /metrics
+    that has risen (requests, tokens, latency histograms, paging) is there under its own name with the same value,
+    and the gauges are there too (engine.ray_metrics copies them; Ray names them ray_*, the relabelings name them
+    back)."""
+    client, _ = serve_app
+    rules = engine_metric_relabelings()
+    ray_own = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId"}
+    replica = {
+        key: value
+        for key, value in _samples(client.get("/metrics").text).items()
+        if key[0].startswith("preft_") and not key[0].startswith("preft_gateway_") and not key[0].endswith("_created")
+    }
+    # (a counter sample still at 0, e.g. an empty low bucket, appears in Ray's export once it first rises)
+    counters = {k: v for k, v in replica.items() if k[0].endswith(("_total", "_bucket", "_sum", "_count")) and v}
+    assert any(k[0] == "preft_requests_total" for k in counters) and any(k[0].endswith("_bucket") for k in counters)
+    scraped: dict = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{ray_metrics_port}/metrics", timeout=5).text
+        scraped, unnamed = {}, set()
+        for (name, labels), value in _samples(text).items():
+            relabeled = relabel({"__name__": name, **dict(labels)}, rules)
+            name = relabeled.pop("__name__")
+            if name.startswith("ray_preft_"):
+                unnamed.add(name)
+            if name.startswith("preft_"):
+                own = {k: v for k, v in relabeled.items() if k not in ray_own and not k.startswith("otel_scope_")}
+                scraped[(name, tuple(sorted(own.items())))] = value
+        if all(scraped.get(k) == pytest.approx(v) for k, v in counters.items()):
+            break
+        time.sleep(1)
+    missing = {k: v for k, v in counters.items() if scraped.get(k) != pytest.approx(v)}
+    assert not missing, f"{len(missing)} of {len(counters)} counter samples differ or are missing: {missing}"
+    gauges = {name for name, _ in scraped} - {name for name, _ in counters}
+    assert {"preft_queue_depth", "preft_tokens_per_second"} <= gauges
+    assert not unnamed, f"samples the relabelings did not name back: {unnamed}"
+    assert not {name for name, _ in scraped if name.startswith("preft_gateway_")}  # (the gateway's, not copied)
 
 
 def test_deleting_the_app_drains_in_flight_requests_first(serve_app, redis_server):

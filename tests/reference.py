@@ -83,11 +83,32 @@ def _step_logits(model_dir, prompt_ids, adapter_dir, mode: str, steps: int, feed
 
 
 def reference_generate(
-    model_dir: str | Path, prompt_ids: list[int], adapter_dir: str | Path | None, mode: str, max_tokens: int
+    model_dir: str | Path,
+    prompt_ids: list[int],
+    adapter_dir: str | Path | None,
+    mode: str,
+    max_tokens: int,
+    *,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
 ) -> list[int]:
-    """Greedy tokens of the reference."""
-    logits = _step_logits(model_dir, prompt_ids, adapter_dir, mode, max_tokens, lambda i, step: int(step.argmax()))
-    return [int(step.argmax()) for step in logits]
+    """Greedy tokens of the reference; the penalties as OpenAI defines them, over the tokens generated so far: each
+    token's logit less frequency_penalty × its count and presence_penalty once it has appeared."""
+    counts: dict[int, int] = {}
+    tokens: list[int] = []
+
+    def pick(step: torch.Tensor) -> int:
+        penalized = step.clone()
+        for token, count in counts.items():
+            penalized[token] -= frequency_penalty * count + presence_penalty
+        token = int(penalized.argmax())
+        counts[token] = counts.get(token, 0) + 1
+        tokens.append(token)
+        return token
+
+    logits = _step_logits(model_dir, prompt_ids, adapter_dir, mode, max_tokens, lambda i, step: pick(step))
+    pick(logits[-1])  # (the last step's token is not fed back)
+    return tokens
 
 
 def reference_logits(

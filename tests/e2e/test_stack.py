@@ -71,6 +71,18 @@ def test_completions_chat_and_streaming_in_both_modes(stack, tenants):
     deltas = [c.choices[0].delta.content or "" for c in chat_stream if c.choices]
     assert "".join(deltas)
 
+    # logprobs and penalties through every hop: greedy, so each chosen token is its position's most likely
+    scored = demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    assert scored.choices[0].text == lora.choices[0].text
+    logprobs = scored.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == 8 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True):
+        assert max(top.values()) == pytest.approx(chosen)
+    penalized = demo.completions.create(
+        model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, frequency_penalty=2.0, presence_penalty=2.0
+    )
+    assert penalized.usage.completion_tokens == 8  # (what they do to the tokens: tests/engine/test_async_engine.py)
+
 
 def test_tenants_cannot_see_each_others_adapters_on_any_route(stack, tenants):
     acme, beta = client(stack, tenants["acme"]), client(stack, tenants["beta"])

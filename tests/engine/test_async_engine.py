@@ -9,6 +9,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from preft.common.errors import InvalidArgument, Unavailable
 from preft.engine.async_engine import AsyncPreftEngine
@@ -16,6 +17,7 @@ from preft.engine.contract import EngineRequest
 from preft.engine.requests import GenerationRequest
 from tests.conftest import random_prompt
 from tests.engine.conftest import engine_options
+from tests.reference import reference_generate, reference_logits
 
 pytestmark = pytest.mark.engine
 
@@ -137,6 +139,71 @@ def test_add_and_remove_lora_move_adapters_in_and_out_of_host_memory(async_engin
         assert lora_id not in await async_engine.loaded_lora_ids()
 
     loop.run_until_complete(scenario())
+
+
+LOGPROB_CASES = ((None, "prefill"), ("lora_a", "prefill"), ("lora_b", "all"), ("direft_a", "prefill"))
+
+
+def test_logprobs_are_the_models_at_each_position_in_its_mode(async_engine, model_dirs, adapters, loop):
+    """Each generated token's logprob and the top 3 at its position are the log-softmax of the reference's logits
+    there: the first token's from the prompt's last position with the adapter, the later ones' with it off in
+    `prefill` mode and on in `all` mode (float32)."""
+    ads = adapters["llama"]
+    prompt = random_prompt(random.Random(5), 37)  # (longer than a step: chunked prefill)
+    requests = [
+        (
+            EngineRequest(
+                request_id=f"lp-{name}-{mode}",
+                prompt_token_ids=prompt,
+                max_tokens=6,
+                logprobs=3,
+                ignore_eos=True,
+                stream=True,
+                mode=mode,
+            ),
+            ads[name] if name else None,
+        )
+        for name, mode in LOGPROB_CASES
+    ]
+
+    async def run_all():
+        return await asyncio.gather(*(_collect(async_engine, req, d) for req, d in requests))
+
+    for (req, adapter_dir), chunks in zip(requests, loop.run_until_complete(run_all()), strict=True):
+        tokens = [t for c in chunks for t in c.token_ids]
+        logprobs = [lp for c in chunks for lp in c.logprobs or []]
+        assert all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for c in chunks)
+        assert [lp.token_id for lp in logprobs] == tokens and len(tokens) == 6
+        assert any(t.token for lp in logprobs for t in lp.top)  # (the tokens' text, where they decode alone)
+        reference = reference_logits(model_dirs["llama"], prompt, adapter_dir, req.mode.value, tokens)
+        for position, (lp, logits) in enumerate(zip(logprobs, reference, strict=True)):
+            want = torch.log_softmax(logits.double(), dim=-1)
+            where = f"{req.request_id} position {position}"
+            assert lp.logprob == pytest.approx(float(want[lp.token_id]), abs=1e-3), where
+            assert len(lp.top) == 3 and lp.top[0].token_id == lp.token_id, where  # (greedy: the chosen is the top)
+            top = torch.topk(want, 3)
+            assert [t.logprob for t in lp.top] == pytest.approx(top.values.tolist(), abs=1e-3), where
+
+
+def test_penalties_follow_their_definition(async_engine, model_dirs, adapters, loop):
+    """presence_penalty and frequency_penalty change greedy decoding as OpenAI defines them over the generated
+    tokens (the reference applies that definition by itself), for a base request and a LoRAP one."""
+    prompt = random_prompt(random.Random(9), 12)
+    for adapter_dir, mode in ((None, "prefill"), (adapters["llama"]["lora_a"], "prefill")):
+        plain = EngineRequest(request_id="plain", prompt_token_ids=prompt, max_tokens=24, ignore_eos=True, mode=mode)
+        penalized = plain.model_copy(
+            update={"request_id": "penalized", "presence_penalty": 0.5, "frequency_penalty": 1.5}
+        )
+        got = {}
+        for req in (plain, penalized):
+            chunks = loop.run_until_complete(_collect(async_engine, req, adapter_dir))
+            got[req.request_id] = [t for c in chunks for t in c.token_ids]
+        want = reference_generate(
+            model_dirs["llama"], prompt, adapter_dir, mode, 24, presence_penalty=0.5, frequency_penalty=1.5
+        )
+        assert got["penalized"] == want
+        assert got["plain"] == reference_generate(model_dirs["llama"], prompt, adapter_dir, mode, 24)
+        assert got["penalized"] != got["plain"]  # (the penalties changed this greedy run: the test can tell)
 
 
 def test_bad_requests_are_invalid_before_reaching_vllm(async_engine, model_dirs, loop, tmp_path):

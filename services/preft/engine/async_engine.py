@@ -10,7 +10,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from preft.adapters import AdapterError, AdapterInfo, ModelShape
 from preft.common import metrics
 from preft.common.errors import InvalidArgument, PreftError, Unavailable
 from preft.engine.catalog import AdapterCatalog, CatalogEntry
-from preft.engine.contract import EngineChunk, EngineRequest, FinishReason, Usage
+from preft.engine.contract import EngineChunk, EngineRequest, FinishReason, TokenLogprob, TopLogprob, Usage
 from preft.engine.throughput import ThroughputWindow
 from preft.engine.vllm_engine import EngineOptions, check_prompt, engine_kwargs, lora_request, use_v1_model_runner
 from preft.vllm_plugin.modes import mode_extra_args
@@ -47,6 +47,7 @@ VLLM_API = (
     "vllm.v1.engine.output_processor:OutputProcessor.get_num_unfinished_requests",
     "vllm.exceptions:VLLMClientError",
     "vllm.v1.engine.exceptions:EngineDeadError",
+    "vllm.logprobs:Logprob",  # CompletionOutput.logprobs: per new token, {token id: Logprob} (the chosen and top k)
 )
 
 MODES = ("prefill", "all", "base")  # metric label values: a request without an adapter is "base"
@@ -54,6 +55,18 @@ FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "len
 THROUGHPUT = ThroughputWindow(window_s=10.0)  # one per process, like the metrics it feeds
 for _mode in MODES:
     metrics.TOKENS_PER_SECOND.labels(_mode).set_function(lambda m=_mode: THROUGHPUT.rate(m))
+
+
+def token_logprobs(token_ids: list[int], positions: Sequence[Mapping[int, Any]], k: int) -> list[TokenLogprob]:
+    """Each new token's logprob and the `k` most likely tokens at its position, from vLLM's {token id: Logprob} per
+    position (the chosen token and the top k, each with its rank)."""
+    out = []
+    for token_id, position in zip(token_ids, positions, strict=True):
+        chosen = position[token_id]
+        ranked = sorted((lp.rank, t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= k)
+        top = [TopLogprob(token_id=t, token=lp.decoded_token or "", logprob=lp.logprob) for _, t, lp in ranked]
+        out.append(TokenLogprob(token_id=token_id, token=chosen.decoded_token or "", logprob=chosen.logprob, top=top))
+    return out
 
 
 class AsyncPreftEngine:
@@ -124,6 +137,9 @@ class AsyncPreftEngine:
             n=1,
             temperature=request.temperature,
             top_p=request.top_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            logprobs=request.logprobs,
             seed=request.seed,
             stop=list(request.stop) or None,
             ignore_eos=request.ignore_eos,
@@ -181,6 +197,8 @@ class AsyncPreftEngine:
                     THROUGHPUT.record(mode, len(tokens))
                     last = now
                 chunk = EngineChunk(text=completion.text or "", token_ids=tokens)
+                if request.logprobs is not None:
+                    chunk.logprobs = token_logprobs(tokens, completion.logprobs or (), request.logprobs)
                 if out.finished:
                     chunk.finish_reason = FINISH_REASONS.get(completion.finish_reason, "abort")
                     chunk.usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_generated)

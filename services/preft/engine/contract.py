@@ -40,6 +40,9 @@ class AdapterSpec(BaseModel):
     ref: str = Field(description="tenant/name@vN, for logs")
 
 
+MAX_LOGPROBS = 20  # alternatives per generated token at most (the engine's vLLM max_logprobs)
+
+
 class EngineRequest(BaseModel):
     """One generation, already tokenized and authorized by the gateway."""
 
@@ -48,6 +51,18 @@ class EngineRequest(BaseModel):
     max_tokens: int = Field(ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of each token already generated"
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from each token's logit once per time it was generated"
+    )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return each generated token's log-probability and this many most likely tokens at its position",
+    )
     seed: int | None = None
     stop: list[str] = Field(default_factory=list, max_length=8)
     ignore_eos: bool = False
@@ -65,11 +80,31 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a position."""
+
+    token_id: int
+    token: str = Field(description="The token's text ('' where the engine has no tokenizer)")
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    """A generated token's log-probability under the model (its logits before sampling's penalties and
+    temperature), and the `logprobs` most likely tokens at its position, most likely first."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
 class EngineChunk(BaseModel):
-    """A streamed piece of output; the last one carries finish_reason and usage."""
+    """A streamed piece of output; the last one carries finish_reason and usage. `logprobs`: one per token id, where
+    the request asked for them."""
 
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
 
@@ -79,6 +114,7 @@ class EngineResponse(BaseModel):
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason
     usage: Usage
 

@@ -80,7 +80,7 @@ class GenerationService:
     ) -> Job:
         """Check lengths, take from the tenant's buckets, then resolve the model (404/503 give the tokens back)."""
         budget = self.max_tokens_for(len(prompt_ids), max_tokens)
-        stop = body.stop_list()
+        stop, logprobs = body.stop_list(), body.engine_logprobs()  # (400s before anything is reserved)
         admission = await self.limiter.admit(caller.tenant, len(prompt_ids) + budget)
         try:
             resolution = await self.resolver.resolve(caller.tenant, body.model, body.preft_mode)
@@ -93,6 +93,9 @@ class GenerationService:
             max_tokens=budget,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logprobs=logprobs,
             seed=body.seed,
             stop=stop,
             ignore_eos=body.ignore_eos,

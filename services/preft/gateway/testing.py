@@ -1,7 +1,8 @@
 """Test doubles for the gateway: a stub engine that speaks `preft.engine.contract`, and uvicorn in a thread.
 
 Used by tests/integration/gateway and loadtest/bench_gateway.py; not part of a deployment. The stub has no
-model: it answers `max_tokens` deterministic fake tokens (` w<id>` each), optionally `token_delay_s` apart,
+model: it answers `max_tokens` deterministic fake tokens (` w<id>` each; asked for logprobs, token i's is -(i+1)/8,
+its top alternatives the next ids, each 1 lower), optionally `token_delay_s` apart,
 records what it received, and can be told to fail its next requests with a given status (before any byte)
 or to break a stream after some chunks. It refuses requests whose multiplexing header does not match the
 adapter's digest, so tests catch a gateway that routes wrongly. Serve it with
@@ -28,6 +29,8 @@ from preft.engine.contract import (
     EngineError,
     EngineRequest,
     EngineResponse,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from preft.stack.process import LOOPBACK, free_port, wait_until
@@ -73,6 +76,17 @@ class StubEngine:
         start = (sum(req.prompt_token_ids) + (req.seed or 0)) % self.vocab_size
         return [(start + 7 * i) % self.vocab_size for i in range(req.max_tokens)]
 
+    def logprobs(self, req: EngineRequest, ids: list[int]) -> list[TokenLogprob] | None:
+        """The fake logprobs of `ids` (None where the request asked for none)."""
+        if req.logprobs is None:
+            return None
+        out = []
+        for i, t in enumerate(ids):
+            top_ids = [(t + j) % self.vocab_size for j in range(req.logprobs)]
+            top = [TopLogprob(token_id=u, token=_text([u]), logprob=-(i + 1) / 8 - j) for j, u in enumerate(top_ids)]
+            out.append(TokenLogprob(token_id=t, token=_text([t]), logprob=-(i + 1) / 8, top=top))
+        return out
+
     async def generate(self, request: Request) -> Response:
         try:
             req = EngineRequest.model_validate_json(await request.body())
@@ -95,11 +109,13 @@ class StubEngine:
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s * len(ids))
             usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids))
-            out = EngineResponse(text=_text(ids), token_ids=ids, finish_reason="length", usage=usage)
+            logprobs = self.logprobs(req, ids)
+            out = EngineResponse(text=_text(ids), token_ids=ids, logprobs=logprobs, finish_reason="length", usage=usage)
             return Response(out.model_dump_json(), media_type="application/json")
         return StreamingResponse(self._stream(req, ids, failure), media_type="application/x-ndjson")
 
     async def _stream(self, req: EngineRequest, ids: list[int], failure: Failure | None):
+        logprobs = self.logprobs(req, ids)
         for i, t in enumerate(ids):
             if failure is not None and i >= (failure.after_chunks or 0):
                 if failure.status is None:
@@ -109,7 +125,8 @@ class StubEngine:
                 return
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
-            yield EngineChunk(text=_text([t]), token_ids=[t]).model_dump_json().encode() + b"\n"
+            chunk = EngineChunk(text=_text([t]), token_ids=[t], logprobs=None if logprobs is None else [logprobs[i]])
+            yield chunk.model_dump_json().encode() + b"\n"
         usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids))
         yield EngineChunk(finish_reason="length", usage=usage).model_dump_json().encode() + b"\n"
 

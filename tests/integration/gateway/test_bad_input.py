@@ -23,7 +23,11 @@ BAD_BODIES = [
     (COMPLETIONS, b'{"model": "tiny-llama", "prompt": [1, 99999]}', "token ids"),
     (COMPLETIONS, b'{"model": "tiny-llama", "prompt": ["a", "b"]}', "one prompt"),
     (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "n": 2}', "n is not supported"),
-    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "logprobs": 2}', "logprobs"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "logprobs": 6}', "logprobs"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "logprobs": -1}', "logprobs"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "echo": true}', "echo is not supported"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "presence_penalty": 2.5}', "presence_penalty"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "frequency_penalty": "high"}', "frequency_penalty"),
     (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
     (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 600}', "maximum context length"),
     (CHAT, b'{"model": "tiny-llama", "messages": []}', "messages"),
@@ -35,6 +39,8 @@ BAD_BODIES = [
         "only text",
     ),
     (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}', "tools"),
+    (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "logprobs"),
+    (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 21}', "top_logp"),
 ]
 
 

@@ -85,6 +85,47 @@ def test_completions_chat_and_streams_with_the_openai_client(make_gateway, regis
     assert hot[0].score == pytest.approx(4, rel=0.01)  # four adapter requests, none for the base model
 
 
+def test_logprobs_and_penalties_with_the_openai_client(gateway, registry, stub):
+    """Penalties reach the engine; its logprobs come back in each route's OpenAI shape, whole and streamed (the
+    stub's token i has logprob -(i+1)/8 and its top alternatives the next ids, each 1 lower)."""
+    client = gateway.openai(registry.tenant("acme"))
+    out = client.completions.create(
+        model=BASE, prompt="hello", max_tokens=3, logprobs=2, presence_penalty=0.5, frequency_penalty=-1.25
+    )
+    _, req = stub.received[-1]
+    assert (req.logprobs, req.presence_penalty, req.frequency_penalty) == (2, 0.5, -1.25)
+    ids = stub.tokens(req)
+    words = [f" w{t}" for t in ids]
+    logprobs = out.choices[0].logprobs
+    assert logprobs.tokens == words and logprobs.token_logprobs == [-0.125, -0.25, -0.375]
+    assert logprobs.top_logprobs[1] == {words[1]: -0.25, f" w{(ids[1] + 1) % stub.vocab_size}": -1.25}
+    assert logprobs.text_offset == [0, len(words[0]), len(words[0]) + len(words[1])]
+    stream = list(client.completions.create(model=BASE, prompt="hello", max_tokens=3, logprobs=0, stream=True))
+    streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == words and all(lp.top_logprobs == [{}] for lp in streamed)
+    assert [o for lp in streamed for o in lp.text_offset] == logprobs.text_offset  # (offsets run across events)
+    assert client.completions.create(model=BASE, prompt="hello", max_tokens=2).choices[0].logprobs is None
+    assert stub.received[-1][1].logprobs is None and stub.received[-1][1].presence_penalty == 0.0
+
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model=BASE, messages=messages, max_tokens=2, logprobs=True, top_logprobs=3)
+    _, req = stub.received[-1]
+    assert req.logprobs == 3
+    words = [f" w{t}" for t in stub.tokens(req)]
+    content = chat.choices[0].logprobs.content
+    assert [(c.token, c.logprob) for c in content] == [(words[0], -0.125), (words[1], -0.25)]
+    assert content[0].bytes == list(words[0].encode()) and len(content[0].top_logprobs) == 3
+    assert [t.logprob for t in content[1].top_logprobs] == [-0.25, -1.25, -2.25]
+    chunks = list(
+        client.chat.completions.create(model=BASE, messages=messages, max_tokens=2, logprobs=True, stream=True)
+    )
+    assert stub.received[-1][1].logprobs == 0
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.top_logprobs) for t in streamed] == [(words[0], []), (words[1], [])]
+    plain = client.chat.completions.create(model=BASE, messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None and stub.received[-1][1].logprobs is None
+
+
 def test_models_lists_the_tenants_adapters_and_the_base_model(gateway, registry, tiny_models):
     acme, beta = registry.tenant("acme"), registry.tenant("beta")
     registry.publish("acme", "chat", tiny_models["lora"])

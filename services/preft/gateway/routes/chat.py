@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from preft.engine.contract import EngineChunk, Usage
 from preft.gateway.deps import CallerDep, ChatBodyDep, GenerationDep, TokenizerDep
+from preft.gateway.logprobs import chat_logprobs
 from preft.gateway.observability import started_s
 from preft.gateway.sse import stream_response, usage_dict
 
@@ -25,8 +26,8 @@ class ChatChunks:
         self.head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
         self.include_usage = include_usage
 
-    def _event(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _event(self, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         event = {**self.head, "choices": [choice]}
         if self.include_usage:
             event["usage"] = None
@@ -37,8 +38,9 @@ class ChatChunks:
 
     def piece(self, chunk: EngineChunk) -> list[dict[str, Any]]:
         events = []
-        if chunk.text:
-            events.append(self._event({"content": chunk.text}, None))
+        if chunk.text or chunk.logprobs:
+            logprobs = None if chunk.logprobs is None else chat_logprobs(chunk.logprobs)
+            events.append(self._event({"content": chunk.text}, None, logprobs))
         if chunk.finish_reason is not None:
             events.append(self._event({}, chunk.finish_reason))
         return events
@@ -62,12 +64,13 @@ async def create_chat_completion(
         return stream_response(generation, job, stream, render, include_usage=body.include_usage, headers=headers)
     out = await generation.complete(job, started_s=started_s(request))
     message = {"role": "assistant", "content": out.text}
+    logprobs = None if out.logprobs is None else chat_logprobs(out.logprobs)
     answer = {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": body.model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": out.finish_reason}],
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}],
         "usage": usage_dict(out.usage),
     }
     return JSONResponse(answer, headers=headers)

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from preft.common.errors import InvalidArgument
 from preft.engine.contract import EngineChunk, Usage
 from preft.gateway.deps import CallerDep, CompletionBodyDep, GenerationDep, TokenizerDep
+from preft.gateway.logprobs import completion_logprobs
 from preft.gateway.observability import started_s
 from preft.gateway.sse import stream_response, usage_dict
 
@@ -24,14 +25,19 @@ class CompletionChunks:
     def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
         self.head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
         self.include_usage = include_usage
+        self.text_offset = 0  # (the logprobs' offsets run over the whole generated text)
 
     def opening(self) -> list[dict[str, Any]]:
         return []
 
     def piece(self, chunk: EngineChunk) -> list[dict[str, Any]]:
-        if not chunk.text and chunk.finish_reason is None:
+        if not chunk.text and not chunk.logprobs and chunk.finish_reason is None:
             return []
-        choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
+        logprobs = None
+        if chunk.logprobs is not None:
+            logprobs = completion_logprobs(chunk.logprobs, self.text_offset)
+            self.text_offset += sum(len(lp.token) for lp in chunk.logprobs)
+        choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
         event = {**self.head, "choices": [choice]}
         if self.include_usage:
             event["usage"] = None
@@ -61,7 +67,8 @@ async def create_completion(
         render = CompletionChunks(request_id, body.model, body.include_usage)
         return stream_response(generation, job, stream, render, include_usage=body.include_usage, headers=headers)
     out = await generation.complete(job, started_s=started_s(request))
-    choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+    logprobs = None if out.logprobs is None else completion_logprobs(out.logprobs)
+    choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
     answer = {
         "id": request_id,
         "object": "text_completion",

@@ -91,14 +91,18 @@ def reference_generate(
     *,
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
+    logit_bias: dict[int, float] | None = None,
 ) -> list[int]:
     """Greedy tokens of the reference; the penalties as OpenAI defines them, over the tokens generated so far: each
-    token's logit less frequency_penalty × its count and presence_penalty once it has appeared."""
+    token's logit less frequency_penalty × its count and presence_penalty once it has appeared; logit_bias added
+    to its tokens' logits."""
     counts: dict[int, int] = {}
     tokens: list[int] = []
 
     def pick(step: torch.Tensor) -> int:
         penalized = step.clone()
+        for token, bias in (logit_bias or {}).items():
+            penalized[token] += bias
         for token, count in counts.items():
             penalized[token] -= frequency_penalty * count + presence_penalty
         token = int(penalized.argmax())

@@ -206,6 +206,25 @@ def test_penalties_follow_their_definition(async_engine, model_dirs, adapters, l
         assert got["penalized"] != got["plain"]  # (the penalties changed this greedy run: the test can tell)
 
 
+def test_logit_bias_moves_the_tokens_it_names(async_engine, model_dirs, adapters, loop):
+    """A bias of -100 on the unbiased run's tokens steers greedy decoding elsewhere, as the reference adding it
+    does; +100 on one token makes it every token."""
+    prompt = random_prompt(random.Random(13), 10)
+    adapter_dir = adapters["llama"]["lora_a"]
+    req = EngineRequest(request_id="plain", prompt_token_ids=prompt, max_tokens=8, ignore_eos=True)
+
+    def tokens(**update) -> list[int]:
+        chunks = loop.run_until_complete(_collect(async_engine, req.model_copy(update=update), adapter_dir))
+        return [t for c in chunks for t in c.token_ids]
+
+    plain = tokens()
+    banned = {t: -100.0 for t in plain}
+    steered = tokens(request_id="banned", logit_bias=banned)
+    assert steered == reference_generate(model_dirs["llama"], prompt, adapter_dir, "prefill", 8, logit_bias=banned)
+    assert not set(steered) & set(plain)
+    assert tokens(request_id="forced", logit_bias={7: 100.0}) == [7] * 8
+
+
 def test_bad_requests_are_invalid_before_reaching_vllm(async_engine, model_dirs, loop, tmp_path):
     async def first(req, adapter_dir=None):
         return await anext(async_engine.generate(req, adapter_dir))
@@ -220,6 +239,9 @@ def test_bad_requests_are_invalid_before_reaching_vllm(async_engine, model_dirs,
     ok = EngineRequest(request_id="ok", prompt_token_ids=[5, 6], max_tokens=2)
     with pytest.raises(InvalidArgument, match="adapter"):
         loop.run_until_complete(first(ok, tmp_path))
+    biased = EngineRequest(request_id="bias", prompt_token_ids=[5, 6], max_tokens=2, logit_bias={10**6: 1.0})
+    with pytest.raises(InvalidArgument, match="logit_bias token id 1000000 is outside the vocabulary"):
+        loop.run_until_complete(first(biased))
 
 
 def test_a_dead_engine_answers_unavailable_instead_of_hanging(async_engine, loop):

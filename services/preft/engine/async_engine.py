@@ -20,7 +20,14 @@ from preft.common.errors import InvalidArgument, PreftError, Unavailable
 from preft.engine.catalog import AdapterCatalog, CatalogEntry
 from preft.engine.contract import EngineChunk, EngineRequest, FinishReason, TokenLogprob, TopLogprob, Usage
 from preft.engine.throughput import ThroughputWindow
-from preft.engine.vllm_engine import EngineOptions, check_prompt, engine_kwargs, lora_request, use_v1_model_runner
+from preft.engine.vllm_engine import (
+    EngineOptions,
+    check_prompt,
+    check_token_ids,
+    engine_kwargs,
+    lora_request,
+    use_v1_model_runner,
+)
 from preft.vllm_plugin.modes import mode_extra_args
 
 logger = logging.getLogger(__name__)
@@ -140,6 +147,7 @@ class AsyncPreftEngine:
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             logprobs=request.logprobs,
+            logit_bias=request.logit_bias or None,
             seed=request.seed,
             stop=list(request.stop) or None,
             ignore_eos=request.ignore_eos,
@@ -164,6 +172,7 @@ class AsyncPreftEngine:
                 vocab_size=self.shape.vocab_size,
                 max_model_len=self.max_model_len,
             )
+            check_token_ids(request.logit_bias, self.shape.vocab_size, "logit_bias")
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
         lora, method = None, "none"

@@ -13,7 +13,7 @@ is draining; retrying elsewhere may work), 500 (a bug).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -41,6 +41,8 @@ class AdapterSpec(BaseModel):
 
 
 MAX_LOGPROBS = 20  # alternatives per generated token at most (the engine's vLLM max_logprobs)
+MAX_LOGIT_BIASES = 300  # token ids a request may bias (OpenAI's limit)
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 class EngineRequest(BaseModel):
@@ -62,6 +64,9 @@ class EngineRequest(BaseModel):
         ge=0,
         le=MAX_LOGPROBS,
         description="Return each generated token's log-probability and this many most likely tokens at its position",
+    )
+    logit_bias: dict[int, LogitBias] = Field(
+        default_factory=dict, max_length=MAX_LOGIT_BIASES, description="Added to these token ids' logits"
     )
     seed: int | None = None
     stop: list[str] = Field(default_factory=list, max_length=8)

@@ -7,7 +7,7 @@ package is the only one that touches vLLM internals); both build vLLM's argument
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,11 +90,16 @@ def engine_kwargs(options: EngineOptions) -> dict[str, Any]:
 
 def check_prompt(prompt_ids: Sequence[int], max_tokens: int, *, vocab_size: int, max_model_len: int) -> None:
     """Refuse (ValueError) token ids outside the vocabulary and, when max_model_len > 0, a too long request."""
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    check_token_ids(prompt_ids, vocab_size, "prompt")
     if max_model_len > 0:
         check_length(len(prompt_ids), max_tokens, max_model_len)
+
+
+def check_token_ids(token_ids: Iterable[int], vocab_size: int, what: str) -> None:
+    """Refuse (ValueError) a token id outside the vocabulary, naming `what` holds it."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what} token id {bad[0]} is outside the vocabulary (size {vocab_size})")
 
 
 def check_length(n_prompt: int, max_tokens: int, max_model_len: int) -> None:

@@ -77,10 +77,12 @@ class GenerationService:
         *,
         max_tokens: int | None,
         request_id: str,
+        vocab_size: int,
     ) -> Job:
         """Check lengths, take from the tenant's buckets, then resolve the model (404/503 give the tokens back)."""
         budget = self.max_tokens_for(len(prompt_ids), max_tokens)
         stop, logprobs = body.stop_list(), body.engine_logprobs()  # (400s before anything is reserved)
+        logit_bias = body.token_biases(vocab_size)
         admission = await self.limiter.admit(caller.tenant, len(prompt_ids) + budget)
         try:
             resolution = await self.resolver.resolve(caller.tenant, body.model, body.preft_mode)
@@ -96,6 +98,7 @@ class GenerationService:
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,
+            logit_bias=logit_bias,
             seed=body.seed,
             stop=stop,
             ignore_eos=body.ignore_eos,

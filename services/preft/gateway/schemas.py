@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible routes (the subset the engine can honour) and their PreFT extensions.
 
-Fields the engine cannot honour are refused with a 400 naming them when they ask for something (n > 1, logit_bias,
-echo, tools, ...), rather than silently ignored. Unknown fields are ignored, as OpenAI clients
+Fields the engine cannot honour are refused with a 400 naming them when they ask for something (n > 1, echo,
+best_of, tools, ...), rather than silently ignored. Unknown fields are ignored, as OpenAI clients
 send new optional fields over time. Extensions, sent by OpenAI clients through `extra_body`:
 - `preft_mode`: "prefill" | "all", the adapter's position mode (only where the operator allows it),
 - `ignore_eos`: keep generating after the end-of-sequence token (benchmarks).
@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from preft.common.errors import InvalidArgument
+from preft.engine.contract import MAX_LOGIT_BIASES, LogitBias
 from preft.vllm_plugin.modes import PositionMode
 
 MAX_STOP_SEQUENCES = 4
@@ -48,7 +49,9 @@ class GenerationBody(BaseModel):
     frequency_penalty: float | None = Field(
         None, ge=-2.0, le=2.0, description="Lowers each token's logit by this much per time it was generated"
     )
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, LogitBias] | None = Field(
+        None, max_length=MAX_LOGIT_BIASES, description="Token id (as a string) → bias added to its logit, -100 to 100"
+    )
     preft_mode: PositionMode | None = Field(None, description="PreFT extension: the adapter's position mode")
     ignore_eos: bool = Field(False, description="PreFT extension: do not stop at the end-of-sequence token")
 
@@ -66,7 +69,6 @@ class GenerationBody(BaseModel):
         """400 naming the first field that asks for something the engine does not do."""
         asks = {
             "n": (self.n or 1) > 1,
-            "logit_bias": bool(self.logit_bias),
             **self._unsupported(),
         }
         for name, asked in asks.items():
@@ -75,6 +77,16 @@ class GenerationBody(BaseModel):
 
     def _unsupported(self) -> dict[str, bool]:
         return {}
+
+    def token_biases(self, vocab_size: int) -> dict[int, float]:
+        """logit_bias by token id; 400 for a key that is not a token id of this model's vocabulary."""
+        biases = {}
+        for key, bias in (self.logit_bias or {}).items():
+            token = int(key) if key.isascii() and key.isdigit() else -1
+            if not 0 <= token < vocab_size:
+                raise InvalidArgument(f"logit_bias: keys must be token ids in [0, {vocab_size}), not {key!r}")
+            biases[token] = bias
+        return biases
 
     def engine_logprobs(self) -> int | None:
         """How many most likely tokens the engine returns beside each generated token's logprob (None: no

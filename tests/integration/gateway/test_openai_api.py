@@ -86,14 +86,21 @@ def test_completions_chat_and_streams_with_the_openai_client(make_gateway, regis
 
 
 def test_logprobs_and_penalties_with_the_openai_client(gateway, registry, stub):
-    """Penalties reach the engine; its logprobs come back in each route's OpenAI shape, whole and streamed (the
-    stub's token i has logprob -(i+1)/8 and its top alternatives the next ids, each 1 lower)."""
+    """Penalties and logit biases reach the engine; its logprobs come back in each route's OpenAI shape, whole and
+    streamed (the stub's token i has logprob -(i+1)/8 and its top alternatives the next ids, each 1 lower)."""
     client = gateway.openai(registry.tenant("acme"))
     out = client.completions.create(
-        model=BASE, prompt="hello", max_tokens=3, logprobs=2, presence_penalty=0.5, frequency_penalty=-1.25
+        model=BASE,
+        prompt="hello",
+        max_tokens=3,
+        logprobs=2,
+        presence_penalty=0.5,
+        frequency_penalty=-1.25,
+        logit_bias={"5": 10, "17": -100},
     )
     _, req = stub.received[-1]
     assert (req.logprobs, req.presence_penalty, req.frequency_penalty) == (2, 0.5, -1.25)
+    assert req.logit_bias == {5: 10.0, 17: -100.0}
     ids = stub.tokens(req)
     words = [f" w{t}" for t in ids]
     logprobs = out.choices[0].logprobs
@@ -105,7 +112,8 @@ def test_logprobs_and_penalties_with_the_openai_client(gateway, registry, stub):
     assert [t for lp in streamed for t in lp.tokens] == words and all(lp.top_logprobs == [{}] for lp in streamed)
     assert [o for lp in streamed for o in lp.text_offset] == logprobs.text_offset  # (offsets run across events)
     assert client.completions.create(model=BASE, prompt="hello", max_tokens=2).choices[0].logprobs is None
-    assert stub.received[-1][1].logprobs is None and stub.received[-1][1].presence_penalty == 0.0
+    _, req = stub.received[-1]
+    assert req.logprobs is None and req.presence_penalty == 0.0 and req.logit_bias == {}
 
     messages = [{"role": "user", "content": "hello"}]
     chat = client.chat.completions.create(model=BASE, messages=messages, max_tokens=2, logprobs=True, top_logprobs=3)

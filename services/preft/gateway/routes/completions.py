@@ -60,7 +60,9 @@ async def create_completion(
             raise InvalidArgument(f"prompt: token ids must be in [0, {tokenizer.vocab_size})")
         prompt_ids = list(prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    job = await generation.admit(caller, body, prompt_ids, max_tokens=body.max_tokens, request_id=request_id)
+    job = await generation.admit(
+        caller, body, prompt_ids, max_tokens=body.max_tokens, request_id=request_id, vocab_size=tokenizer.vocab_size
+    )
     headers = {"x-request-id": request_id, **job.admission.headers()}
     if body.stream:
         stream = await generation.open_stream(job, started_s=started_s(request))

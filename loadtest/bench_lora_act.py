@@ -3,19 +3,20 @@
     python3 -m loadtest.bench_lora_act --out $OUT/gpu-lora-act   # on the GPU machine
 
 On a full prefill step (16,384 tokens in groups of 1,024, 512 slots, rank 8 or --ranks) of each model's gate/up
-projection, times in one process: vLLM's activation kernel alone (``_C.silu_and_mul``), torch's product of the
-two halves (the same traffic: what a generic elementwise kernel reaches) and of the same halves copied into
-tensors of their own (whether reading both halves of gate_up's rows is what costs), the LoRA added into gate/up
-by the shrink and expand kernels then vLLM's activation (what the engine ran until ``act`` became a default
-kernel: RUNS.md "Runs 101–107") or then the activation kernel without LoRA (``act`` without ``fold``), and the
-activation kernel in each launch shape of ``SHAPES``, each in both grid orders (row blocks or column tiles
-first), with the LoRA folded in (``fold``; and how far its result is from the added LoRA's) and with no LoRA
-token (its activation on steps without adapters); above rank 16, the ``PIPELINED`` shapes folded again in the
-other rank chunks than ``lora_act.RANK_CHUNK`` that change the kernel (16 and 64, labelled `` k16`` and `` k64``;
-run 119 set ``RANK_CHUNK`` from the `` k32`` cells of then). Prints ms per call and the bandwidth
-each plain activation moves (gate, up and the output once each). Run 53's numbers (RUNS.md, "Runs 49–54") came
-from an earlier version that also timed rank-1 updates in place of the products (slower in every shape) and
-compared against a gate_up the added LoRA had already been added to.
+projection, times in one process: vLLM's activation kernel alone (``_C.silu_and_mul``), torch's product of the two
+halves (the same traffic: what a generic elementwise kernel reaches) and of the same halves copied into tensors of
+their own (whether reading both halves of gate_up's rows is what costs), the LoRA added into gate/up by the shrink
+and expand kernels then vLLM's activation (what the engine ran until ``act`` became a default kernel: RUNS.md "Runs
+101–107") or then the activation kernel without LoRA (``act`` without ``fold``), and the activation kernel in each
+launch shape of ``SHAPES``, each in both grid orders (row blocks or column tiles first), with the LoRA folded in
+(``fold``; and how far its result is from the added LoRA's) and with no LoRA token (its activation on steps without
+adapters); above rank 16, the ``PIPELINED`` shapes folded again in the other rank chunks than
+``lora_act.RANK_CHUNK`` that change the kernel (16 and 64, labelled `` k16`` and `` k64``; run 119 set
+``RANK_CHUNK`` from the `` k32`` cells of then), and the default shape on a step where every other prompt has no
+adapter (``mixed_half_base``, beside the ideal: half its blocks at the folded cost, half at the plain one). Prints
+ms per call and the bandwidth each plain activation moves (gate, up and the output once each). Run 53's numbers
+(RUNS.md, "Runs 49–54") came from an earlier version that also timed rank-1 updates in place of the products (slower
+in every shape) and compared against a gate_up the added LoRA had already been added to.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from unittest import mock
 
 import torch
 
-from loadtest.bench_lora_kernels import _timed, step
+from loadtest.bench_lora_kernels import _timed, step, step_groups
 from loadtest.bench_lora_launch import per_model_main
 from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_act, lora_kernels
@@ -98,7 +99,18 @@ def bench(model: str, rank: int, iters: int) -> dict:
             cell["plain_TB_s"] = moved / cell["plain_ms"] / 1e9
             row[label] = cell
             print(model, label, json.dumps({k: round(v, 4) for k, v in cell.items()}), flush=True)
-    labels = [label for label, cell in row.items() if isinstance(cell, dict)]
+        # A step where every other prompt has no adapter (base requests among adapted ones): its row blocks
+        # without adapted rows skip the products but, compiled as one kernel, still take gate and up through the
+        # products' layout (sm_90 compile, Triton 3.6); "ideal": half the blocks at the folded cost, half plain.
+        mixed = step_groups(rank, gate_up.shape[0], 1024, 512, device, base_every=2)
+        gate_up.zero_()
+        default = row[lora_kernels._TILES["act"].label]
+        row["mixed_half_base"] = {
+            "folded_ms": timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, mixed)),
+            "ideal_ms": (default["folded_ms"] + default["plain_ms"]) / 2,
+        }
+        print(model, "mixed_half_base", json.dumps(row["mixed_half_base"]), flush=True)
+    labels = [label for label, cell in row.items() if isinstance(cell, dict) and "plain_ms" in cell]
     row["best"] = min(labels, key=lambda label: row[label]["folded_ms"])
     row["best_plain"] = min(labels, key=lambda label: row[label]["plain_ms"])
     row["folded_speedup_over_added"] = row["added_then_vllm_ms"] / row[row["best"]]["folded_ms"]

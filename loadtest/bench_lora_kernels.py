@@ -148,9 +148,15 @@ def models_and_ranks(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
             yield model, rank
 
 
-def step_groups(rank: int, tokens: int, group_size: int, slots: int, device, **build) -> g.SlotGroups:
-    """The step's groups: `group_size` tokens each, their slots drawn from `slots` (seeded by the rank)."""
-    token_slots = np.repeat(np.random.default_rng(rank).integers(0, slots, tokens // group_size), group_size)
+def step_groups(
+    rank: int, tokens: int, group_size: int, slots: int, device, *, base_every: int = 0, **build
+) -> g.SlotGroups:
+    """The step's groups: `group_size` tokens each, their slots drawn from `slots` (seeded by the rank); with
+    `base_every` k > 0, every k-th group (the 2nd, 4th, ... for k = 2) a prompt without an adapter (slot -1)."""
+    group_slots = np.random.default_rng(rank).integers(0, slots, tokens // group_size)
+    if base_every > 0:
+        group_slots[base_every - 1 :: base_every] = -1
+    token_slots = np.repeat(group_slots, group_size)
     return g.SlotGroups.build(token_slots, device, slot_ranks=np.full(slots, rank), max_rank=rank, **build)
 
 

@@ -16,6 +16,16 @@ def test_bench_times_both_paths_and_they_agree(lora_kernels_interpreted):
     assert all(row[f"{path}_max_rel_diff"] < 1e-5 for path in paths)
 
 
+def test_a_step_can_hold_prompts_without_adapters():
+    """bench_lora_act's mixed step: every other group of 64 tokens without an adapter, the rest as before."""
+    cpu = torch.device("cpu")
+    every = bench_lora_kernels.step_groups(8, 256, 64, 8, cpu)
+    mixed = bench_lora_kernels.step_groups(8, 256, 64, 8, cpu, base_every=2)
+    assert (mixed.token_slots[64:128] == -1).all() and (mixed.token_slots[192:] == -1).all()
+    assert (mixed.token_slots[:64] == every.token_slots[:64]).all() and (every.token_slots >= 0).all()
+    assert (mixed.token_slots[128:192] == every.token_slots[128:192]).all()
+
+
 def test_host_bench_counts_two_launches_per_lora_linear_on_the_default_kernels():
     """A Qwen2.5-0.5B layer has four LoRA linears: shrink + expand each, or one fused launch each."""
     from loadtest import bench_lora_host

@@ -78,6 +78,8 @@ def test_completions_chat_and_streaming_in_both_modes(stack, tenants):
     assert len(logprobs.token_logprobs) == 8 and all(lp <= 0 for lp in logprobs.token_logprobs)
     for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True):
         assert max(top.values()) == pytest.approx(chosen)
+    two = demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, n=2)
+    assert [c.text for c in two.choices] == [lora.choices[0].text] * 2 and two.usage.completion_tokens == 16
     penalized = demo.completions.create(
         model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, frequency_penalty=2.0, presence_penalty=2.0
     )

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from preft.common.errors import InvalidArgument, Unavailable
 from preft.common.metrics import GATEWAY_OVERHEAD, QUEUE_DEPTH
-from preft.engine.contract import EngineRequest, EngineResponse
+from preft.engine.contract import EngineRequest, EngineResponse, Usage
 from preft.gateway.auth import Caller
 from preft.gateway.engine_client import EngineClient, EngineStream
 from preft.gateway.errors import PayloadTooLarge
@@ -20,17 +22,43 @@ from preft.gateway.schemas import GenerationBody
 from preft.gateway.settings import GatewaySettings
 
 IN_FLIGHT = QUEUE_DEPTH.labels(service="gateway")
+T = TypeVar("T")
 
 
 @dataclass
 class Job:
-    """An admitted generation: the engine request, its adapter and mode, and the tokens it reserved."""
+    """An admitted generation: its engine requests (one per choice, `n`), adapter and mode, and the tokens it
+    reserved."""
 
-    request: EngineRequest
+    requests: list[EngineRequest]
     resolution: Resolution
     admission: Admission
     generated_tokens: int = 0  # what the engine produced so far: the part of the reservation that stays charged
     finished: bool = field(default=False)
+
+    @property
+    def reserved_generation(self) -> int:
+        """The generated tokens reserved: each choice's max_tokens."""
+        return sum(r.max_tokens for r in self.requests)
+
+
+def total_usage(usages: list[Usage]) -> Usage:
+    """A request's usage over its choices: the prompt once, every choice's generated tokens."""
+    return Usage(prompt_tokens=usages[0].prompt_tokens, completion_tokens=sum(u.completion_tokens for u in usages))
+
+
+async def _all(calls: list[Awaitable[T]]) -> list[T]:
+    """Every call's result, in order; the first failure cancels the others (closing their engine connections, which
+    stops their generations) and is raised as it is. One call is awaited in place (no task: a stream whose engine
+    broke off right after its first chunks keeps them: aiohttp raises the break before what it had buffered)."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(call) for call in calls]  # type: ignore[arg-type]
+    except* Exception as failures:
+        raise failures.exceptions[0] from None
+    return [t.result() for t in tasks]
 
 
 class GenerationService:
@@ -79,11 +107,12 @@ class GenerationService:
         request_id: str,
         vocab_size: int,
     ) -> Job:
-        """Check lengths, take from the tenant's buckets, then resolve the model (404/503 give the tokens back)."""
+        """Check lengths, take from the tenant's buckets (the prompt and `n` × max_tokens), then resolve the model
+        (404/503 give the tokens back)."""
         budget = self.max_tokens_for(len(prompt_ids), max_tokens)
         stop, logprobs = body.stop_list(), body.engine_logprobs()  # (400s before anything is reserved)
-        logit_bias = body.token_biases(vocab_size)
-        admission = await self.limiter.admit(caller.tenant, len(prompt_ids) + budget)
+        logit_bias, n = body.token_biases(vocab_size), body.n or 1
+        admission = await self.limiter.admit(caller.tenant, len(prompt_ids) + n * budget)
         try:
             resolution = await self.resolver.resolve(caller.tenant, body.model, body.preft_mode)
         except BaseException:
@@ -107,27 +136,45 @@ class GenerationService:
             mode=resolution.mode,
             tenant=caller.tenant,
         )
+        # each further choice: a request of its own (the engine batches them; with a seed, seed + i, as vLLM does)
+        more = [
+            request.model_copy(
+                update={"request_id": f"{request_id}-{i}", "seed": None if body.seed is None else body.seed + i}
+            )
+            for i in range(1, n)
+        ]
         IN_FLIGHT.inc()
-        return Job(request, resolution, admission)
+        return Job([request, *more], resolution, admission)
 
-    async def complete(self, job: Job, *, started_s: float) -> EngineResponse:
-        """The whole answer (non-streaming)."""
+    async def complete(self, job: Job, *, started_s: float) -> list[EngineResponse]:
+        """The whole answer (non-streaming): one engine response per choice."""
         GATEWAY_OVERHEAD.observe(time.perf_counter() - started_s)
         try:
-            out = await self.engine.generate(job.request, job.resolution.model_id)
-            job.generated_tokens = out.usage.completion_tokens
-            if out.finish_reason == "abort":
+            model_id = job.resolution.model_id
+            outs = await _all([self.engine.generate(r, model_id) for r in job.requests])
+            job.generated_tokens = sum(out.usage.completion_tokens for out in outs)
+            if any(out.finish_reason == "abort" for out in outs):
                 raise Unavailable("the engine aborted the generation; retry later")
-            return out
+            return outs
         finally:
             self.finish(job)
 
-    async def open_stream(self, job: Job, *, started_s: float) -> EngineStream:
-        """An engine stream whose first chunk has arrived; the caller must `finish` the job when it ends."""
+    async def open_streams(self, job: Job, *, started_s: float) -> list[EngineStream]:
+        """One engine stream per choice, each with its first chunk arrived; the caller must `finish` the job when
+        they end."""
         GATEWAY_OVERHEAD.observe(time.perf_counter() - started_s)
+        opened: list[EngineStream] = []
+
+        async def open_one(request: EngineRequest) -> EngineStream:
+            stream = await self.engine.stream(request, job.resolution.model_id)
+            opened.append(stream)
+            return stream
+
         try:
-            return await self.engine.stream(job.request, job.resolution.model_id)
+            return await _all([open_one(r) for r in job.requests])
         except BaseException:
+            for stream in opened:
+                await stream.aclose()
             self.finish(job)
             raise
 
@@ -137,7 +184,7 @@ class GenerationService:
             return
         job.finished = True
         IN_FLIGHT.dec()
-        self._refund(job.admission.tenant, job.request.max_tokens - job.generated_tokens)
+        self._refund(job.admission.tenant, job.reserved_generation - job.generated_tokens)
 
     def _refund(self, tenant: str, tokens: int) -> None:
         if tokens > 0:

@@ -6,6 +6,7 @@ A stream that fails after its first byte cannot change its status any more; it e
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -19,7 +20,7 @@ from preft.common.errors import Unavailable
 from preft.engine.contract import EngineChunk, Usage
 from preft.gateway.engine_client import EngineFailed, EngineStream
 from preft.gateway.errors import sse_error
-from preft.gateway.generation import GenerationService, Job
+from preft.gateway.generation import GenerationService, Job, total_usage
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -38,35 +39,78 @@ def usage_dict(usage: Usage) -> dict[str, int]:
 
 
 class ChunkRenderer(Protocol):
-    """Formats one route's stream events (completions and chat differ only here)."""
+    """Formats one route's stream events (completions and chat differ only here); `index`: the chunk's choice."""
 
-    def opening(self) -> list[dict[str, Any]]: ...
+    def opening(self, choices: int) -> list[dict[str, Any]]: ...
 
-    def piece(self, chunk: EngineChunk) -> list[dict[str, Any]]: ...
+    def piece(self, chunk: EngineChunk, index: int) -> list[dict[str, Any]]: ...
 
     def usage(self, usage: Usage) -> dict[str, Any]: ...
 
 
-async def events(
-    generation: GenerationService, job: Job, stream: EngineStream, render: ChunkRenderer, *, include_usage: bool
-) -> AsyncGenerator[bytes, None]:
-    """The SSE bytes for an opened engine stream; always closes the stream and finishes the job."""
+async def merged(streams: list[EngineStream]) -> AsyncGenerator[tuple[int, EngineChunk], None]:
+    """The streams' chunks as they arrive, each with its stream's index; the first failure of any is raised."""
+    if len(streams) == 1:
+        async for chunk in streams[0]:
+            yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, EngineChunk | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: EngineStream) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((index, chunk, None))
+        except Exception as e:
+            await queue.put((index, None, e))
+            return
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     try:
-        for event in render.opening():
+        running = len(streams)
+        while running:
+            index, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                running -= 1
+            else:
+                yield index, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def events(
+    generation: GenerationService,
+    job: Job,
+    streams: list[EngineStream],
+    render: ChunkRenderer,
+    *,
+    include_usage: bool,
+) -> AsyncGenerator[bytes, None]:
+    """The SSE bytes for a job's opened engine streams (one per choice); always closes them and finishes the job."""
+    try:
+        for event in render.opening(len(streams)):
             yield sse(event)
-        usage: Usage | None = None
-        async for chunk in stream:
-            job.generated_tokens += len(chunk.token_ids)
-            if chunk.finish_reason == "abort":
-                raise Unavailable("the engine aborted the generation; retry later")
-            for event in render.piece(chunk):
-                yield sse(event)
-            if chunk.finish_reason is not None:
-                usage = chunk.usage
-                break
-        else:
+        usages: dict[int, Usage | None] = {}
+        async with contextlib.aclosing(merged(streams)) as chunks:
+            async for index, chunk in chunks:
+                job.generated_tokens += len(chunk.token_ids)
+                if chunk.finish_reason == "abort":
+                    raise Unavailable("the engine aborted the generation; retry later")
+                for event in render.piece(chunk, index):
+                    yield sse(event)
+                if chunk.finish_reason is not None:
+                    usages[index] = chunk.usage
+                    if len(usages) == len(streams):
+                        break
+        if len(usages) < len(streams):
             raise EngineFailed("the engine's stream ended without a finish reason")
-        if usage is not None:
+        known = [u for u in usages.values() if u is not None]
+        if len(known) == len(streams):
+            usage = total_usage(known)
             job.generated_tokens = usage.completion_tokens
             if include_usage:
                 yield sse(render.usage(usage))
@@ -74,7 +118,8 @@ async def events(
     except Exception as e:
         yield sse_error(e)
     finally:
-        await stream.aclose()
+        for stream in streams:
+            await stream.aclose()
         generation.finish(job)
 
 
@@ -98,19 +143,20 @@ class EventStreamResponse(StreamingResponse):
 def stream_response(
     generation: GenerationService,
     job: Job,
-    stream: EngineStream,
+    streams: list[EngineStream],
     render: ChunkRenderer,
     *,
     include_usage: bool,
     headers: dict[str, str],
 ) -> EventStreamResponse:
-    body = events(generation, job, stream, render, include_usage=include_usage)
+    body = events(generation, job, streams, render, include_usage=include_usage)
 
     async def close() -> None:
         # Normally the generator has finished the job already; this covers a client gone before or mid-stream.
         with contextlib.suppress(RuntimeError):
             await body.aclose()
-        await stream.aclose()
+        for stream in streams:
+            await stream.aclose()
         generation.finish(job)
 
     return EventStreamResponse(body, on_close=close, headers=headers)

@@ -172,6 +172,13 @@ def test_stream_failing_midway_ends_with_an_error_event(gateway, registry, stub)
     chunks = list(client.completions.create(model=BASE, prompt="hi", max_tokens=3, stream=True))
     assert len([c for c in chunks if c.choices[0].text]) == 3 and _retries("unavailable") == before + 1
 
+    # n = 2: one choice's stream breaks off; the client gets the error, and the other choice's stream is closed
+    stub.received.clear()
+    stub.fail_next(None, after_chunks=2)
+    with pytest.raises(openai.APIError, match="stream broke off"):
+        list(client.completions.create(model=BASE, prompt="hi", max_tokens=6, n=2, stream=True))
+    assert len(stub.received) == 2
+
 
 class BrokenEngine:
     async def generate(self, req, model_id):

@@ -134,6 +134,36 @@ def test_logprobs_and_penalties_with_the_openai_client(gateway, registry, stub):
     assert plain.choices[0].logprobs is None and stub.received[-1][1].logprobs is None
 
 
+def test_n_choices_are_samples_of_their_own_whole_and_streamed(gateway, registry, stub):
+    """n > 1: one engine request per choice (seeded seed, seed + 1, ...), each answered as its own choice; usage counts
+    the prompt once and every choice's tokens."""
+    client = gateway.openai(registry.tenant("acme"))
+    out = client.completions.create(model=BASE, prompt="hello", max_tokens=4, n=3, seed=10, logprobs=1)
+    reqs = [req for _, req in stub.received[-3:]]
+    assert sorted(r.seed for r in reqs) == [10, 11, 12] and len({r.request_id for r in reqs}) == 3
+    by_seed = {r.seed: r for r in reqs}
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [fake_text(stub, by_seed[10 + i]) for i in range(3)]
+    assert all(len(c.logprobs.tokens) == 4 for c in out.choices)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(reqs[0].prompt_token_ids), 12)
+
+    messages = [{"role": "user", "content": "hello"}]
+    usage = {"include_usage": True}
+    stream = client.chat.completions.create(
+        model=BASE, messages=messages, max_tokens=3, n=2, seed=4, stream=True, stream_options=usage
+    )
+    chunks = list(stream)
+    by_seed = {req.seed: req for _, req in stub.received[-2:]}
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+    for i in (0, 1):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        assert text == fake_text(stub, by_seed[4 + i])
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].index == i]
+        assert finishes[-1] == "length" and finishes.count("length") == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
 def test_models_lists_the_tenants_adapters_and_the_base_model(gateway, registry, tiny_models):
     acme, beta = registry.tenant("acme"), registry.tenant("beta")
     registry.publish("acme", "chat", tiny_models["lora"])

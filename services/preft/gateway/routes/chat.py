@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from preft.engine.contract import EngineChunk, Usage
 from preft.gateway.deps import CallerDep, ChatBodyDep, GenerationDep, TokenizerDep
+from preft.gateway.generation import total_usage
 from preft.gateway.logprobs import chat_logprobs
 from preft.gateway.observability import started_s
 from preft.gateway.sse import stream_response, usage_dict
@@ -26,23 +27,25 @@ class ChatChunks:
         self.head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
         self.include_usage = include_usage
 
-    def _event(self, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    def _event(
+        self, index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None
+    ) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         event = {**self.head, "choices": [choice]}
         if self.include_usage:
             event["usage"] = None
         return event
 
-    def opening(self) -> list[dict[str, Any]]:
-        return [self._event({"role": "assistant", "content": ""}, None)]
+    def opening(self, choices: int) -> list[dict[str, Any]]:
+        return [self._event(i, {"role": "assistant", "content": ""}, None) for i in range(choices)]
 
-    def piece(self, chunk: EngineChunk) -> list[dict[str, Any]]:
+    def piece(self, chunk: EngineChunk, index: int) -> list[dict[str, Any]]:
         events = []
         if chunk.text or chunk.logprobs:
             logprobs = None if chunk.logprobs is None else chat_logprobs(chunk.logprobs)
-            events.append(self._event({"content": chunk.text}, None, logprobs))
+            events.append(self._event(index, {"content": chunk.text}, None, logprobs))
         if chunk.finish_reason is not None:
-            events.append(self._event({}, chunk.finish_reason))
+            events.append(self._event(index, {}, chunk.finish_reason))
         return events
 
     def usage(self, usage: Usage) -> dict[str, Any]:
@@ -61,18 +64,25 @@ async def create_chat_completion(
     )
     headers = {"x-request-id": request_id, **job.admission.headers()}
     if body.stream:
-        stream = await generation.open_stream(job, started_s=started_s(request))
+        streams = await generation.open_streams(job, started_s=started_s(request))
         render = ChatChunks(request_id, body.model, body.include_usage)
-        return stream_response(generation, job, stream, render, include_usage=body.include_usage, headers=headers)
-    out = await generation.complete(job, started_s=started_s(request))
-    message = {"role": "assistant", "content": out.text}
-    logprobs = None if out.logprobs is None else chat_logprobs(out.logprobs)
+        return stream_response(generation, job, streams, render, include_usage=body.include_usage, headers=headers)
+    outs = await generation.complete(job, started_s=started_s(request))
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": None if out.logprobs is None else chat_logprobs(out.logprobs),
+            "finish_reason": out.finish_reason,
+        }
+        for i, out in enumerate(outs)
+    ]
     answer = {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": body.model,
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}],
-        "usage": usage_dict(out.usage),
+        "choices": choices,
+        "usage": usage_dict(total_usage([out.usage for out in outs])),
     }
     return JSONResponse(answer, headers=headers)

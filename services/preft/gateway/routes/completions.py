@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from preft.common.errors import InvalidArgument
 from preft.engine.contract import EngineChunk, Usage
 from preft.gateway.deps import CallerDep, CompletionBodyDep, GenerationDep, TokenizerDep
+from preft.gateway.generation import total_usage
 from preft.gateway.logprobs import completion_logprobs
 from preft.gateway.observability import started_s
 from preft.gateway.sse import stream_response, usage_dict
@@ -25,19 +26,20 @@ class CompletionChunks:
     def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
         self.head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
         self.include_usage = include_usage
-        self.text_offset = 0  # (the logprobs' offsets run over the whole generated text)
+        self.text_offsets: dict[int, int] = {}  # per choice: the logprobs' offsets run over its whole text
 
-    def opening(self) -> list[dict[str, Any]]:
+    def opening(self, choices: int) -> list[dict[str, Any]]:
         return []
 
-    def piece(self, chunk: EngineChunk) -> list[dict[str, Any]]:
+    def piece(self, chunk: EngineChunk, index: int) -> list[dict[str, Any]]:
         if not chunk.text and not chunk.logprobs and chunk.finish_reason is None:
             return []
         logprobs = None
         if chunk.logprobs is not None:
-            logprobs = completion_logprobs(chunk.logprobs, self.text_offset)
-            self.text_offset += sum(len(lp.token) for lp in chunk.logprobs)
-        choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
+            offset = self.text_offsets.get(index, 0)
+            logprobs = completion_logprobs(chunk.logprobs, offset)
+            self.text_offsets[index] = offset + sum(len(lp.token) for lp in chunk.logprobs)
+        choice = {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
         event = {**self.head, "choices": [choice]}
         if self.include_usage:
             event["usage"] = None
@@ -65,18 +67,25 @@ async def create_completion(
     )
     headers = {"x-request-id": request_id, **job.admission.headers()}
     if body.stream:
-        stream = await generation.open_stream(job, started_s=started_s(request))
+        streams = await generation.open_streams(job, started_s=started_s(request))
         render = CompletionChunks(request_id, body.model, body.include_usage)
-        return stream_response(generation, job, stream, render, include_usage=body.include_usage, headers=headers)
-    out = await generation.complete(job, started_s=started_s(request))
-    logprobs = None if out.logprobs is None else completion_logprobs(out.logprobs)
-    choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        return stream_response(generation, job, streams, render, include_usage=body.include_usage, headers=headers)
+    outs = await generation.complete(job, started_s=started_s(request))
+    choices = [
+        {
+            "index": i,
+            "text": out.text,
+            "logprobs": None if out.logprobs is None else completion_logprobs(out.logprobs),
+            "finish_reason": out.finish_reason,
+        }
+        for i, out in enumerate(outs)
+    ]
     answer = {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": body.model,
-        "choices": [choice],
-        "usage": usage_dict(out.usage),
+        "choices": choices,
+        "usage": usage_dict(total_usage([out.usage for out in outs])),
     }
     return JSONResponse(answer, headers=headers)

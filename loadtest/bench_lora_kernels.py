@@ -45,8 +45,11 @@ PATHS = {
 }
 
 
+LINEARS = ("qkv", "o", "gate_up", "down")  # the names of a layer's LoRA linears, in `_layer`'s order
+
+
 def _layer(hidden: int, qkv: tuple[int, ...], inter: int) -> list[tuple[int, tuple[int, ...]]]:
-    """(input width, output slices) of each LoRA linear of one decoder layer."""
+    """(input width, output slices) of each LoRA linear of one decoder layer (named in LINEARS)."""
     return [(hidden, qkv), (qkv[0], (hidden,)), (hidden, (inter, inter)), (inter, (hidden,))]
 
 

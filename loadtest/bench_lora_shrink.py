@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from loadtest.bench_lora_kernels import (
+    LINEARS,
     add_device_argument,
     add_step_arguments,
     device_name,
@@ -29,8 +30,6 @@ from loadtest.bench_lora_kernels import (
     step,
 )
 from preft.vllm_plugin import lora_kernels
-
-LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 def bench(

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from loadtest.bench_lora_kernels import (
+    LINEARS,
     add_device_argument,
     add_step_arguments,
     device_name,
@@ -40,7 +41,6 @@ from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_kernels
 from preft.vllm_plugin.lora_kernels import Tiles
 
-LINEARS = ("qkv", "o", "gate_up", "down")
 BLOCK_ROWS = lora_kernels.ROW_BLOCK  # the step's row blocks, as the engine cuts them
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -92,10 +93,11 @@ def reference_generate(
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
     logit_bias: dict[int, float] | None = None,
+    allowed: Callable[[list[int]], Collection[int]] | None = None,
 ) -> list[int]:
     """Greedy tokens of the reference; the penalties as OpenAI defines them, over the tokens generated so far: each
     token's logit less frequency_penalty × its count and presence_penalty once it has appeared; logit_bias added
-    to its tokens' logits."""
+    to its tokens' logits; `allowed(tokens so far)`: the only tokens it may pick next (a constraint)."""
     counts: dict[int, int] = {}
     tokens: list[int] = []
 
@@ -105,6 +107,10 @@ def reference_generate(
             penalized[token] += bias
         for token, count in counts.items():
             penalized[token] -= frequency_penalty * count + presence_penalty
+        if allowed is not None:
+            mask = torch.full_like(penalized, float("-inf"))
+            mask[list(allowed(tokens))] = 0.0
+            penalized += mask
         token = int(penalized.argmax())
         counts[token] = counts.get(token, 0) + 1
         tokens.append(token)

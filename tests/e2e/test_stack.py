@@ -4,6 +4,7 @@ SeaweedFS, Ray Serve, vLLM with the PreFT plugin on a tiny model)."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -84,6 +85,44 @@ def test_completions_chat_and_streaming_in_both_modes(stack, tenants):
         model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, frequency_penalty=2.0, presence_penalty=2.0
     )
     assert penalized.usage.completion_tokens == 8  # (what they do to the tokens: tests/engine/test_async_engine.py)
+
+
+def test_constrained_answers_through_every_hop(stack, tenants):
+    """A JSON schema (OpenAI's response_format) and a choice (vLLM's structured_outputs) hold for adapters' answers;
+    a regex the engine cannot compile is a 400 naming it, and the replica keeps serving."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stack.info.model_dir)
+    # JSON allows whitespace between any two tokens, which a random model may pick until max_tokens: biased away
+    spaces = {str(t): -100 for t in range(len(tokenizer)) if (p := tokenizer.decode([t])) and not p.strip()}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"enum": [1, 2, 3]}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    demo = client(stack)
+    answer = demo.chat.completions.create(
+        model="demo-lora",
+        messages=[{"role": "user", "content": "pick a number"}],
+        max_tokens=40,
+        temperature=0,
+        logit_bias=spaces,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}},
+    )
+    assert answer.choices[0].finish_reason == "stop"
+    assert json.loads(answer.choices[0].message.content)["n"] in (1, 2, 3)
+    choices = ["alpha", "beta gamma", "delta"]
+    for model in ("demo-direft", "demo-lora"):
+        picked = demo.completions.create(
+            model=model, prompt=PROMPT, max_tokens=20, extra_body={"structured_outputs": {"choice": choices}}
+        )
+        assert picked.choices[0].text in choices and picked.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="regex"):
+        demo.completions.create(
+            model="demo-lora", prompt=PROMPT, max_tokens=4, extra_body={"structured_outputs": {"regex": "(open"}}
+        )
+    assert demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
 def test_tenants_cannot_see_each_others_adapters_on_any_route(stack, tenants):

@@ -4,7 +4,9 @@ concurrent mixed batch, counts usage right, and frees an aborted request."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import re
 import time
 
 import psutil
@@ -13,7 +15,7 @@ import torch
 
 from preft.common.errors import InvalidArgument, Unavailable
 from preft.engine.async_engine import AsyncPreftEngine
-from preft.engine.contract import EngineRequest
+from preft.engine.contract import EngineRequest, OutputConstraint
 from preft.engine.requests import GenerationRequest
 from tests.conftest import random_prompt
 from tests.engine.conftest import engine_options
@@ -242,6 +244,16 @@ def test_bad_requests_are_invalid_before_reaching_vllm(async_engine, model_dirs,
     biased = EngineRequest(request_id="bias", prompt_token_ids=[5, 6], max_tokens=2, logit_bias={10**6: 1.0})
     with pytest.raises(InvalidArgument, match="logit_bias token id 1000000 is outside the vocabulary"):
         loop.run_until_complete(first(biased))
+    # constraints the structured-output backend cannot compile: refused before they run, the engine keeps serving
+    for constraint in (
+        OutputConstraint(regex="(unclosed"),
+        OutputConstraint(json={"$ref": "#/$defs/missing"}),  # (valid JSON Schema: references are not followed)
+        OutputConstraint(grammar="root ::= missing_rule"),
+    ):
+        constrained = ok.model_copy(update={"request_id": "constrained", "constraint": constraint})
+        with pytest.raises(InvalidArgument, match="the engine refused the request"):
+            loop.run_until_complete(first(constrained))
+    assert loop.run_until_complete(first(ok)).token_ids
 
 
 def test_a_dead_engine_answers_unavailable_instead_of_hanging(async_engine, loop):
@@ -265,3 +277,89 @@ def test_a_dead_engine_answers_unavailable_instead_of_hanging(async_engine, loop
             await asyncio.wait_for(anext(async_engine.generate(req, None)), 10)
 
     loop.run_until_complete(scenario())
+
+
+def _choice_constraint(model_dir, choices: list[str]):
+    """The tokens a `choice` constraint allows next, worked out from the tokenizer alone: any token whose text
+    extends the text so far towards one of the choices; the end-of-sequence token once the text is a choice. Also
+    the end-of-sequence id and each ordinary token's text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = tokenizer.eos_token_id
+    pieces = {t: tokenizer.decode([t]) for t in range(len(tokenizer)) if t not in tokenizer.all_special_ids}
+
+    def allowed(tokens: list[int]) -> list[int]:
+        if tokens and tokens[-1] == eos:
+            return [eos]  # (the reference keeps stepping after the end; the engine stops)
+        text = tokenizer.decode(tokens)
+        ok = [t for t, piece in pieces.items() if piece and any(c.startswith(text + piece) for c in choices)]
+        return [*ok, eos] if text in choices else ok
+
+    return allowed, eos, pieces
+
+
+def test_constrained_text_matches_its_constraint_in_every_mode(async_engine, model_dirs, adapters, loop):
+    """Structured outputs: a `choice` constraint gives the reference's greedy choice, worked out by masking its logits
+    to the tokens that continue a choice, for base, LoRAP, LoRA all-token and DiReFTP requests (so the adapter's
+    prompt pass decides it); a regex, a JSON schema and JSON-object mode give text that satisfies them and stop."""
+    import jsonschema
+
+    ads, model_dir = adapters["llama"], model_dirs["llama"]
+    choices = ["red", "green", "blue sky", "black cat", "white"]
+    allowed, eos, pieces = _choice_constraint(model_dir, choices)
+    # JSON allows whitespace between any two tokens, which a random model may pick forever: biased away here
+    compact = {t: -100.0 for t, piece in pieces.items() if piece and not piece.strip()}
+    # and JSON-object mode's free keys and strings may never close: quotes and braces favoured
+    closing = {**compact, **{t: 10.0 for t, piece in pieces.items() if '"' in piece or "}" in piece}}
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
+    prompt = random_prompt(random.Random(21), 37)
+    constraints = {
+        "choice": OutputConstraint(choice=choices),
+        "regex": OutputConstraint(regex=r"(cat|dog)-[0-9]{2}"),
+        "json": OutputConstraint(json=schema),
+        "json_object": OutputConstraint(json_object=True),
+    }
+    jobs = [
+        (
+            EngineRequest(
+                request_id=f"so-{kind}-{name}-{mode}",
+                prompt_token_ids=prompt,
+                max_tokens=80,
+                constraint=constraint,
+                logit_bias={"json": compact, "json_object": closing}.get(kind, {}),
+                stream=True,
+                mode=mode,
+            ),
+            ads[name] if name else None,
+        )
+        for kind, constraint in constraints.items()
+        for name, mode in LOGPROB_CASES
+    ]
+
+    async def run_all():
+        return await asyncio.gather(*(_collect(async_engine, req, d) for req, d in jobs))
+
+    picked = set()
+    for (req, adapter_dir), chunks in zip(jobs, loop.run_until_complete(run_all()), strict=True):
+        text, where = "".join(c.text for c in chunks), req.request_id
+        assert chunks[-1].finish_reason == "stop", (where, text)
+        if req.constraint.choice:
+            want = reference_generate(model_dir, prompt, adapter_dir, req.mode.value, 12, allowed=allowed)
+            want = want[: want.index(eos) + 1]  # (the engine's tokens end with the end-of-sequence token)
+            assert [t for c in chunks for t in c.token_ids] == want, where
+            assert text in choices, where
+            picked.add(text)
+        elif req.constraint.regex:
+            assert re.fullmatch(req.constraint.regex, text), (where, text)
+        else:
+            value = json.loads(text)
+            assert isinstance(value, dict), (where, text)
+            if req.constraint.json_schema:
+                jsonschema.validate(value, schema)
+    print(f"choices picked: {sorted(picked)}")

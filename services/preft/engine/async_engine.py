@@ -38,6 +38,7 @@ VLLM_API = (
     "vllm:LLM",  # vllm_engine (offline)
     "vllm:SamplingParams",
     "vllm.sampling_params:RequestOutputKind.DELTA",
+    "vllm.sampling_params:StructuredOutputsParams",  # its fields: OutputConstraint.vllm_fields()
     "vllm.inputs:TokensPrompt",
     "vllm.lora.request:LoRARequest",
     "vllm.platforms:current_platform",
@@ -138,8 +139,13 @@ class AsyncPreftEngine:
 
     def _params(self, request: EngineRequest) -> Any:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+        structured = None
+        if request.constraint is not None:
+            if not self.options.tokenizer:
+                raise InvalidArgument("constraint: this engine runs without a tokenizer, which constraints need")
+            structured = StructuredOutputsParams(**request.constraint.vllm_fields())
         return SamplingParams(
             n=1,
             temperature=request.temperature,
@@ -148,6 +154,7 @@ class AsyncPreftEngine:
             frequency_penalty=request.frequency_penalty,
             logprobs=request.logprobs,
             logit_bias=request.logit_bias or None,
+            structured_outputs=structured,
             seed=request.seed,
             stop=list(request.stop) or None,
             ignore_eos=request.ignore_eos,

@@ -13,9 +13,10 @@ is draining; retrying elsewhere may work), 500 (a bug).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from preft.vllm_plugin.modes import PositionMode
 
@@ -43,6 +44,77 @@ class AdapterSpec(BaseModel):
 MAX_LOGPROBS = 20  # alternatives per generated token at most (the engine's vLLM max_logprobs)
 MAX_LOGIT_BIASES = 300  # token ids a request may bias (OpenAI's limit)
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
+MAX_CONSTRAINT_CHARS = 32_768  # a constraint's schema (as JSON), regex or grammar
+MAX_CONSTRAINT_CHOICES = 64
+
+
+def _schema_from_text(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"not JSON: {e}") from None
+    return value
+
+
+def _valid_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    if len(json.dumps(schema)) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"the schema is longer than {MAX_CONSTRAINT_CHARS} characters as JSON")
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise ValueError(f"not a valid JSON Schema{f' at {where}' if where else ''}: {e.message}") from None
+    return schema
+
+
+# A JSON Schema: an object, or that object as a JSON string; checked against its meta-schema
+JsonSchema = Annotated[dict[str, Any], BeforeValidator(_schema_from_text), AfterValidator(_valid_schema)]
+
+# a constraint's kinds as sent (vLLM's names) → their fields
+CONSTRAINT_KINDS = {
+    "json": "json_schema",
+    "json_object": "json_object",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+
+
+class OutputConstraint(BaseModel):
+    """What the generated text must match, enforced token by token while sampling (vLLM's structured outputs: xgrammar,
+    or guidance where xgrammar lacks a feature): exactly one kind. A schema that is not valid JSON Schema is refused
+    here; one the backend cannot compile (or a bad regex or grammar) is refused by the engine before it runs."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: JsonSchema | None = Field(None, alias="json", description="A JSON Schema the text satisfies")
+    json_object: Literal[True] | None = Field(None, description="True: the text is one JSON object")
+    regex: str | None = Field(None, min_length=1, max_length=MAX_CONSTRAINT_CHARS, description="A regular expression")
+    choice: list[Annotated[str, Field(min_length=1, max_length=1024)]] | None = Field(
+        None, min_length=1, max_length=MAX_CONSTRAINT_CHOICES, description="The text is one of these strings"
+    )
+    grammar: str | None = Field(
+        None, min_length=1, max_length=MAX_CONSTRAINT_CHARS, description="A context-free grammar (EBNF / GBNF)"
+    )
+
+    @field_validator("json_object", mode="before")
+    @classmethod
+    def _false_is_absent(cls, value: Any) -> Any:
+        return None if value is False else value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> OutputConstraint:
+        given = [kind for kind, name in CONSTRAINT_KINDS.items() if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {', '.join(CONSTRAINT_KINDS)} (given: {', '.join(given) or 'none'})")
+        return self
+
+    def vllm_fields(self) -> dict[str, Any]:
+        """The keyword arguments of vLLM's StructuredOutputsParams."""
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class EngineRequest(BaseModel):
@@ -68,6 +140,7 @@ class EngineRequest(BaseModel):
     logit_bias: dict[int, LogitBias] = Field(
         default_factory=dict, max_length=MAX_LOGIT_BIASES, description="Added to these token ids' logits"
     )
+    constraint: OutputConstraint | None = Field(None, description="What the generated text must match")
     seed: int | None = None
     stop: list[str] = Field(default_factory=list, max_length=8)
     ignore_eos: bool = False

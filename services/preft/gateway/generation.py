@@ -111,7 +111,7 @@ class GenerationService:
         (404/503 give the tokens back)."""
         budget = self.max_tokens_for(len(prompt_ids), max_tokens)
         stop, logprobs = body.stop_list(), body.engine_logprobs()  # (400s before anything is reserved)
-        logit_bias, n = body.token_biases(vocab_size), body.n or 1
+        logit_bias, constraint, n = body.token_biases(vocab_size), body.constraint(), body.n or 1
         admission = await self.limiter.admit(caller.tenant, len(prompt_ids) + n * budget)
         try:
             resolution = await self.resolver.resolve(caller.tenant, body.model, body.preft_mode)
@@ -128,6 +128,7 @@ class GenerationService:
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,
             logit_bias=logit_bias,
+            constraint=constraint,
             seed=body.seed,
             stop=stop,
             ignore_eos=body.ignore_eos,

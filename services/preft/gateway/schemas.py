@@ -4,7 +4,9 @@ Fields the engine cannot honour are refused with a 400 naming them when they ask
 tools, ...), rather than silently ignored. Unknown fields are ignored, as OpenAI clients
 send new optional fields over time. Extensions, sent by OpenAI clients through `extra_body`:
 - `preft_mode`: "prefill" | "all", the adapter's position mode (only where the operator allows it),
-- `ignore_eos`: keep generating after the end-of-sequence token (benchmarks).
+- `ignore_eos`: keep generating after the end-of-sequence token (benchmarks),
+- `structured_outputs`: vLLM's constraint object (one of json, json_object, regex, choice, grammar), where
+  OpenAI's `response_format` (JSON only) is not enough.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from preft.common.errors import InvalidArgument
-from preft.engine.contract import MAX_LOGIT_BIASES, LogitBias
+from preft.engine.contract import MAX_LOGIT_BIASES, JsonSchema, LogitBias, OutputConstraint
 from preft.vllm_plugin.modes import PositionMode
 
 MAX_STOP_SEQUENCES = 4
@@ -27,6 +29,36 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: a named JSON Schema for the answer."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: JsonSchema | None = Field(None, alias="schema", description="None: any JSON object")
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON satisfying a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> OutputConstraint | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise InvalidArgument("response_format: type json_schema needs a json_schema object")
+            if self.json_schema.schema_ is not None:
+                return OutputConstraint(json=self.json_schema.schema_)
+        return OutputConstraint(json_object=True)
 
 
 class GenerationBody(BaseModel):
@@ -52,6 +84,10 @@ class GenerationBody(BaseModel):
     )
     logit_bias: dict[str, LogitBias] | None = Field(
         None, max_length=MAX_LOGIT_BIASES, description="Token id (as a string) → bias added to its logit, -100 to 100"
+    )
+    response_format: ResponseFormat | None = Field(None, description="text (default), json_object or json_schema")
+    structured_outputs: OutputConstraint | None = Field(
+        None, description="vLLM extension: what the text must match (json, json_object, regex, choice or grammar)"
     )
     preft_mode: PositionMode | None = Field(None, description="PreFT extension: the adapter's position mode")
     ignore_eos: bool = Field(False, description="PreFT extension: do not stop at the end-of-sequence token")
@@ -84,6 +120,13 @@ class GenerationBody(BaseModel):
                 raise InvalidArgument(f"logit_bias: keys must be token ids in [0, {vocab_size}), not {key!r}")
             biases[token] = bias
         return biases
+
+    def constraint(self) -> OutputConstraint | None:
+        """What the generated text must match: `response_format` or `structured_outputs` (400 for both)."""
+        by_format = self.response_format.constraint() if self.response_format is not None else None
+        if by_format is not None and self.structured_outputs is not None:
+            raise InvalidArgument("give response_format or structured_outputs, not both")
+        return by_format or self.structured_outputs
 
     def engine_logprobs(self) -> int | None:
         """How many most likely tokens the engine returns beside each generated token's logprob (None: no
@@ -159,7 +202,6 @@ class ChatBody(GenerationBody):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -168,7 +210,6 @@ class ChatBody(GenerationBody):
         return {
             "tools": bool(self.tools) or bool(self.functions),
             "tool_choice": self.tool_choice not in (None, "none"),
-            "response_format": bool(self.response_format) and self.response_format.get("type") != "text",
         }
 
     def engine_logprobs(self) -> int | None:

@@ -47,6 +47,41 @@ BAD_BODIES = [
     (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}', "tools"),
     (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "logprobs"),
     (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 21}', "top_logp"),
+    # constraints
+    (
+        CHAT,
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "response_format": "json"}',
+        "resp",
+    ),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "response_format": {"type": "xml"}}', "response_format"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "response_format": {"type": "json_schema"}}', "needs a"),
+    (
+        COMPLETIONS,
+        b'{"model": "tiny-llama", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": '
+        b'{"name": "x", "schema": {"type": "nonsense"}}}}',
+        "not a valid JSON Schema at type",
+    ),
+    (
+        COMPLETIONS,
+        b'{"model": "tiny-llama", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": '
+        b'{"name": "no spaces", "schema": {"type": "object"}}}}',
+        "json_schema.name",
+    ),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "structured_outputs": {}}', "exactly one of json, json_o"),
+    (
+        COMPLETIONS,
+        b'{"model": "tiny-llama", "prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}',
+        "given: regex, choice",
+    ),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "structured_outputs": {"choice": []}}', "choice"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "structured_outputs": {"json": "{"}}', "not JSON"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "structured_outputs": {"regx": "a"}}', "regx"),
+    (
+        COMPLETIONS,
+        b'{"model": "tiny-llama", "prompt": "hi", "structured_outputs": {"regex": "a"}, '
+        b'"response_format": {"type": "json_object"}}',
+        "not both",
+    ),
 ]
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from preft.api.v1 import registry_pb2 as pb
-from preft.engine.contract import BASE_MODEL_ID
+from preft.engine.contract import BASE_MODEL_ID, OutputConstraint
 from preft.vllm_plugin.modes import PositionMode
 
 from .conftest import BASE
@@ -162,6 +163,35 @@ def test_n_choices_are_samples_of_their_own_whole_and_streamed(gateway, registry
         finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].index == i]
         assert finishes[-1] == "length" and finishes.count("length") == 1
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_response_formats_and_constraints_reach_the_engine(gateway, registry, stub):
+    """OpenAI's response_format (json_object; json_schema, with and without a schema) and vLLM's structured_outputs
+    extension (sent through extra_body) become the engine request's constraint, on both routes and for every choice;
+    text asks for none. (That the engine holds to them: tests/engine/test_async_engine.py, tests/e2e.)"""
+    client = gateway.openai(registry.tenant("acme"))
+    messages = [{"role": "user", "content": "hello"}]
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    named = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    cases = [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, OutputConstraint(json_object=True)),
+        ({"response_format": named}, OutputConstraint(json=schema)),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}},
+            OutputConstraint(json_object=True),
+        ),
+        ({"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}, OutputConstraint(choice=["yes", "no"])),
+        ({"extra_body": {"structured_outputs": {"regex": "[0-9]+"}}}, OutputConstraint(regex="[0-9]+")),
+        ({"extra_body": {"structured_outputs": {"json": json.dumps(schema)}}}, OutputConstraint(json=schema)),
+        ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "a"'}}}, OutputConstraint(grammar='root ::= "a"')),
+    ]
+    for options, want in cases:
+        client.chat.completions.create(model=BASE, messages=messages, max_tokens=2, **options)
+        assert stub.received[-1][1].constraint == want, options
+    completion = {"response_format": named, "n": 2}  # (completions take response_format too, as vLLM's do)
+    list(client.completions.create(model=BASE, prompt="hello", max_tokens=2, stream=True, extra_body=completion))
+    assert [req.constraint for _, req in stub.received[-2:]] == [OutputConstraint(json=schema)] * 2
 
 
 def test_models_lists_the_tenants_adapters_and_the_base_model(gateway, registry, tiny_models):

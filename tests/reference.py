@@ -126,3 +126,13 @@ def reference_logits(
 ) -> list[torch.Tensor]:
     """The reference's logits before each of `tokens` (another engine's output), fed those tokens in turn."""
     return _step_logits(model_dir, prompt_ids, adapter_dir, mode, len(tokens), lambda i, step: tokens[i])
+
+
+@torch.no_grad()
+def reference_prompt_logits(
+    model_dir: str | Path, prompt_ids: list[int], adapter_dir: str | Path | None
+) -> torch.Tensor:
+    """The reference's logits at each prompt position but the last (row i: before prompt token i + 1), adapter on:
+    the prompt pass is the same in both modes."""
+    model, _ = _model(model_dir, adapter_dir)
+    return model(input_ids=torch.tensor([prompt_ids])).logits[0, :-1]

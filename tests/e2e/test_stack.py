@@ -79,6 +79,14 @@ def test_completions_chat_and_streaming_in_both_modes(stack, tenants):
     assert len(logprobs.token_logprobs) == 8 and all(lp <= 0 for lp in logprobs.token_logprobs)
     for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True):
         assert max(top.values()) == pytest.approx(chosen)
+    echoed = demo.completions.create(
+        model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1, echo=True
+    )
+    assert echoed.choices[0].text == PROMPT + lora.choices[0].text
+    echoed_logprobs = echoed.choices[0].logprobs  # the prompt's tokens first: the first without a logprob
+    assert len(echoed_logprobs.tokens) == echoed.usage.prompt_tokens + 8
+    assert echoed_logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in echoed_logprobs.token_logprobs[1:])
+    assert echoed_logprobs.token_logprobs[-8:] == pytest.approx(logprobs.token_logprobs, abs=1e-4)
     two = demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, n=2)
     assert [c.text for c in two.choices] == [lora.choices[0].text] * 2 and two.usage.completion_tokens == 16
     penalized = demo.completions.create(

@@ -19,7 +19,7 @@ from preft.engine.contract import EngineRequest, OutputConstraint
 from preft.engine.requests import GenerationRequest
 from tests.conftest import random_prompt
 from tests.engine.conftest import engine_options
-from tests.reference import reference_generate, reference_logits
+from tests.reference import reference_generate, reference_logits, reference_prompt_logits
 
 pytestmark = pytest.mark.engine
 
@@ -184,6 +184,43 @@ def test_logprobs_are_the_models_at_each_position_in_its_mode(async_engine, mode
             assert lp.logprob == pytest.approx(float(want[lp.token_id]), abs=1e-3), where
             assert len(lp.top) == 3 and lp.top[0].token_id == lp.token_id, where  # (greedy: the chosen is the top)
             top = torch.topk(want, 3)
+            assert [t.logprob for t in lp.top] == pytest.approx(top.values.tolist(), abs=1e-3), where
+
+
+def test_prompt_logprobs_are_the_adapted_models_over_the_prompt(async_engine, model_dirs, adapters, loop):
+    """Each prompt token's logprob (all but the first) and the top 2 at its position are the log-softmax of the
+    reference's logits over the prompt with the adapter on, in both modes (the prompt pass is the same), all in the
+    first chunk, across a prompt prefilled in several steps (float32)."""
+    ads = adapters["llama"]
+    prompt = random_prompt(random.Random(17), 45)  # (longer than a step: chunked prefill)
+    requests = [
+        (
+            EngineRequest(
+                request_id=f"plp-{name}-{mode}",
+                prompt_token_ids=prompt,
+                max_tokens=3,
+                prompt_logprobs=2,
+                stream=True,
+                mode=mode,
+            ),
+            ads[name] if name else None,
+        )
+        for name, mode in LOGPROB_CASES
+    ]
+
+    async def run_all():
+        return await asyncio.gather(*(_collect(async_engine, req, d) for req, d in requests))
+
+    for (req, adapter_dir), chunks in zip(requests, loop.run_until_complete(run_all()), strict=True):
+        scored = chunks[0].prompt_logprobs
+        assert all(c.prompt_logprobs is None for c in chunks[1:]) and chunks[0].logprobs is None
+        assert [lp.token_id for lp in scored] == prompt[1:], req.request_id
+        want = torch.log_softmax(reference_prompt_logits(model_dirs["llama"], prompt, adapter_dir).double(), dim=-1)
+        for position, (lp, row) in enumerate(zip(scored, want, strict=True)):
+            where = f"{req.request_id} prompt position {position + 1}"
+            assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-3), where
+            top = torch.topk(row, 2)
+            assert [t.token_id for t in lp.top] == top.indices.tolist(), where
             assert [t.logprob for t in lp.top] == pytest.approx(top.values.tolist(), abs=1e-3), where
 
 

@@ -56,6 +56,7 @@ VLLM_API = (
     "vllm.exceptions:VLLMClientError",
     "vllm.v1.engine.exceptions:EngineDeadError",
     "vllm.logprobs:Logprob",  # CompletionOutput.logprobs: per new token, {token id: Logprob} (the chosen and top k)
+    # (RequestOutput.prompt_logprobs: the same per prompt token, None for the first, all in the first DELTA output)
 )
 
 MODES = ("prefill", "all", "base")  # metric label values: a request without an adapter is "base"
@@ -153,6 +154,7 @@ class AsyncPreftEngine:
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
             logit_bias=request.logit_bias or None,
             structured_outputs=structured,
             seed=request.seed,
@@ -215,6 +217,9 @@ class AsyncPreftEngine:
                 chunk = EngineChunk(text=completion.text or "", token_ids=tokens)
                 if request.logprobs is not None:
                     chunk.logprobs = token_logprobs(tokens, completion.logprobs or (), request.logprobs)
+                if request.prompt_logprobs is not None and out.prompt_logprobs:  # (the first output; [None, ...])
+                    prompt = request.prompt_token_ids[1:]
+                    chunk.prompt_logprobs = token_logprobs(prompt, out.prompt_logprobs[1:], request.prompt_logprobs)
                 if out.finished:
                     chunk.finish_reason = FINISH_REASONS.get(completion.finish_reason, "abort")
                     chunk.usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_generated)

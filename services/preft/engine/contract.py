@@ -137,6 +137,13 @@ class EngineRequest(BaseModel):
         le=MAX_LOGPROBS,
         description="Return each generated token's log-probability and this many most likely tokens at its position",
     )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return each prompt token's log-probability after the tokens before it (all but the first) and "
+        "this many most likely tokens at its position",
+    )
     logit_bias: dict[int, LogitBias] = Field(
         default_factory=dict, max_length=MAX_LOGIT_BIASES, description="Added to these token ids' logits"
     )
@@ -178,11 +185,13 @@ class TokenLogprob(BaseModel):
 
 class EngineChunk(BaseModel):
     """A streamed piece of output; the last one carries finish_reason and usage. `logprobs`: one per token id, where
-    the request asked for them."""
+    the request asked for them; `prompt_logprobs`: in the first chunk, one per prompt token but the first, where
+    asked."""
 
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
 
@@ -193,6 +202,7 @@ class EngineResponse(BaseModel):
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason
     usage: Usage
 

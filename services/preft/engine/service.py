@@ -152,12 +152,13 @@ class EngineService:
 
     async def complete(self, request: EngineRequest) -> EngineResponse:
         """Run the request to the end and return its whole output."""
-        text, token_ids, logprobs, last = [], [], [], None
+        text, token_ids, logprobs, prompt_logprobs, last = [], [], [], [], None
         async with contextlib.aclosing(await self.stream(request)) as chunks:
             async for chunk in chunks:
                 text.append(chunk.text)
                 token_ids += chunk.token_ids
                 logprobs += chunk.logprobs or []
+                prompt_logprobs += chunk.prompt_logprobs or []
                 last = chunk
         if last is None or last.finish_reason is None or last.usage is None:
             raise Unavailable("the engine ended the request without a final chunk")
@@ -165,6 +166,7 @@ class EngineService:
             text="".join(text),
             token_ids=token_ids,
             logprobs=logprobs if request.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs if request.prompt_logprobs is not None else None,
             finish_reason=last.finish_reason,
             usage=last.usage,
         )

@@ -127,6 +127,7 @@ class GenerationService:
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,
+            prompt_logprobs=body.engine_prompt_logprobs(),
             logit_bias=logit_bias,
             constraint=constraint,
             seed=body.seed,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from preft.engine.contract import TokenLogprob
@@ -20,6 +21,26 @@ def completion_logprobs(tokens: list[TokenLogprob], text_offset: int = 0) -> dic
         "top_logprobs": [{top.token: top.logprob for top in lp.top} for lp in tokens],
         "text_offset": offsets,
     }
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's echoed prompt (`echo: true`): its text, and the text of its first token (which has no logprob)."""
+
+    text: str
+    first_token: str
+
+    def logprobs(self, prompt: list[TokenLogprob], generated: list[TokenLogprob]) -> dict[str, Any]:
+        """completions' form over the prompt's tokens then the generated ones: the first prompt token's logprob and
+        top tokens null (as OpenAI), the generated tokens' offsets counted from the end of the echoed text."""
+        head = completion_logprobs(prompt, len(self.first_token))
+        tail = completion_logprobs(generated, len(self.text))
+        return {
+            "tokens": [self.first_token, *head["tokens"], *tail["tokens"]],
+            "token_logprobs": [None, *head["token_logprobs"], *tail["token_logprobs"]],
+            "top_logprobs": [None, *head["top_logprobs"], *tail["top_logprobs"]],
+            "text_offset": [0, *head["text_offset"], *tail["text_offset"]],
+        }
 
 
 def chat_logprobs(tokens: list[TokenLogprob]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible routes (the subset the engine can honour) and their PreFT extensions.
 
-Fields the engine cannot honour are refused with a 400 naming them when they ask for something (echo, best_of,
+Fields the engine cannot honour are refused with a 400 naming them when they ask for something (best_of, suffix,
 tools, ...), rather than silently ignored. Unknown fields are ignored, as OpenAI clients
 send new optional fields over time. Extensions, sent by OpenAI clients through `extra_body`:
 - `preft_mode`: "prefill" | "all", the adapter's position mode (only where the operator allows it),
@@ -133,12 +133,16 @@ class GenerationBody(BaseModel):
         logprobs)."""
         return None
 
+    def engine_prompt_logprobs(self) -> int | None:
+        """Likewise for the prompt's tokens (None: none)."""
+        return None
+
 
 class CompletionBody(GenerationBody):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(description="Text or token ids (one prompt)")
-    echo: bool | None = False
+    echo: bool | None = Field(False, description="Answer the prompt's text (and with logprobs, its tokens') first")
     logprobs: int | None = Field(
         None, ge=0, le=5, description="Each token's logprob and this many most likely tokens at its position"
     )
@@ -155,13 +159,15 @@ class CompletionBody(GenerationBody):
 
     def _unsupported(self) -> dict[str, bool]:
         return {
-            "echo": bool(self.echo),
             "best_of": (self.best_of or 1) > 1,
             "suffix": bool(self.suffix),
         }
 
     def engine_logprobs(self) -> int | None:
         return self.logprobs
+
+    def engine_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class ContentPart(BaseModel):

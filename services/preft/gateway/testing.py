@@ -2,10 +2,10 @@
 
 Used by tests/integration/gateway and loadtest/bench_gateway.py; not part of a deployment. The stub has no
 model: it answers `max_tokens` deterministic fake tokens (` w<id>` each; asked for logprobs, token i's is -(i+1)/8,
-its top alternatives the next ids, each 1 lower), optionally `token_delay_s` apart,
-records what it received, and can be told to fail its next requests with a given status (before any byte)
-or to break a stream after some chunks. It refuses requests whose multiplexing header does not match the
-adapter's digest, so tests catch a gateway that routes wrongly. Serve it with
+its top alternatives the next ids, each 1 lower; prompt token i + 1's likewise, asked for prompt logprobs),
+optionally `token_delay_s` apart, records what it received, and can be told to fail its next requests with a given
+status (before any byte) or to break a stream after some chunks. It refuses requests whose multiplexing header does
+not match the adapter's digest, so tests catch a gateway that routes wrongly. Serve it with
 `uvicorn --factory preft.gateway.testing:create_stub_engine`.
 """
 
@@ -78,11 +78,18 @@ class StubEngine:
 
     def logprobs(self, req: EngineRequest, ids: list[int]) -> list[TokenLogprob] | None:
         """The fake logprobs of `ids` (None where the request asked for none)."""
-        if req.logprobs is None:
+        return None if req.logprobs is None else self._fake_logprobs(ids, req.logprobs)
+
+    def prompt_logprobs(self, req: EngineRequest) -> list[TokenLogprob] | None:
+        """The fake logprobs of the prompt's tokens but the first (None where the request asked for none)."""
+        if req.prompt_logprobs is None:
             return None
+        return self._fake_logprobs(req.prompt_token_ids[1:], req.prompt_logprobs)
+
+    def _fake_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob]:
         out = []
         for i, t in enumerate(ids):
-            top_ids = [(t + j) % self.vocab_size for j in range(req.logprobs)]
+            top_ids = [(t + j) % self.vocab_size for j in range(k)]
             top = [TopLogprob(token_id=u, token=_text([u]), logprob=-(i + 1) / 8 - j) for j, u in enumerate(top_ids)]
             out.append(TokenLogprob(token_id=t, token=_text([t]), logprob=-(i + 1) / 8, top=top))
         return out
@@ -110,7 +117,14 @@ class StubEngine:
                 await asyncio.sleep(self.token_delay_s * len(ids))
             usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids))
             logprobs = self.logprobs(req, ids)
-            out = EngineResponse(text=_text(ids), token_ids=ids, logprobs=logprobs, finish_reason="length", usage=usage)
+            out = EngineResponse(
+                text=_text(ids),
+                token_ids=ids,
+                logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs(req),
+                finish_reason="length",
+                usage=usage,
+            )
             return Response(out.model_dump_json(), media_type="application/json")
         return StreamingResponse(self._stream(req, ids, failure), media_type="application/x-ndjson")
 
@@ -126,6 +140,8 @@ class StubEngine:
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             chunk = EngineChunk(text=_text([t]), token_ids=[t], logprobs=None if logprobs is None else [logprobs[i]])
+            if i == 0:
+                chunk.prompt_logprobs = self.prompt_logprobs(req)
             yield chunk.model_dump_json().encode() + b"\n"
         usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids))
         yield EngineChunk(finish_reason="length", usage=usage).model_dump_json().encode() + b"\n"

@@ -45,6 +45,10 @@ class PromptTokenizer:
             return self._encode(text, add_special_tokens)
         return await anyio.to_thread.run_sync(self._encode, text, add_special_tokens)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens included (an echoed token-id prompt, a prompt token's text)."""
+        return self._tok.decode(token_ids, skip_special_tokens=False)
+
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The prompt text for a conversation, ending where the assistant's answer starts."""
         if not self.has_chat_template:

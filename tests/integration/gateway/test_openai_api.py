@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -133,6 +134,53 @@ def test_logprobs_and_penalties_with_the_openai_client(gateway, registry, stub):
     assert [(t.token, t.top_logprobs) for t in streamed] == [(words[0], []), (words[1], [])]
     plain = client.chat.completions.create(model=BASE, messages=messages, max_tokens=2)
     assert plain.choices[0].logprobs is None and stub.received[-1][1].logprobs is None
+
+
+def test_echo_answers_the_prompt_first_with_its_tokens_logprobs(gateway, registry, stub, tokenizer):
+    """echo: the prompt's text before each choice's answer, whole and streamed (in each choice's first event); with
+    logprobs, the prompt's tokens come first, the first without a logprob (null), the generated tokens' offsets
+    counted from the end of the echoed text. A token-id prompt is echoed as its decoded text."""
+    client = gateway.openai(registry.tenant("acme"))
+    prompt = "hello world"
+    plain = client.completions.create(model=BASE, prompt=prompt, max_tokens=3, echo=True)
+    _, req = stub.received[-1]
+    assert plain.choices[0].text == prompt + fake_text(stub, req) and req.prompt_logprobs is None
+    assert plain.usage.prompt_tokens == len(req.prompt_token_ids) and plain.usage.completion_tokens == 3
+
+    scored = client.completions.create(model=BASE, prompt=prompt, max_tokens=3, echo=True, logprobs=1)
+    _, req = stub.received[-1]
+    assert (req.prompt_logprobs, req.logprobs) == (1, 1)
+    ids, prompt_ids = stub.tokens(req), req.prompt_token_ids
+    first = tokenizer.decode(prompt_ids[:1])
+    prompt_words, words = [f" w{t}" for t in prompt_ids[1:]], [f" w{t}" for t in ids]
+    logprobs = scored.choices[0].logprobs
+    assert logprobs.tokens == [first, *prompt_words, *words]
+    fakes = [-(i + 1) / 8 for i in range(len(prompt_words))]
+    assert logprobs.token_logprobs == [None, *fakes, -0.125, -0.25, -0.375]
+    assert logprobs.top_logprobs[0] is None and logprobs.top_logprobs[1] == {prompt_words[0]: -0.125}
+    offsets = [0, len(first)]
+    for word in prompt_words[:-1]:
+        offsets.append(offsets[-1] + len(word))
+    assert logprobs.text_offset[: len(prompt_ids)] == offsets
+    assert logprobs.text_offset[len(prompt_ids) :] == [
+        len(prompt),
+        len(prompt) + len(words[0]),
+        len(prompt) + 2 * len(words[0]),
+    ]
+
+    stream = list(
+        client.completions.create(model=BASE, prompt=prompt, max_tokens=3, echo=True, logprobs=1, n=2, stream=True)
+    )
+    for i in (0, 1):
+        events = [c.choices[0] for c in stream if c.choices and c.choices[0].index == i]
+        assert events[0].text.startswith(prompt) and not any(e.text.startswith(prompt) for e in events[1:])
+        assert "".join(e.text for e in events) == scored.choices[0].text
+        assert [t for e in events if e.logprobs for t in e.logprobs.tokens] == logprobs.tokens
+        assert [o for e in events if e.logprobs for o in e.logprobs.text_offset] == logprobs.text_offset
+
+    token_prompt = asyncio.run(tokenizer.encode("the cat"))
+    echoed = client.completions.create(model=BASE, prompt=token_prompt, max_tokens=2, echo=True)
+    assert echoed.choices[0].text == "the cat" + fake_text(stub, stub.received[-1][1])
 
 
 def test_n_choices_are_samples_of_their_own_whole_and_streamed(gateway, registry, stub):

@@ -293,29 +293,6 @@ def test_bad_requests_are_invalid_before_reaching_vllm(async_engine, model_dirs,
     assert loop.run_until_complete(first(ok)).token_ids
 
 
-def test_a_dead_engine_answers_unavailable_instead_of_hanging(async_engine, loop):
-    """Last in the module (it kills the engine): the engine-core process dies; requests and health checks fail
-    fast with Unavailable, which a replica answers as 503 while Ray Serve replaces it."""
-    assert async_engine.test_processes, "the engine-core process of this engine was not found"
-    for proc in async_engine.test_processes:
-        proc.kill()
-
-    async def scenario():
-        for _ in range(100):  # vLLM notices the dead process and marks itself errored
-            try:
-                await async_engine.check_health()
-            except Unavailable:
-                break
-            await asyncio.sleep(0.1)
-        with pytest.raises(Unavailable):
-            await async_engine.check_health()
-        req = EngineRequest(request_id="after-death", prompt_token_ids=[5, 6], max_tokens=3)
-        with pytest.raises(Unavailable):
-            await asyncio.wait_for(anext(async_engine.generate(req, None)), 10)
-
-    loop.run_until_complete(scenario())
-
-
 def _choice_constraint(model_dir, choices: list[str]):
     """The tokens a `choice` constraint allows next, worked out from the tokenizer alone: any token whose text
     extends the text so far towards one of the choices; the end-of-sequence token once the text is a choice. Also
@@ -400,3 +377,26 @@ def test_constrained_text_matches_its_constraint_in_every_mode(async_engine, mod
             if req.constraint.json_schema:
                 jsonschema.validate(value, schema)
     print(f"choices picked: {sorted(picked)}")
+
+
+def test_a_dead_engine_answers_unavailable_instead_of_hanging(async_engine, loop):
+    """Last in the module (it kills the engine): the engine-core process dies; requests and health checks fail
+    fast with Unavailable, which a replica answers as 503 while Ray Serve replaces it."""
+    assert async_engine.test_processes, "the engine-core process of this engine was not found"
+    for proc in async_engine.test_processes:
+        proc.kill()
+
+    async def scenario():
+        for _ in range(100):  # vLLM notices the dead process and marks itself errored
+            try:
+                await async_engine.check_health()
+            except Unavailable:
+                break
+            await asyncio.sleep(0.1)
+        with pytest.raises(Unavailable):
+            await async_engine.check_health()
+        req = EngineRequest(request_id="after-death", prompt_token_ids=[5, 6], max_tokens=3)
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(anext(async_engine.generate(req, None)), 10)
+
+    loop.run_until_complete(scenario())

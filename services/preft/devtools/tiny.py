@@ -67,8 +67,16 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|end|>", pad_token="<|pad|>"
     )
+    # turns as "role: content" lines (a newline after a block tag would be trimmed: written as an expression); with
+    # tools, a system line listing them, and assistant calls as Qwen2.5 writes them (hermes: <tool_call>{"name": ...,
+    # "arguments": ...}</tool_call>)
     fast.chat_template = (
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if tools %}system: tools:{% for t in tools %} {{ t['function'] | tojson }}{% endfor %}"
+        "{{ '\\n' }}{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {% if m['tool_calls'] is defined and m['tool_calls'] %}"
+        "{% for c in m['tool_calls'] %}<tool_call>{{ {'name': c['function']['name'], "
+        "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}"
+        "{% else %}{{ m['content'] }}{% endif %}{{ '\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}"
     )
     fast.save_pretrained(str(out_dir))

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible routes (the subset the engine can honour) and their PreFT extensions.
 
 Fields the engine cannot honour are refused with a 400 naming them when they ask for something (best_of, suffix,
-tools, ...), rather than silently ignored. Unknown fields are ignored, as OpenAI clients
+functions, ...), rather than silently ignored. Unknown fields are ignored, as OpenAI clients
 send new optional fields over time. Extensions, sent by OpenAI clients through `extra_body`:
 - `preft_mode`: "prefill" | "all", the adapter's position mode (only where the operator allows it),
 - `ignore_eos`: keep generating after the end-of-sequence token (benchmarks),
@@ -11,12 +11,15 @@ send new optional fields over time. Extensions, sent by OpenAI clients through `
 
 from __future__ import annotations
 
+import json
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from preft.common.errors import InvalidArgument
 from preft.engine.contract import MAX_LOGIT_BIASES, JsonSchema, LogitBias, OutputConstraint
+from preft.gateway.tools import MAX_TOOLS, ToolChoice, ToolPlan, ToolSpec
 from preft.vllm_plugin.modes import PositionMode
 
 MAX_STOP_SEQUENCES = 4
@@ -179,6 +182,33 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    """A call an assistant turn made: the function's name and its arguments as JSON text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """One of an assistant turn's `tool_calls`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """As chat templates take it: the arguments as an object where they are one (templates write them as JSON)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(BaseModel):
     """One turn of a conversation."""
 
@@ -187,6 +217,17 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="An assistant turn's calls")
+    tool_call_id: str | None = Field(None, description="A tool turn: the call it answers")
+
+    def turn(self) -> dict[str, Any]:
+        """The turn as chat templates take it."""
+        turn: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            turn["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -205,18 +246,31 @@ class ChatBody(GenerationBody):
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="With logprobs: this many most likely tokens at each position"
     )
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call")
+    tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required or a name")
+    parallel_tool_calls: bool | None = Field(None, description="False: at most one call per answer")
     functions: list[Any] | None = None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.turn() for m in self.messages]
 
     def _unsupported(self) -> dict[str, bool]:
-        return {
-            "tools": bool(self.tools) or bool(self.functions),
-            "tool_choice": self.tool_choice not in (None, "none"),
-        }
+        return {"functions": bool(self.functions)}
+
+    @cached_property
+    def tool_plan(self) -> ToolPlan | None:
+        """How this request uses its tools (None: plain chat)."""
+        plan = ToolPlan.of(self.tools, self.tool_choice, parallel=self.parallel_tool_calls is not False)
+        if plan is not None and self.logprobs:
+            raise InvalidArgument("logprobs: not available with tools")
+        return plan
+
+    def constraint(self) -> OutputConstraint | None:
+        by_tools = self.tool_plan.constraint() if self.tool_plan is not None else None
+        given = super().constraint()
+        if by_tools is not None and given is not None:
+            raise InvalidArgument("tool_choice: required or a named function cannot go with response_format")
+        return by_tools or given
 
     def engine_logprobs(self) -> int | None:
         if not self.logprobs:

@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from preft.common.settings import DEV_TOKEN, RedisSettings
+from preft.gateway.tools import ToolCallFormat
 
 
 class GatewaySettings(BaseSettings):
@@ -47,6 +48,9 @@ class GatewaySettings(BaseSettings):
     max_model_len: int = Field(8192, ge=2, description="Prompt + generated tokens the engine can hold per request")
     max_prompt_tokens: int = Field(8191, ge=1, description="Longest prompt accepted, in tokens (longer: 413)")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request sets none (capped by length)")
+    tool_call_format: ToolCallFormat = Field(
+        "hermes", description="How the base model writes tool calls: hermes (Qwen2.5) or llama3_json (Llama 3.1)"
+    )
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body (larger: 413)")
 
     key_cache_ttl_s: float = Field(

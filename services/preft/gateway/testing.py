@@ -3,9 +3,9 @@
 Used by tests/integration/gateway and loadtest/bench_gateway.py; not part of a deployment. The stub has no
 model: it answers `max_tokens` deterministic fake tokens (` w<id>` each; asked for logprobs, token i's is -(i+1)/8,
 its top alternatives the next ids, each 1 lower; prompt token i + 1's likewise, asked for prompt logprobs),
-optionally `token_delay_s` apart, records what it received, and can be told to fail its next requests with a given
-status (before any byte) or to break a stream after some chunks. It refuses requests whose multiplexing header does
-not match the adapter's digest, so tests catch a gateway that routes wrongly. Serve it with
+optionally `token_delay_s` apart (or a scripted `reply`), records what it received, and can be told to fail its next
+requests with a given status (before any byte) or to break a stream after some chunks. It refuses requests whose
+multiplexing header does not match the adapter's digest, so tests catch a gateway that routes wrongly. Serve it with
 `uvicorn --factory preft.gateway.testing:create_stub_engine`.
 """
 
@@ -29,11 +29,14 @@ from preft.engine.contract import (
     EngineError,
     EngineRequest,
     EngineResponse,
+    FinishReason,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
 from preft.stack.process import LOOPBACK, free_port, wait_until
+
+REPLY_PIECE = 4  # characters of a scripted reply per token
 
 
 @dataclass
@@ -55,6 +58,7 @@ class StubEngine:
     token_delay_s: float = 0.0
     vocab_size: int = 384
     record: bool = True
+    reply: str | None = None  # answer this text (in REPLY_PIECE-character tokens, then "stop"), not ` w<id>` tokens
     received: list[tuple[str, EngineRequest]] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
 
@@ -74,7 +78,19 @@ class StubEngine:
 
     def tokens(self, req: EngineRequest) -> list[int]:
         start = (sum(req.prompt_token_ids) + (req.seed or 0)) % self.vocab_size
-        return [(start + 7 * i) % self.vocab_size for i in range(req.max_tokens)]
+        n = req.max_tokens if self.reply is None else min(req.max_tokens, len(self._reply_pieces()))
+        return [(start + 7 * i) % self.vocab_size for i in range(n)]
+
+    def texts(self, ids: list[int]) -> list[str]:
+        """Each token's text: ` w<id>`, or the next piece of `reply`."""
+        return self._reply_pieces()[: len(ids)] if self.reply is not None else [_text([t]) for t in ids]
+
+    def finish_reason(self, req: EngineRequest) -> FinishReason:
+        return "stop" if self.reply is not None and len(self._reply_pieces()) <= req.max_tokens else "length"
+
+    def _reply_pieces(self) -> list[str]:
+        reply = self.reply or ""
+        return [reply[i : i + REPLY_PIECE] for i in range(0, len(reply), REPLY_PIECE)]
 
     def logprobs(self, req: EngineRequest, ids: list[int]) -> list[TokenLogprob] | None:
         """The fake logprobs of `ids` (None where the request asked for none)."""
@@ -118,18 +134,18 @@ class StubEngine:
             usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids))
             logprobs = self.logprobs(req, ids)
             out = EngineResponse(
-                text=_text(ids),
+                text="".join(self.texts(ids)),
                 token_ids=ids,
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs(req),
-                finish_reason="length",
+                finish_reason=self.finish_reason(req),
                 usage=usage,
             )
             return Response(out.model_dump_json(), media_type="application/json")
         return StreamingResponse(self._stream(req, ids, failure), media_type="application/x-ndjson")
 
     async def _stream(self, req: EngineRequest, ids: list[int], failure: Failure | None):
-        logprobs = self.logprobs(req, ids)
+        logprobs, texts = self.logprobs(req, ids), self.texts(ids)
         for i, t in enumerate(ids):
             if failure is not None and i >= (failure.after_chunks or 0):
                 if failure.status is None:
@@ -139,12 +155,12 @@ class StubEngine:
                 return
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
-            chunk = EngineChunk(text=_text([t]), token_ids=[t], logprobs=None if logprobs is None else [logprobs[i]])
+            chunk = EngineChunk(text=texts[i], token_ids=[t], logprobs=None if logprobs is None else [logprobs[i]])
             if i == 0:
                 chunk.prompt_logprobs = self.prompt_logprobs(req)
             yield chunk.model_dump_json().encode() + b"\n"
         usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids))
-        yield EngineChunk(finish_reason="length", usage=usage).model_dump_json().encode() + b"\n"
+        yield EngineChunk(finish_reason=self.finish_reason(req), usage=usage).model_dump_json().encode() + b"\n"
 
 
 _KINDS = {400: "invalid_request", 503: "unavailable", 500: "internal"}

@@ -27,6 +27,8 @@ class PromptTokenizer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.vocab_size = len(tokenizer)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        # (templates that show tools to the model read the `tools` variable)
+        self.takes_tools = self.has_chat_template and "tools" in str(tokenizer.chat_template)
 
     @classmethod
     def load(cls, path: Path) -> PromptTokenizer:
@@ -49,17 +51,20 @@ class PromptTokenizer:
         """The text of token ids, special tokens included (an echoed token-id prompt, a prompt token's text)."""
         return self._tok.decode(token_ids, skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text for a conversation, ending where the assistant's answer starts."""
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for a conversation, ending where the assistant's answer starts; `tools` shown to the model
+        where the template takes them."""
         if not self.has_chat_template:
             raise InvalidArgument("this base model has no chat template; use /v1/completions with a prompt")
         from jinja2 import TemplateError
 
         try:
-            return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self._tok.apply_chat_template(
+                messages, tools=tools if self.takes_tools else None, tokenize=False, add_generation_prompt=True
+            )
         except TemplateError as e:
             raise InvalidArgument(f"the conversation does not fit the model's chat template: {e}") from None
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template writes any special tokens itself.
-        return await self.encode(self.render_chat(messages), add_special_tokens=False)
+        return await self.encode(self.render_chat(messages, tools), add_special_tokens=False)

@@ -8,6 +8,11 @@ from .conftest import BASE, error_of
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER_HI = [{"role": "user", "content": "hi"}]
+# a chat body with one tool, open at the end for more fields
+CHAT_TOOLS = (
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], '
+    b'"tools": [{"type": "function", "function": {"name": "f"}}]'
+)
 
 BAD_BODIES = [
     (COMPLETIONS, b"{not json", "Invalid JSON"),
@@ -45,7 +50,25 @@ BAD_BODIES = [
         b'{"model": "tiny-llama", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
         "only text",
     ),
-    (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}', "tools"),
+    (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}', "tools.0.type"),
+    (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "functions": [{}]}', "functions"),
+    (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}', "give t"),
+    (CHAT, CHAT_TOOLS + b', "tool_choice": {"type": "function", "function": {"name": "g"}}}', "no tool is named 'g'"),
+    (CHAT, CHAT_TOOLS + b', "tool_choice": "sometimes"}', "tool_choice"),
+    (CHAT, CHAT_TOOLS + b', "logprobs": true}', "logprobs: not available with tools"),
+    (CHAT, CHAT_TOOLS + b', "tool_choice": "required", "response_format": {"type": "json_object"}}', "response_f"),
+    (
+        CHAT,
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+        b'"function": {"name": "has space"}}]}',
+        "tools.0.function.name",
+    ),
+    (
+        CHAT,
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+        b'"function": {"name": "f", "parameters": {"type": 5}}}]}',
+        "not a valid JSON Schema",
+    ),
     (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "logprobs"),
     (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 21}', "top_logp"),
     # constraints

@@ -183,6 +183,81 @@ def test_echo_answers_the_prompt_first_with_its_tokens_logprobs(gateway, registr
     assert echoed.choices[0].text == "the cat" + fake_text(stub, stub.received[-1][1])
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "description": "Today's weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "time"}},
+]
+
+
+def test_tools_auto_required_and_named_whole_and_streamed(make_gateway, registry, stub, tokenizer):
+    """auto: the tools reach the model through the chat template and calls in the model's format (hermes here) come
+    back as tool_calls, content before them streamed as it comes; required and named: the engine is constrained to
+    the calls' schema and the answer is the calls; past calls and tool answers go back into the prompt."""
+    client = make_gateway(max_prompt_tokens=450).openai(registry.tenant("acme"))  # (tools take ~270 tiny tokens)
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    stub.reply = 'Let me look.\n<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    out = client.chat.completions.create(model=BASE, messages=messages, max_tokens=50, tools=TOOLS)
+    _, req = stub.received[-1]
+    assert 'tools: {"name": "weather", "description": "Today\'s weather"' in tokenizer.decode(req.prompt_token_ids)
+    assert req.constraint is None
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, json.loads(call.function.arguments)) == ("weather", {"city": "Oslo"})
+
+    chunks = list(
+        client.chat.completions.create(model=BASE, messages=messages, max_tokens=50, tools=TOOLS, stream=True)
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Let me look.\n"
+    streamed = [t for d in deltas for t in d.tool_calls or []]
+    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == [(0, "weather", '{"city": "Oslo"}')]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+    stub.reply = "It is sunny."  # (no call: plain content)
+    plain = client.chat.completions.create(model=BASE, messages=messages, max_tokens=50, tools=TOOLS)
+    assert plain.choices[0].message.content == "It is sunny." and plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "stop"
+
+    stub.reply = '{"city": "Rome"}'
+    weather = {"type": "function", "function": {"name": "weather"}}
+    out = client.chat.completions.create(model=BASE, messages=messages, max_tokens=50, tools=TOOLS, tool_choice=weather)
+    assert stub.received[-1][1].constraint == OutputConstraint(json=WEATHER)
+    assert (
+        out.choices[0].finish_reason == "stop" and out.choices[0].message.tool_calls[0].function.arguments == stub.reply
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=BASE, messages=messages, max_tokens=50, tools=TOOLS, tool_choice=weather, stream=True
+        )
+    )
+    streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert streamed[0].id and streamed[0].function.name == "weather" and len(streamed) > 1
+    assert "".join(t.function.arguments for t in streamed) == stub.reply
+
+    stub.reply = json.dumps([{"name": "time", "parameters": {}}, {"name": "weather", "parameters": {"city": "Oslo"}}])
+    out = client.chat.completions.create(
+        model=BASE, messages=messages, max_tokens=50, tools=TOOLS, tool_choice="required", parallel_tool_calls=False
+    )
+    schema = stub.received[-1][1].constraint.json_schema
+    assert schema["type"] == "array" and schema["maxItems"] == 1  # (the engine would give one call)
+    assert [c.function.name for c in out.choices[0].message.tool_calls] == ["time", "weather"]
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+
+    history = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    stub.reply = "Sunny in Oslo."
+    out = client.chat.completions.create(model=BASE, messages=history, max_tokens=50, tools=TOOLS)
+    prompt = tokenizer.decode(stub.received[-1][1].prompt_token_ids)
+    assert '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>\ntool: sunny, 21 C' in prompt
+    assert out.choices[0].message.content == "Sunny in Oslo."
+
+
 def test_n_choices_are_samples_of_their_own_whole_and_streamed(gateway, registry, stub):
     """n > 1: one engine request per choice (seeded seed, seed + 1, ...), each answered as its own choice; usage counts
     the prompt once and every choice's tokens."""

@@ -10,22 +10,34 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from preft.engine.contract import EngineChunk, Usage
+from preft.common.errors import InvalidArgument
+from preft.engine.contract import EngineChunk, EngineResponse, Usage
 from preft.gateway.deps import CallerDep, ChatBodyDep, GenerationDep, TokenizerDep
 from preft.gateway.generation import total_usage
 from preft.gateway.logprobs import chat_logprobs
 from preft.gateway.observability import started_s
 from preft.gateway.sse import stream_response, usage_dict
+from preft.gateway.tools import ToolCallFormat, ToolPlan, ToolStream
 
 router = APIRouter(tags=["chat"])
 
 
 class ChatChunks:
-    """Stream events of a chat completion: the role first, then content deltas, then the finish reason."""
+    """Stream events of a chat completion: the role first, then content deltas (or, under a tool plan, what each
+    choice's ToolStream lets out), then the finish reason."""
 
-    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        plan: ToolPlan | None = None,
+        call_format: ToolCallFormat = "hermes",
+    ) -> None:
         self.head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
         self.include_usage = include_usage
+        self.plan, self.call_format = plan, call_format
+        self.tool_streams: dict[int, ToolStream] = {}
 
     def _event(
         self, index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None
@@ -40,6 +52,8 @@ class ChatChunks:
         return [self._event(i, {"role": "assistant", "content": ""}, None) for i in range(choices)]
 
     def piece(self, chunk: EngineChunk, index: int) -> list[dict[str, Any]]:
+        if self.plan is not None:
+            return self._tool_piece(chunk, index)
         events = []
         if chunk.text or chunk.logprobs:
             logprobs = None if chunk.logprobs is None else chat_logprobs(chunk.logprobs)
@@ -48,8 +62,37 @@ class ChatChunks:
             events.append(self._event(index, {}, chunk.finish_reason))
         return events
 
+    def _tool_piece(self, chunk: EngineChunk, index: int) -> list[dict[str, Any]]:
+        assert self.plan is not None
+        stream = self.tool_streams.setdefault(index, ToolStream(self.plan, self.call_format))
+        deltas = stream.feed(chunk.text)
+        finish = chunk.finish_reason
+        if finish is not None:
+            last, called = stream.end()
+            deltas += last
+            finish = finish_reason(self.plan, finish, called)
+        events = [self._event(index, delta, None) for delta in deltas]
+        return events + ([self._event(index, {}, finish)] if finish is not None else [])
+
     def usage(self, usage: Usage) -> dict[str, Any]:
         return {**self.head, "choices": [], "usage": usage_dict(usage)}
+
+
+def finish_reason(plan: ToolPlan, engine_finish: str, called: bool) -> str:
+    """ "tool_calls" where an answer that ended by itself made calls (`auto`, `required`); a named function's answer
+    "stop", as OpenAI's."""
+    return "tool_calls" if called and engine_finish == "stop" and plan.mode != "named" else engine_finish
+
+
+def _message(out: EngineResponse, plan: ToolPlan | None, call_format: ToolCallFormat) -> tuple[dict[str, Any], str]:
+    """A whole answer's message and finish reason."""
+    if plan is None:
+        return {"role": "assistant", "content": out.text}, out.finish_reason
+    content, calls = plan.read(out.text, call_format)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [call.as_openai() for call in calls]
+    return message, finish_reason(plan, out.finish_reason, bool(calls))
 
 
 @router.post("/v1/chat/completions")
@@ -57,7 +100,14 @@ async def create_chat_completion(
     request: Request, caller: CallerDep, body: ChatBodyDep, generation: GenerationDep, tokenizer: TokenizerDep
 ) -> Response:
     body.refuse_unsupported()
-    prompt_ids = await tokenizer.encode_chat(body.conversation())
+    plan, call_format = body.tool_plan, generation.settings.tool_call_format
+    if plan is not None and plan.mode == "auto" and not tokenizer.takes_tools:
+        raise InvalidArgument(
+            "tools: this base model's chat template does not show tools to the model; use tool_choice "
+            "required or a named function"
+        )
+    tools = plan.template_tools() if plan is not None else None
+    prompt_ids = await tokenizer.encode_chat(body.conversation(), tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     job = await generation.admit(
         caller, body, prompt_ids, max_tokens=body.token_limit, request_id=request_id, vocab_size=tokenizer.vocab_size
@@ -65,18 +115,14 @@ async def create_chat_completion(
     headers = {"x-request-id": request_id, **job.admission.headers()}
     if body.stream:
         streams = await generation.open_streams(job, started_s=started_s(request))
-        render = ChatChunks(request_id, body.model, body.include_usage)
+        render = ChatChunks(request_id, body.model, body.include_usage, plan, call_format)
         return stream_response(generation, job, streams, render, include_usage=body.include_usage, headers=headers)
     outs = await generation.complete(job, started_s=started_s(request))
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": None if out.logprobs is None else chat_logprobs(out.logprobs),
-            "finish_reason": out.finish_reason,
-        }
-        for i, out in enumerate(outs)
-    ]
+    choices = []
+    for i, out in enumerate(outs):
+        message, finish = _message(out, plan, call_format)
+        logprobs = None if out.logprobs is None else chat_logprobs(out.logprobs)
+        choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
     answer = {
         "id": request_id,
         "object": "chat.completion",

@@ -89,6 +89,14 @@ def test_completions_chat_and_streaming_in_both_modes(stack, tenants):
     assert echoed_logprobs.token_logprobs[-8:] == pytest.approx(logprobs.token_logprobs, abs=1e-4)
     two = demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, n=2)
     assert [c.text for c in two.choices] == [lora.choices[0].text] * 2 and two.usage.completion_tokens == 16
+    best = demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=8, best_of=3, seed=5, logprobs=0)
+    assert len(best.choices) == 1 and best.usage.completion_tokens == 24  # (every sample's tokens)
+    sampled = [  # the same samples one by one (seeded seed + i): best_of answered the most likely per token
+        demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=8, seed=5 + i, logprobs=0).choices[0]
+        for i in range(3)
+    ]
+    ranked = max(sampled, key=lambda c: sum(c.logprobs.token_logprobs) / 8)
+    assert best.choices[0].text == ranked.text
     penalized = demo.completions.create(
         model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, frequency_penalty=2.0, presence_penalty=2.0
     )

@@ -27,8 +27,8 @@ T = TypeVar("T")
 
 @dataclass
 class Job:
-    """An admitted generation: its engine requests (one per choice, `n`), adapter and mode, and the tokens it
-    reserved."""
+    """An admitted generation: its engine requests (one per sample: `n`, or `best_of`), adapter and mode, and the
+    tokens it reserved."""
 
     requests: list[EngineRequest]
     resolution: Resolution
@@ -107,11 +107,11 @@ class GenerationService:
         request_id: str,
         vocab_size: int,
     ) -> Job:
-        """Check lengths, take from the tenant's buckets (the prompt and `n` × max_tokens), then resolve the model
-        (404/503 give the tokens back)."""
+        """Check lengths, take from the tenant's buckets (the prompt and max_tokens per sample: `n`, or `best_of`),
+        then resolve the model (404/503 give the tokens back)."""
         budget = self.max_tokens_for(len(prompt_ids), max_tokens)
         stop, logprobs = body.stop_list(), body.engine_logprobs()  # (400s before anything is reserved)
-        logit_bias, constraint, n = body.token_biases(vocab_size), body.constraint(), body.n or 1
+        logit_bias, constraint, n = body.token_biases(vocab_size), body.constraint(), body.samples()
         admission = await self.limiter.admit(caller.tenant, len(prompt_ids) + n * budget)
         try:
             resolution = await self.resolver.resolve(caller.tenant, body.model, body.preft_mode)
@@ -138,7 +138,7 @@ class GenerationService:
             mode=resolution.mode,
             tenant=caller.tenant,
         )
-        # each further choice: a request of its own (the engine batches them; with a seed, seed + i, as vLLM does)
+        # each further sample: a request of its own (the engine batches them; with a seed, seed + i, as vLLM does)
         more = [
             request.model_copy(
                 update={"request_id": f"{request_id}-{i}", "seed": None if body.seed is None else body.seed + i}

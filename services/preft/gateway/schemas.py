@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible routes (the subset the engine can honour) and their PreFT extensions.
 
-Fields the engine cannot honour are refused with a 400 naming them when they ask for something (best_of, suffix,
+Fields the engine cannot honour are refused with a 400 naming them when they ask for something (suffix,
 functions, ...), rather than silently ignored. Unknown fields are ignored, as OpenAI clients
 send new optional fields over time. Extensions, sent by OpenAI clients through `extra_body`:
 - `preft_mode`: "prefill" | "all", the adapter's position mode (only where the operator allows it),
@@ -23,7 +23,7 @@ from preft.gateway.tools import MAX_TOOLS, ToolChoice, ToolPlan, ToolSpec
 from preft.vllm_plugin.modes import PositionMode
 
 MAX_STOP_SEQUENCES = 4
-MAX_CHOICES = 8  # n at most: each choice is an engine request of its own
+MAX_CHOICES = 8  # n (and best_of) at most: each sample is an engine request of its own
 
 
 class StreamOptions(BaseModel):
@@ -131,6 +131,10 @@ class GenerationBody(BaseModel):
             raise InvalidArgument("give response_format or structured_outputs, not both")
         return by_format or self.structured_outputs
 
+    def samples(self) -> int:
+        """Engine requests (samples) to make: one per choice."""
+        return self.n or 1
+
     def engine_logprobs(self) -> int | None:
         """How many most likely tokens the engine returns beside each generated token's logprob (None: no
         logprobs)."""
@@ -149,7 +153,9 @@ class CompletionBody(GenerationBody):
     logprobs: int | None = Field(
         None, ge=0, le=5, description="Each token's logprob and this many most likely tokens at its position"
     )
-    best_of: int | None = None
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_CHOICES, description="Samples to draw, of which the n most likely (per token) are answered"
+    )
     suffix: str | None = None
 
     def single_prompt(self) -> str | list[int]:
@@ -162,11 +168,23 @@ class CompletionBody(GenerationBody):
 
     def _unsupported(self) -> dict[str, bool]:
         return {
-            "best_of": (self.best_of or 1) > 1,
             "suffix": bool(self.suffix),
         }
 
+    def samples(self) -> int:
+        """best_of samples where it asks for more than n (not streamed: the best are known only at the end)."""
+        n = super().samples()
+        if self.best_of is None or self.best_of == n:
+            return n
+        if self.best_of < n:
+            raise InvalidArgument(f"best_of ({self.best_of}) must be at least n ({n})")
+        if self.stream:
+            raise InvalidArgument("best_of: the best samples are known only at the end; it cannot be streamed")
+        return self.best_of
+
     def engine_logprobs(self) -> int | None:
+        if self.samples() > (self.n or 1):
+            return self.logprobs or 0  # (the samples are ranked by their tokens' logprobs)
         return self.logprobs
 
     def engine_prompt_logprobs(self) -> int | None:

@@ -2,7 +2,8 @@
 
 Used by tests/integration/gateway and loadtest/bench_gateway.py; not part of a deployment. The stub has no
 model: it answers `max_tokens` deterministic fake tokens (` w<id>` each; asked for logprobs, token i's is -(i+1)/8,
-its top alternatives the next ids, each 1 lower; prompt token i + 1's likewise, asked for prompt logprobs),
+less seed/64 where seeded, its top alternatives the next ids, each 1 lower; prompt token i + 1's likewise, unseeded,
+asked for prompt logprobs),
 optionally `token_delay_s` apart (or a scripted `reply`), records what it received, and can be told to fail its next
 requests with a given status (before any byte) or to break a stream after some chunks. It refuses requests whose
 multiplexing header does not match the adapter's digest, so tests catch a gateway that routes wrongly. Serve it with
@@ -94,20 +95,21 @@ class StubEngine:
 
     def logprobs(self, req: EngineRequest, ids: list[int]) -> list[TokenLogprob] | None:
         """The fake logprobs of `ids` (None where the request asked for none)."""
-        return None if req.logprobs is None else self._fake_logprobs(ids, req.logprobs)
+        return None if req.logprobs is None else self._fake_logprobs(ids, req.logprobs, (req.seed or 0) / 64)
 
     def prompt_logprobs(self, req: EngineRequest) -> list[TokenLogprob] | None:
         """The fake logprobs of the prompt's tokens but the first (None where the request asked for none)."""
         if req.prompt_logprobs is None:
             return None
-        return self._fake_logprobs(req.prompt_token_ids[1:], req.prompt_logprobs)
+        return self._fake_logprobs(req.prompt_token_ids[1:], req.prompt_logprobs, 0.0)
 
-    def _fake_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob]:
+    def _fake_logprobs(self, ids: list[int], k: int, lower: float) -> list[TokenLogprob]:
         out = []
         for i, t in enumerate(ids):
             top_ids = [(t + j) % self.vocab_size for j in range(k)]
-            top = [TopLogprob(token_id=u, token=_text([u]), logprob=-(i + 1) / 8 - j) for j, u in enumerate(top_ids)]
-            out.append(TokenLogprob(token_id=t, token=_text([t]), logprob=-(i + 1) / 8, top=top))
+            logprob = -(i + 1) / 8 - lower
+            top = [TopLogprob(token_id=u, token=_text([u]), logprob=logprob - j) for j, u in enumerate(top_ids)]
+            out.append(TokenLogprob(token_id=t, token=_text([t]), logprob=logprob, top=top))
         return out
 
     async def generate(self, request: Request) -> Response:

@@ -317,6 +317,23 @@ def test_response_formats_and_constraints_reach_the_engine(gateway, registry, st
     assert [req.constraint for _, req in stub.received[-2:]] == [OutputConstraint(json=schema)] * 2
 
 
+def test_best_of_answers_the_most_likely_samples(gateway, registry, stub):
+    """best_of: that many samples (seeded seed + i), the n with the highest logprob per token answered, most likely
+    first (the stub's samples are less likely the higher their seed); usage counts every sample's tokens; logprobs
+    only where asked."""
+    client = gateway.openai(registry.tenant("acme"))
+    out = client.completions.create(model=BASE, prompt="hello", max_tokens=4, n=2, best_of=3, seed=20)
+    reqs = {req.seed: req for _, req in stub.received[-3:]}
+    assert sorted(reqs) == [20, 21, 22] and all(r.logprobs == 0 for r in reqs.values())  # (to rank them)
+    assert [c.text for c in out.choices] == [fake_text(stub, reqs[20]), fake_text(stub, reqs[21])]
+    assert [c.index for c in out.choices] == [0, 1] and all(c.logprobs is None for c in out.choices)
+    assert out.usage.completion_tokens == 12
+    scored = client.completions.create(model=BASE, prompt="hello", max_tokens=4, best_of=2, seed=31, logprobs=1)
+    assert [r.seed for _, r in stub.received[-2:]] == [31, 32] and len(scored.choices) == 1
+    assert scored.choices[0].text == fake_text(stub, stub.received[-2][1])
+    assert scored.choices[0].logprobs.token_logprobs[0] == pytest.approx(-1 / 8 - 31 / 64)
+
+
 def test_models_lists_the_tenants_adapters_and_the_base_model(gateway, registry, tiny_models):
     acme, beta = registry.tenant("acme"), registry.tenant("beta")
     registry.publish("acme", "chat", tiny_models["lora"])

@@ -56,6 +56,20 @@ class CompletionChunks:
         return {**self.head, "choices": [], "usage": usage_dict(usage)}
 
 
+def most_likely(samples: list[EngineResponse], n: int, *, keep_logprobs: bool) -> list[EngineResponse]:
+    """best_of: the n samples with the highest log probability per token, most likely first (the samples asked for
+    logprobs to be ranked; kept only where the client asked for them). n of n: all, in order."""
+    if len(samples) == n:
+        return samples
+
+    def per_token(out: EngineResponse) -> float:
+        logprobs = out.logprobs or []
+        return sum(lp.logprob for lp in logprobs) / len(logprobs) if logprobs else float("-inf")
+
+    best = sorted(samples, key=per_token, reverse=True)[:n]
+    return best if keep_logprobs else [out.model_copy(update={"logprobs": None}) for out in best]
+
+
 def _logprobs(out: EngineResponse, echo: Echo | None) -> dict[str, Any] | None:
     if out.logprobs is None:
         return None
@@ -89,7 +103,8 @@ async def create_completion(
         streams = await generation.open_streams(job, started_s=started_s(request))
         render = CompletionChunks(request_id, body.model, body.include_usage, echo)
         return stream_response(generation, job, streams, render, include_usage=body.include_usage, headers=headers)
-    outs = await generation.complete(job, started_s=started_s(request))
+    samples = await generation.complete(job, started_s=started_s(request))
+    outs = most_likely(samples, body.n or 1, keep_logprobs=body.logprobs is not None)
     choices = [
         {
             "index": i,
@@ -105,6 +120,6 @@ async def create_completion(
         "created": int(time.time()),
         "model": body.model,
         "choices": choices,
-        "usage": usage_dict(total_usage([out.usage for out in outs])),
+        "usage": usage_dict(total_usage([out.usage for out in samples])),  # (every sample's tokens)
     }
     return JSONResponse(answer, headers=headers)

@@ -87,6 +87,15 @@ def test_completions_chat_and_streaming_in_both_modes(stack, tenants):
     assert len(echoed_logprobs.tokens) == echoed.usage.prompt_tokens + 8
     assert echoed_logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in echoed_logprobs.token_logprobs[1:])
     assert echoed_logprobs.token_logprobs[-8:] == pytest.approx(logprobs.token_logprobs, abs=1e-4)
+    # a batch scored as evaluation harnesses do (echo, logprobs, one token): each prompt's tokens under the adapter
+    batch = demo.completions.create(
+        model="demo-lora", prompt=[PROMPT, "hello world"], max_tokens=1, temperature=0, logprobs=0, echo=True
+    )
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text.startswith(PROMPT)
+    assert batch.choices[0].logprobs.token_logprobs[1:-1] == pytest.approx(
+        echoed_logprobs.token_logprobs[1:-8], abs=1e-4
+    )
+    assert batch.choices[1].text.startswith("hello world") and batch.choices[1].logprobs.token_logprobs[0] is None
     two = demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, n=2)
     assert [c.text for c in two.choices] == [lora.choices[0].text] * 2 and two.usage.completion_tokens == 16
     best = demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=8, best_of=3, seed=5, logprobs=0)

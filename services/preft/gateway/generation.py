@@ -27,12 +27,13 @@ T = TypeVar("T")
 
 @dataclass
 class Job:
-    """An admitted generation: its engine requests (one per sample: `n`, or `best_of`), adapter and mode, and the
-    tokens it reserved."""
+    """An admitted generation: its engine requests (per prompt, one per sample: `n`, or `best_of`), adapter and mode,
+    and the tokens it reserved."""
 
-    requests: list[EngineRequest]
+    requests: list[EngineRequest]  # prompt by prompt, each prompt's samples in turn
     resolution: Resolution
     admission: Admission
+    samples: int = 1  # engine requests per prompt
     generated_tokens: int = 0  # what the engine produced so far: the part of the reservation that stays charged
     finished: bool = field(default=False)
 
@@ -42,9 +43,11 @@ class Job:
         return sum(r.max_tokens for r in self.requests)
 
 
-def total_usage(usages: list[Usage]) -> Usage:
-    """A request's usage over its choices: the prompt once, every choice's generated tokens."""
-    return Usage(prompt_tokens=usages[0].prompt_tokens, completion_tokens=sum(u.completion_tokens for u in usages))
+def total_usage(usages: list[Usage], samples: int = 1) -> Usage:
+    """A request's usage over its engine requests (prompt by prompt, `samples` each): each prompt once, every
+    sample's generated tokens."""
+    prompt_tokens = sum(u.prompt_tokens for u in usages[::samples])
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(u.completion_tokens for u in usages))
 
 
 async def _all(calls: list[Awaitable[T]]) -> list[T]:
@@ -101,18 +104,19 @@ class GenerationService:
         self,
         caller: Caller,
         body: GenerationBody,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         *,
         max_tokens: int | None,
         request_id: str,
         vocab_size: int,
     ) -> Job:
-        """Check lengths, take from the tenant's buckets (the prompt and max_tokens per sample: `n`, or `best_of`),
+        """Check lengths, take from the tenant's buckets (each prompt, and max_tokens per sample: `n`, or `best_of`),
         then resolve the model (404/503 give the tokens back)."""
-        budget = self.max_tokens_for(len(prompt_ids), max_tokens)
+        budgets = [self.max_tokens_for(len(prompt), max_tokens) for prompt in prompts]
         stop, logprobs = body.stop_list(), body.engine_logprobs()  # (400s before anything is reserved)
         logit_bias, constraint, n = body.token_biases(vocab_size), body.constraint(), body.samples()
-        admission = await self.limiter.admit(caller.tenant, len(prompt_ids) + n * budget)
+        reserved = sum(len(prompt) + n * budget for prompt, budget in zip(prompts, budgets, strict=True))
+        admission = await self.limiter.admit(caller.tenant, reserved)
         try:
             resolution = await self.resolver.resolve(caller.tenant, body.model, body.preft_mode)
         except BaseException:
@@ -120,8 +124,8 @@ class GenerationService:
             raise
         request = EngineRequest(
             request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            max_tokens=budget,
+            prompt_token_ids=prompts[0],
+            max_tokens=budgets[0],
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             presence_penalty=body.presence_penalty or 0.0,
@@ -138,15 +142,21 @@ class GenerationService:
             mode=resolution.mode,
             tenant=caller.tenant,
         )
-        # each further sample: a request of its own (the engine batches them; with a seed, seed + i, as vLLM does)
-        more = [
+        # each sample a request of its own (the engine batches them; with a seed, seed + j, as vLLM seeds its own)
+        requests = [
             request.model_copy(
-                update={"request_id": f"{request_id}-{i}", "seed": None if body.seed is None else body.seed + i}
+                update={
+                    "request_id": f"{request_id}-{i * n + j}" if i or j else request_id,
+                    "prompt_token_ids": prompt,
+                    "max_tokens": budget,
+                    "seed": None if body.seed is None else body.seed + j,
+                }
             )
-            for i in range(1, n)
+            for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True))
+            for j in range(n)
         ]
         IN_FLIGHT.inc()
-        return Job([request, *more], resolution, admission)
+        return Job(requests, resolution, admission, samples=n)
 
     async def complete(self, job: Job, *, started_s: float) -> list[EngineResponse]:
         """The whole answer (non-streaming): one engine response per choice."""

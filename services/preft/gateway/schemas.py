@@ -24,6 +24,7 @@ from preft.vllm_plugin.modes import PositionMode
 
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 8  # n (and best_of) at most: each sample is an engine request of its own
+MAX_SAMPLES = 256  # engine requests one request may make (a batch of prompts × their samples)
 
 
 class StreamOptions(BaseModel):
@@ -148,7 +149,9 @@ class GenerationBody(BaseModel):
 class CompletionBody(GenerationBody):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(description="Text or token ids (one prompt)")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="Text or token ids, or a list of such prompts (a batch: each prompt's choices in turn)"
+    )
     echo: bool | None = Field(False, description="Answer the prompt's text (and with logprobs, its tokens') first")
     logprobs: int | None = Field(
         None, ge=0, le=5, description="Each token's logprob and this many most likely tokens at its position"
@@ -158,13 +161,15 @@ class CompletionBody(GenerationBody):
     )
     suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (one, or a batch); 400 where prompts × samples exceeds what one request may ask."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise InvalidArgument("prompt: send one prompt per request (batches are not supported)")
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+        batch = list(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
+        if len(batch) * self.samples() > MAX_SAMPLES:
+            raise InvalidArgument(
+                f"prompt: {len(batch)} prompts × {self.samples()} samples each is more than {MAX_SAMPLES} per request"
+            )
+        return batch  # type: ignore[return-value]
 
     def _unsupported(self) -> dict[str, bool]:
         return {

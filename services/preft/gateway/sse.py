@@ -108,9 +108,9 @@ async def events(
                         break
         if len(usages) < len(streams):
             raise EngineFailed("the engine's stream ended without a finish reason")
-        known = [u for u in usages.values() if u is not None]
+        known = [usages[i] for i in range(len(streams)) if usages[i] is not None]
         if len(known) == len(streams):
-            usage = total_usage(known)
+            usage = total_usage(known, job.samples)  # type: ignore[arg-type]
             job.generated_tokens = usage.completion_tokens
             if include_usage:
                 yield sse(render.usage(usage))

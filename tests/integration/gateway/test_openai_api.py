@@ -19,6 +19,16 @@ def fake_text(stub, req) -> str:
     return "".join(f" w{t}" for t in stub.tokens(req))
 
 
+def last_requests(stub, count: int) -> list:
+    """The stub's last `count` engine requests in the order the gateway made them (they may arrive in any order)."""
+
+    def order(req) -> int:
+        tail = req.request_id.rsplit("-", 1)[-1]
+        return int(tail) if len(tail) < 8 else 0  # (the first sample's id is the request's own)
+
+    return sorted((req for _, req in stub.received[-count:]), key=order)
+
+
 def test_completions_chat_and_streams_with_the_openai_client(make_gateway, registry, stub, tokenizer, tiny_models):
     key = registry.tenant("acme")
     manifest = registry.publish("acme", "chat", tiny_models["lora"], mode="all")
@@ -329,9 +339,51 @@ def test_best_of_answers_the_most_likely_samples(gateway, registry, stub):
     assert [c.index for c in out.choices] == [0, 1] and all(c.logprobs is None for c in out.choices)
     assert out.usage.completion_tokens == 12
     scored = client.completions.create(model=BASE, prompt="hello", max_tokens=4, best_of=2, seed=31, logprobs=1)
-    assert [r.seed for _, r in stub.received[-2:]] == [31, 32] and len(scored.choices) == 1
-    assert scored.choices[0].text == fake_text(stub, stub.received[-2][1])
+    first, second = last_requests(stub, 2)
+    assert (first.seed, second.seed) == (31, 32) and len(scored.choices) == 1
+    assert scored.choices[0].text == fake_text(stub, first)
     assert scored.choices[0].logprobs.token_logprobs[0] == pytest.approx(-1 / 8 - 31 / 64)
+
+
+def test_a_batch_of_prompts_answers_each_prompts_choices_in_turn(gateway, registry, stub, tokenizer):
+    """A list of prompts: choice i × n + m is prompt i's m-th, whole and streamed, with echo and logprobs per prompt;
+    usage counts each prompt once; best_of picks within each prompt's samples."""
+    client = gateway.openai(registry.tenant("acme"))
+    prompts = ["hello", "the cat sat"]
+    out = client.completions.create(model=BASE, prompt=prompts, max_tokens=3, n=2, seed=1, echo=True, logprobs=1)
+    reqs = last_requests(stub, 4)
+    ids = [asyncio.run(tokenizer.encode(p)) for p in prompts]
+    assert [(r.prompt_token_ids, r.seed) for r in reqs] == [(ids[0], 1), (ids[0], 2), (ids[1], 1), (ids[1], 2)]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [prompts[k // 2] + fake_text(stub, reqs[k]) for k in range(4)]
+    assert [len(c.logprobs.tokens) for c in out.choices] == [len(ids[k // 2]) + 3 for k in range(4)]
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids[0]) + len(ids[1]), 12)
+
+    stream = list(
+        client.completions.create(
+            model=BASE,
+            prompt=prompts,
+            max_tokens=3,
+            n=2,
+            seed=1,
+            echo=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    for choice in out.choices:
+        events = [c.choices[0] for c in stream if c.choices and c.choices[0].index == choice.index]
+        assert "".join(e.text for e in events) == choice.text
+    assert stream[-1].usage.prompt_tokens == out.usage.prompt_tokens
+
+    by_ids = client.completions.create(model=BASE, prompt=[[5, 6], [7, 8, 9]], max_tokens=2)
+    assert [r.prompt_token_ids for r in last_requests(stub, 2)] == [[5, 6], [7, 8, 9]]
+    assert len(by_ids.choices) == 2 and by_ids.usage.prompt_tokens == 5
+
+    best = client.completions.create(model=BASE, prompt=prompts, max_tokens=2, best_of=3, seed=40)
+    reqs = last_requests(stub, 6)
+    assert [r.seed for r in reqs] == [40, 41, 42] * 2
+    assert [c.text for c in best.choices] == [fake_text(stub, reqs[0]), fake_text(stub, reqs[3])]  # (seed 40 each)
 
 
 def test_models_lists_the_tenants_adapters_and_the_base_model(gateway, registry, tiny_models):

@@ -110,7 +110,7 @@ async def create_chat_completion(
     prompt_ids = await tokenizer.encode_chat(body.conversation(), tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     job = await generation.admit(
-        caller, body, prompt_ids, max_tokens=body.token_limit, request_id=request_id, vocab_size=tokenizer.vocab_size
+        caller, body, [prompt_ids], max_tokens=body.token_limit, request_id=request_id, vocab_size=tokenizer.vocab_size
     )
     headers = {"x-request-id": request_id, **job.admission.headers()}
     if body.stream:

@@ -16,17 +16,19 @@ from preft.gateway.generation import total_usage
 from preft.gateway.logprobs import Echo, completion_logprobs
 from preft.gateway.observability import started_s
 from preft.gateway.sse import stream_response, usage_dict
+from preft.gateway.tokenization import PromptTokenizer
 
 router = APIRouter(tags=["completions"])
 
 
 class CompletionChunks:
-    """Stream events of a text completion; with `echo`, each choice's first event starts with the prompt."""
+    """Stream events of a text completion (choice `index` answers prompt index // n); with `echo`, each choice's first
+    event starts with its prompt."""
 
-    def __init__(self, request_id: str, model: str, include_usage: bool, echo: Echo | None) -> None:
+    def __init__(self, request_id: str, model: str, include_usage: bool, echoes: list[Echo | None], n: int = 1) -> None:
         self.head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
         self.include_usage = include_usage
-        self.echo = echo
+        self.echoes, self.n = echoes, n
         self.text_offsets: dict[int, int] = {}  # per choice: the logprobs' offsets run over its whole text
 
     def opening(self, choices: int) -> list[dict[str, Any]]:
@@ -34,7 +36,7 @@ class CompletionChunks:
 
     def piece(self, chunk: EngineChunk, index: int) -> list[dict[str, Any]]:
         first = index not in self.text_offsets
-        echo = self.echo if first else None
+        echo = self.echoes[index // self.n] if first else None
         text = chunk.text if echo is None else echo.text + chunk.text
         offset = self.text_offsets.get(index, 0 if echo is None else len(echo.text))
         self.text_offsets[index] = offset + sum(len(lp.token) for lp in chunk.logprobs or [])
@@ -54,6 +56,20 @@ class CompletionChunks:
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return {**self.head, "choices": [], "usage": usage_dict(usage)}
+
+
+async def _token_ids(prompt: str | list[int], tokenizer: PromptTokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        return await tokenizer.encode(prompt)
+    if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
+        raise InvalidArgument(f"prompt: token ids must be in [0, {tokenizer.vocab_size})")
+    return list(prompt)
+
+
+def _echo(prompt: str | list[int], ids: list[int], tokenizer: PromptTokenizer) -> Echo:
+    """A prompt as echoed: its text (a token-id prompt's decoded), and its first token's text."""
+    text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+    return Echo(text=text, first_token=tokenizer.decode(ids[:1]))
 
 
 def most_likely(samples: list[EngineResponse], n: int, *, keep_logprobs: bool) -> list[EngineResponse]:
@@ -83,43 +99,35 @@ async def create_completion(
     request: Request, caller: CallerDep, body: CompletionBodyDep, generation: GenerationDep, tokenizer: TokenizerDep
 ) -> Response:
     body.refuse_unsupported()
-    prompt = body.single_prompt()
-    if isinstance(prompt, str):
-        prompt_ids = await tokenizer.encode(prompt)
-    else:
-        if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
-            raise InvalidArgument(f"prompt: token ids must be in [0, {tokenizer.vocab_size})")
-        prompt_ids = list(prompt)
-    echo = None
-    if body.echo:
-        text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
-        echo = Echo(text=text, first_token=tokenizer.decode(prompt_ids[:1]))
+    prompts = body.prompts()
+    prompt_ids = [await _token_ids(prompt, tokenizer) for prompt in prompts]
+    echoes = [
+        _echo(prompt, ids, tokenizer) if body.echo else None for prompt, ids in zip(prompts, prompt_ids, strict=True)
+    ]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     job = await generation.admit(
         caller, body, prompt_ids, max_tokens=body.max_tokens, request_id=request_id, vocab_size=tokenizer.vocab_size
     )
     headers = {"x-request-id": request_id, **job.admission.headers()}
+    n = body.n or 1
     if body.stream:
         streams = await generation.open_streams(job, started_s=started_s(request))
-        render = CompletionChunks(request_id, body.model, body.include_usage, echo)
+        render = CompletionChunks(request_id, body.model, body.include_usage, echoes, n)
         return stream_response(generation, job, streams, render, include_usage=body.include_usage, headers=headers)
     samples = await generation.complete(job, started_s=started_s(request))
-    outs = most_likely(samples, body.n or 1, keep_logprobs=body.logprobs is not None)
-    choices = [
-        {
-            "index": i,
-            "text": out.text if echo is None else echo.text + out.text,
-            "logprobs": _logprobs(out, echo),
-            "finish_reason": out.finish_reason,
-        }
-        for i, out in enumerate(outs)
-    ]
+    choices = []
+    for i, echo in enumerate(echoes):  # each prompt's n choices in turn
+        prompt_samples = samples[i * job.samples : (i + 1) * job.samples]
+        for m, out in enumerate(most_likely(prompt_samples, n, keep_logprobs=body.logprobs is not None)):
+            text = out.text if echo is None else echo.text + out.text
+            logprobs = _logprobs(out, echo)
+            choices.append({"index": i * n + m, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason})
     answer = {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": body.model,
         "choices": choices,
-        "usage": usage_dict(total_usage([out.usage for out in samples])),  # (every sample's tokens)
+        "usage": usage_dict(total_usage([out.usage for out in samples], job.samples)),  # (every sample's tokens)
     }
     return JSONResponse(answer, headers=headers)

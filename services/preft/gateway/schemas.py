@@ -246,6 +246,8 @@ class ChatMessage(BaseModel):
     def turn(self) -> dict[str, Any]:
         """The turn as chat templates take it."""
         turn: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            turn["name"] = self.name  # (templates that know participants' names write it)
         if self.tool_calls:
             turn["tool_calls"] = [c.for_template() for c in self.tool_calls]
         if self.tool_call_id is not None:

@@ -12,7 +12,7 @@ from preft.api.v1 import registry_pb2 as pb
 from preft.engine.contract import BASE_MODEL_ID, OutputConstraint
 from preft.vllm_plugin.modes import PositionMode
 
-from .conftest import BASE
+from .conftest import BASE, error_of
 
 
 def fake_text(stub, req) -> str:
@@ -404,6 +404,35 @@ def test_models_lists_the_tenants_adapters_and_the_base_model(gateway, registry,
     assert [m.id for m in gateway.openai(beta).models.list().data] == [BASE, "mine", "shared"]
     assert gateway.openai(acme).models.retrieve("beta/shared").owned_by == "beta"
     assert gateway.openai(acme).models.retrieve(BASE).owned_by == "preft"
+
+
+def test_tokenize_counts_what_the_generation_routes_send(gateway, registry, stub, tiny_models):
+    """/tokenize gives the token ids the completions and chat routes send the engine (a conversation rendered with its
+    tools), for the base model and the caller's adapters only; /detokenize turns them back into text."""
+    acme, beta = registry.tenant("acme"), registry.tenant("beta")
+    registry.publish("beta", "mine", tiny_models["lora"])
+    http = gateway.http(acme)
+    counted = http.post("/tokenize", json={"model": BASE, "prompt": "the cat sat"}).json()
+    gateway.openai(acme).completions.create(model=BASE, prompt="the cat sat", max_tokens=1)
+    assert counted["tokens"] == stub.received[-1][1].prompt_token_ids and counted["count"] == len(counted["tokens"])
+    assert counted["max_model_len"] == gateway.settings.max_model_len
+    messages = [{"role": "user", "content": "hello"}]
+    chat = http.post("/tokenize", json={"model": BASE, "messages": messages, "tools": TOOLS[1:]}).json()
+    gateway.openai(acme).chat.completions.create(model=BASE, messages=messages, max_tokens=1, tools=TOOLS[1:])
+    assert chat["tokens"] == stub.received[-1][1].prompt_token_ids
+    text = http.post("/detokenize", json={"model": BASE, "tokens": counted["tokens"]}).json()
+    assert text == {"prompt": "the cat sat"}
+    assert gateway.http(beta).post("/tokenize", json={"model": "mine", "prompt": "x"}).status_code == 200
+    for path, body, status, says in (
+        ("/tokenize", {"model": "beta/mine", "prompt": "x"}, 404, "beta/mine"),  # (not shared with acme)
+        ("/tokenize", {"model": BASE}, 400, "either prompt or messages"),
+        ("/tokenize", {"model": BASE, "prompt": "x", "messages": messages}, 400, "either prompt or messages"),
+        ("/detokenize", {"model": BASE, "tokens": [5, 10**6]}, 400, "token ids"),
+        ("/detokenize", {"model": BASE, "tokens": "abc"}, 400, "tokens"),
+    ):
+        answer = http.post(path, json=body)
+        assert answer.status_code == status and says in error_of(answer)["message"], (path, body, answer.text)
+    assert gateway.http().post("/tokenize", json={"model": BASE, "prompt": "x"}).status_code == 401
 
 
 def test_metrics_and_probes(gateway, registry):

@@ -79,8 +79,8 @@ class ChatChunks:
 
 
 def finish_reason(plan: ToolPlan, engine_finish: str, called: bool) -> str:
-    """ "tool_calls" where an answer that ended by itself made calls (`auto`, `required`); a named function's answer
-    "stop", as OpenAI's."""
+    """The answer's finish reason: tool_calls where it ended by itself having made calls (`auto`, `required`); a named
+    function's answer ends with stop, as OpenAI's."""
     return "tool_calls" if called and engine_finish == "stop" and plan.mode != "named" else engine_finish
 
 

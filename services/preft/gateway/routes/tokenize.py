@@ -1,0 +1,81 @@
+"""POST /tokenize and /detokenize (vLLM's extension routes): the base model's tokenizer, which every adapter shares.
+
+A client counts a prompt's tokens (what rate limits and the context length charge) or a conversation's, rendered with
+the chat template as the chat route renders it (tools included), and turns token ids back into text. `model` must be a
+model the caller may use (404 otherwise, as on the generation routes).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import JSONResponse
+
+from preft.common.errors import InvalidArgument
+from preft.gateway.deps import CallerDep, ResolverDep, SettingsDep, TokenizerDep, json_body
+from preft.gateway.resolution import AdapterResolver
+from preft.gateway.schemas import ChatMessage
+from preft.gateway.settings import GatewaySettings
+from preft.gateway.tools import MAX_TOOLS, ToolSpec
+
+router = APIRouter(tags=["tokenize"])
+
+
+class TokenizeBody(BaseModel):
+    """A prompt, or a conversation (with the tools the model would be shown)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    add_special_tokens: bool = Field(True, description="A prompt: with the tokenizer's special tokens (BOS)")
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=256)
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
+async def _check_model(model: str, tenant: str, resolver: AdapterResolver, settings: GatewaySettings) -> None:
+    """404 where the caller may not use `model` (the base model or one of its adapters)."""
+    if model != settings.served_model_name:
+        await resolver.find(tenant, model)
+
+
+@router.post("/tokenize")
+async def tokenize(
+    caller: CallerDep,
+    resolver: ResolverDep,
+    settings: SettingsDep,
+    tokenizer: TokenizerDep,
+    body: Annotated[TokenizeBody, Depends(json_body(TokenizeBody))],
+) -> JSONResponse:
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidArgument("give either prompt or messages")
+    await _check_model(body.model, caller.tenant, resolver, settings)
+    if body.prompt is not None:
+        tokens = await tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        tokens = await tokenizer.encode_chat([m.turn() for m in body.messages or []], tools)
+    return JSONResponse({"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens})
+
+
+@router.post("/detokenize")
+async def detokenize(
+    caller: CallerDep,
+    resolver: ResolverDep,
+    settings: SettingsDep,
+    tokenizer: TokenizerDep,
+    body: Annotated[DetokenizeBody, Depends(json_body(DetokenizeBody))],
+) -> JSONResponse:
+    if any(not 0 <= t < tokenizer.vocab_size for t in body.tokens):
+        raise InvalidArgument(f"tokens: token ids must be in [0, {tokenizer.vocab_size})")
+    await _check_model(body.model, caller.tenant, resolver, settings)
+    return JSONResponse({"prompt": tokenizer.decode(body.tokens)})

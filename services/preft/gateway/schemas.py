@@ -275,8 +275,13 @@ class ChatBody(GenerationBody):
     tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required or a name")
     parallel_tool_calls: bool | None = Field(None, description="False: at most one call per answer")
     functions: list[Any] | None = None
+    continue_final_message: bool = Field(
+        False, description="vLLM extension: the answer continues the last message, an assistant turn (a prefill)"
+    )
 
     def conversation(self) -> list[dict[str, Any]]:
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise InvalidArgument("continue_final_message: the last message must be the assistant's, to continue")
         return [m.turn() for m in self.messages]
 
     def _unsupported(self) -> dict[str, bool]:

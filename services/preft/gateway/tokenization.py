@@ -51,20 +51,30 @@ class PromptTokenizer:
         """The text of token ids, special tokens included (an echoed token-id prompt, a prompt token's text)."""
         return self._tok.decode(token_ids, skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt text for a conversation, ending where the assistant's answer starts; `tools` shown to the model
-        where the template takes them."""
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *, continue_final: bool = False
+    ) -> str:
+        """The prompt text for a conversation, ending where the assistant's answer starts (`continue_final`: inside
+        the last message, an assistant turn the answer continues); `tools` shown to the model where the template
+        takes them."""
         if not self.has_chat_template:
             raise InvalidArgument("this base model has no chat template; use /v1/completions with a prompt")
         from jinja2 import TemplateError
 
         try:
             return self._tok.apply_chat_template(
-                messages, tools=tools if self.takes_tools else None, tokenize=False, add_generation_prompt=True
+                messages,
+                tools=tools if self.takes_tools else None,
+                tokenize=False,
+                add_generation_prompt=not continue_final,
+                continue_final_message=continue_final,
             )
         except TemplateError as e:
             raise InvalidArgument(f"the conversation does not fit the model's chat template: {e}") from None
 
-    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *, continue_final: bool = False
+    ) -> list[int]:
         # The template writes any special tokens itself.
-        return await self.encode(self.render_chat(messages, tools), add_special_tokens=False)
+        text = self.render_chat(messages, tools, continue_final=continue_final)
+        return await self.encode(text, add_special_tokens=False)

@@ -61,6 +61,11 @@ BAD_BODIES = [
     (CHAT, CHAT_TOOLS + b', "tool_choice": {"type": "function", "function": {"name": "g"}}}', "no tool is named 'g'"),
     (CHAT, CHAT_TOOLS + b', "tool_choice": "sometimes"}', "tool_choice"),
     (CHAT, CHAT_TOOLS + b', "logprobs": true}', "logprobs: not available with tools"),
+    (
+        CHAT,
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "continue_final_message": true}',
+        "the last message must be the assistant's",
+    ),
     (CHAT, CHAT_TOOLS + b', "tool_choice": "required", "response_format": {"type": "json_object"}}', "response_f"),
     (
         CHAT,

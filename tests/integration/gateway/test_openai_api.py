@@ -406,6 +406,18 @@ def test_models_lists_the_tenants_adapters_and_the_base_model(gateway, registry,
     assert gateway.openai(acme).models.retrieve(BASE).owned_by == "preft"
 
 
+def test_continue_final_message_prefills_the_answer(gateway, registry, stub, tokenizer):
+    """continue_final_message: the prompt ends inside the last (assistant) message, which the answer continues."""
+    client = gateway.openai(registry.tenant("acme"))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    client.chat.completions.create(
+        model=BASE, messages=messages, max_tokens=2, extra_body={"continue_final_message": True}
+    )
+    assert tokenizer.decode(stub.received[-1][1].prompt_token_ids) == "user: hi\nassistant: The answer is"
+    client.chat.completions.create(model=BASE, messages=messages, max_tokens=2)
+    assert tokenizer.decode(stub.received[-1][1].prompt_token_ids).endswith("The answer is\nassistant:")
+
+
 def test_tokenize_counts_what_the_generation_routes_send(gateway, registry, stub, tiny_models):
     """/tokenize gives the token ids the completions and chat routes send the engine (a conversation rendered with its
     tools), for the base model and the caller's adapters only; /detokenize turns them back into text."""

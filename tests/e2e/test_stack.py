@@ -146,30 +146,23 @@ def test_constrained_answers_through_every_hop(stack, tenants):
         assert picked.choices[0].text in choices and picked.choices[0].finish_reason == "stop"
     # tools: a named function's arguments follow its schema; `required` gives calls of the given tools
     tools = [{"type": "function", "function": {"name": "pick", "parameters": schema}}]
-    called = demo.chat.completions.create(
-        model="demo-direft",
-        messages=[{"role": "user", "content": "pick a number"}],
-        max_tokens=40,
-        temperature=0,
-        logit_bias=spaces,
-        tools=tools,
-        tool_choice={"type": "function", "function": {"name": "pick"}},
-    )
-    (call,) = called.choices[0].message.tool_calls
-    assert call.function.name == "pick" and json.loads(call.function.arguments)["n"] in (1, 2, 3)
-    required = demo.chat.completions.create(
-        model="demo-lora",
-        messages=[{"role": "user", "content": "pick a number"}],
-        max_tokens=60,
-        temperature=0,
-        logit_bias=spaces,
-        tools=tools,
-        tool_choice="required",
-        parallel_tool_calls=False,  # (one call: a random model may add calls until max_tokens)
-    )
-    assert required.choices[0].finish_reason == "tool_calls", required.choices[0].message.content
-    (call,) = required.choices[0].message.tool_calls
-    assert call.function.name == "pick" and json.loads(call.function.arguments)["n"] in (1, 2, 3)
+    for model, tool_choice, finish in (
+        ("demo-direft", {"type": "function", "function": {"name": "pick"}}, "stop"),
+        ("demo-lora", "required", "tool_calls"),
+    ):
+        called = demo.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "pick a number"}],
+            max_tokens=60,
+            temperature=0,
+            logit_bias=spaces,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=False,  # (one call: a random model may add calls until max_tokens)
+        )
+        assert called.choices[0].finish_reason == finish, called.choices[0].message.content
+        (call,) = called.choices[0].message.tool_calls
+        assert call.function.name == "pick" and json.loads(call.function.arguments)["n"] in (1, 2, 3)
     with pytest.raises(openai.BadRequestError, match="regex"):
         demo.completions.create(
             model="demo-lora", prompt=PROMPT, max_tokens=4, extra_body={"structured_outputs": {"regex": "(open"}}

@@ -8,6 +8,7 @@ import json
 import random
 import re
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -146,32 +147,30 @@ def test_add_and_remove_lora_move_adapters_in_and_out_of_host_memory(async_engin
 LOGPROB_CASES = ((None, "prefill"), ("lora_a", "prefill"), ("lora_b", "all"), ("direft_a", "prefill"))
 
 
+def _cases(ads, prefix: str, **fields) -> list[tuple[EngineRequest, Path | None]]:
+    """One streamed request per case of LOGPROB_CASES (base, LoRAP, LoRA all, DiReFTP), with its adapter dir."""
+    return [
+        (EngineRequest(request_id=f"{prefix}-{name}-{mode}", stream=True, mode=mode, **fields), ads.get(name))
+        for name, mode in LOGPROB_CASES
+    ]
+
+
+def _run_all(engine: AsyncPreftEngine, loop, jobs) -> list[list]:
+    """Every job's chunks, the jobs run concurrently (mixed batches)."""
+
+    async def run_all():
+        return await asyncio.gather(*(_collect(engine, req, d) for req, d in jobs))
+
+    return loop.run_until_complete(run_all())
+
+
 def test_logprobs_are_the_models_at_each_position_in_its_mode(async_engine, model_dirs, adapters, loop):
     """Each generated token's logprob and the top 3 at its position are the log-softmax of the reference's logits
     there: the first token's from the prompt's last position with the adapter, the later ones' with it off in
     `prefill` mode and on in `all` mode (float32)."""
-    ads = adapters["llama"]
     prompt = random_prompt(random.Random(5), 37)  # (longer than a step: chunked prefill)
-    requests = [
-        (
-            EngineRequest(
-                request_id=f"lp-{name}-{mode}",
-                prompt_token_ids=prompt,
-                max_tokens=6,
-                logprobs=3,
-                ignore_eos=True,
-                stream=True,
-                mode=mode,
-            ),
-            ads[name] if name else None,
-        )
-        for name, mode in LOGPROB_CASES
-    ]
-
-    async def run_all():
-        return await asyncio.gather(*(_collect(async_engine, req, d) for req, d in requests))
-
-    for (req, adapter_dir), chunks in zip(requests, loop.run_until_complete(run_all()), strict=True):
+    cases = _cases(adapters["llama"], "lp", prompt_token_ids=prompt, max_tokens=6, logprobs=3, ignore_eos=True)
+    for (req, adapter_dir), chunks in zip(cases, _run_all(async_engine, loop, cases), strict=True):
         tokens = [t for c in chunks for t in c.token_ids]
         logprobs = [lp for c in chunks for lp in c.logprobs or []]
         assert all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for c in chunks)
@@ -191,27 +190,9 @@ def test_prompt_logprobs_are_the_adapted_models_over_the_prompt(async_engine, mo
     """Each prompt token's logprob (all but the first) and the top 2 at its position are the log-softmax of the
     reference's logits over the prompt with the adapter on, in both modes (the prompt pass is the same), all in the
     first chunk, across a prompt prefilled in several steps (float32)."""
-    ads = adapters["llama"]
     prompt = random_prompt(random.Random(17), 45)  # (longer than a step: chunked prefill)
-    requests = [
-        (
-            EngineRequest(
-                request_id=f"plp-{name}-{mode}",
-                prompt_token_ids=prompt,
-                max_tokens=3,
-                prompt_logprobs=2,
-                stream=True,
-                mode=mode,
-            ),
-            ads[name] if name else None,
-        )
-        for name, mode in LOGPROB_CASES
-    ]
-
-    async def run_all():
-        return await asyncio.gather(*(_collect(async_engine, req, d) for req, d in requests))
-
-    for (req, adapter_dir), chunks in zip(requests, loop.run_until_complete(run_all()), strict=True):
+    cases = _cases(adapters["llama"], "plp", prompt_token_ids=prompt, max_tokens=3, prompt_logprobs=2)
+    for (req, adapter_dir), chunks in zip(cases, _run_all(async_engine, loop, cases), strict=True):
         scored = chunks[0].prompt_logprobs
         assert all(c.prompt_logprobs is None for c in chunks[1:]) and chunks[0].logprobs is None
         assert [lp.token_id for lp in scored] == prompt[1:], req.request_id
@@ -340,27 +321,19 @@ def test_constrained_text_matches_its_constraint_in_every_mode(async_engine, mod
         "json_object": OutputConstraint(json_object=True),
     }
     jobs = [
-        (
-            EngineRequest(
-                request_id=f"so-{kind}-{name}-{mode}",
-                prompt_token_ids=prompt,
-                max_tokens=80,
-                constraint=constraint,
-                logit_bias={"json": compact, "json_object": closing}.get(kind, {}),
-                stream=True,
-                mode=mode,
-            ),
-            ads[name] if name else None,
-        )
+        case
         for kind, constraint in constraints.items()
-        for name, mode in LOGPROB_CASES
+        for case in _cases(
+            ads,
+            f"so-{kind}",
+            prompt_token_ids=prompt,
+            max_tokens=80,
+            constraint=constraint,
+            logit_bias={"json": compact, "json_object": closing}.get(kind, {}),
+        )
     ]
-
-    async def run_all():
-        return await asyncio.gather(*(_collect(async_engine, req, d) for req, d in jobs))
-
     picked = set()
-    for (req, adapter_dir), chunks in zip(jobs, loop.run_until_complete(run_all()), strict=True):
+    for (req, adapter_dir), chunks in zip(jobs, _run_all(async_engine, loop, jobs), strict=True):
         text, where = "".join(c.text for c in chunks), req.request_id
         assert chunks[-1].finish_reason == "stop", (where, text)
         if req.constraint.choice:

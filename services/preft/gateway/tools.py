@@ -90,8 +90,9 @@ class HermesFormat:
     marker = "<tool_call>"
     _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
-    def start(self, text: str) -> int | None:
-        at = text.find(self.marker)
+    def start(self, text: str, since: int = 0) -> int | None:
+        """Where the first call starts, looked for from `since` (None: no call)."""
+        at = text.find(self.marker, since)
         return None if at < 0 else at
 
     def held(self, text: str) -> int:
@@ -118,7 +119,8 @@ class Llama3JsonFormat:
 
     tag = "<|python_tag|>"
 
-    def start(self, text: str) -> int | None:
+    def start(self, text: str, since: int = 0) -> int | None:
+        """Where the call starts: only at the answer's beginning (None: no call)."""
         stripped = text.lstrip()
         if stripped.startswith("{") or stripped.startswith(self.tag):
             return len(text) - len(stripped)
@@ -235,7 +237,7 @@ class ToolStream:
             return [{"tool_calls": [call if first else {"index": 0, "function": {"arguments": piece}}]}]
         if self.holding:
             return []
-        at = self.format.start(self.text)
+        at = self.format.start(self.text, self.sent)  # (no call starts in what went out: held() kept it back)
         if at is not None:
             self.holding = True
         end = at if at is not None else len(self.text) - self.format.held(self.text)

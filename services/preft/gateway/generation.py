@@ -39,7 +39,7 @@ class Job:
 
     @property
     def reserved_generation(self) -> int:
-        """The generated tokens reserved: each choice's max_tokens."""
+        """The generated tokens reserved: each sample's max_tokens (every choice, and best_of's extra samples)."""
         return sum(r.max_tokens for r in self.requests)
 
 

@@ -53,7 +53,7 @@ VLLM_API = (
     "vllm.v1.engine.async_llm:AsyncLLM.shutdown",  # + instance attribute model_config.max_model_len
     # internal: the only non-API read, for tests and ops (instance attribute AsyncLLM.output_processor)
     "vllm.v1.engine.output_processor:OutputProcessor.get_num_unfinished_requests",
-    "vllm.exceptions:VLLMClientError",
+    "vllm.exceptions:VLLMValidationError",  # a request vLLM refuses: ValueError's (0.26), VLLMClientError's (0.28)
     "vllm.v1.engine.exceptions:EngineDeadError",
     "vllm.logprobs:Logprob",  # CompletionOutput.logprobs: per new token, {token id: Logprob} (the chosen and top k)
     # (RequestOutput.prompt_logprobs: the same per prompt token, None for the first, all in the first DELTA output)
@@ -64,6 +64,14 @@ FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "len
 THROUGHPUT = ThroughputWindow(window_s=10.0)  # one per process, like the metrics it feeds
 for _mode in MODES:
     metrics.TOKENS_PER_SECOND.labels(_mode).set_function(lambda m=_mode: THROUGHPUT.rate(m))
+
+
+def client_error() -> type[Exception]:
+    """The class of vLLM's errors for a request the client got wrong, as AsyncLLM.generate re-raises them:
+    VLLMClientError from 0.28 on; in 0.26 (no such class) a ValueError, VLLMValidationError's base there."""
+    import vllm.exceptions
+
+    return getattr(vllm.exceptions, "VLLMClientError", ValueError)
 
 
 def token_logprobs(token_ids: list[int], positions: Sequence[Mapping[int, Any]], k: int) -> list[TokenLogprob]:
@@ -168,7 +176,6 @@ class AsyncPreftEngine:
 
     async def generate(self, request: EngineRequest, adapter_dir: Path | None) -> AsyncIterator[EngineChunk]:
         """Stream the request's output as deltas; see `preft.engine.protocol.Engine.generate`."""
-        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -229,7 +236,7 @@ class AsyncPreftEngine:
         except EngineDeadError as e:
             outcome = "error"
             raise Unavailable("the engine's processes died; this replica is being replaced") from e
-        except VLLMClientError as e:
+        except client_error() as e:
             outcome = "invalid"
             raise InvalidArgument(f"the engine refused the request: {e}") from e
         except (GeneratorExit, asyncio.CancelledError):

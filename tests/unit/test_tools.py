@@ -92,7 +92,7 @@ def test_required_and_named_answers_are_calls():
 
 
 def _streamed(plan: ToolPlan, text: str, call_format, size: int) -> tuple[str, list, bool]:
-    """The content and calls a stream of `text` in `size`-character pieces lets out."""
+    """The content and the tool-call deltas a stream of `text` in `size`-character pieces lets out."""
     stream = ToolStream(plan, call_format)
     deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i : i + size])]
     last, called = stream.end()
@@ -101,25 +101,71 @@ def _streamed(plan: ToolPlan, text: str, call_format, size: int) -> tuple[str, l
     return content, [c for d in deltas for c in d.get("tool_calls", [])], called
 
 
+def _merged(deltas: list[dict]) -> list[tuple[int, str, str]]:
+    """The calls tool-call deltas add up to, as a client joins them: each index's first delta opens it (id, type,
+    name), the later ones add to its arguments."""
+    calls: dict[int, tuple[str, str]] = {}
+    for d in deltas:
+        if d["index"] in calls:
+            assert "id" not in d and "name" not in d["function"], d
+            name, args = calls[d["index"]]
+            calls[d["index"]] = (name, args + d["function"]["arguments"])
+        else:
+            assert d["id"].startswith("call_") and d["type"] == "function", d
+            calls[d["index"]] = (d["function"]["name"], d["function"]["arguments"])
+    return [(i, *calls[i]) for i in sorted(calls)]
+
+
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
-def test_streams_let_content_out_as_it_comes_and_calls_at_the_end(size):
+def test_streams_let_content_and_calls_out_as_they_come(size):
     auto = ToolPlan.of(TOOLS, None)
     content, calls, called = _streamed(auto, HERMES_ANSWER, "hermes", size)
     assert content == "Let me look.\n" and called
-    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-        (0, "weather", '{"city": "Oslo"}'),
-        (1, "time", "{}"),
-    ]
+    assert _merged(calls) == [(0, "weather", '{"city": "Oslo"}'), (1, "time", "{}")]
     plain = "no call here, only <tool talk> and <tool_cal"
     assert _streamed(auto, plain, "hermes", size) == (plain, [], False)  # (held marker starts let out at the end)
     stream = ToolStream(auto, "hermes")
     assert stream.feed("Hello <tool") == [{"content": "Hello "}]  # (what may start a call is held back)
 
+    llama = '<|python_tag|>{"name": "weather", "parameters": {"city": "Oslo"}}; {"name": "time", "parameters": {}}'
+    assert _merged(_streamed(auto, llama, "llama3_json", size)[1]) == _merged(calls)
+    nested = '<tool_call>\n{"name": "weather", "arguments": {"city": {"name": "Oslo"}} }\n</tool_call>'
+    assert _merged(_streamed(auto, nested, "hermes", size)[1]) == [(0, "weather", '{"city": {"name": "Oslo"}}')]
+    for unusual in (
+        '<tool_call>{"arguments": {"city": "Oslo"}, "name": "weather"}</tool_call>',  # (arguments first: whole)
+        '<tool_call>{"name": "weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>',  # (as a string)
+    ):
+        assert _merged(_streamed(auto, unusual, "hermes", size)[1]) == [(0, "weather", '{"city": "Oslo"}')], unusual
+    one = ToolPlan.of(TOOLS, None, parallel=False)
+    assert _merged(_streamed(one, HERMES_ANSWER, "hermes", size)[1]) == [(0, "weather", '{"city": "Oslo"}')]
+    bad_first = '<tool_call>{"name": 1}</tool_call><tool_call>{"name": "time", "arguments": {}}</tool_call>'
+    assert _merged(_streamed(auto, bad_first, "hermes", size)[1]) == [(0, "time", "{}")]  # (indexes count calls)
+
     args = '{"city": "Rome"}'
     content, calls, called = _streamed(ToolPlan.of(TOOLS, named("weather")), args, "hermes", size)
-    assert content == "" and called and calls[0]["id"].startswith("call_") and calls[0]["function"]["name"] == "weather"
-    assert "".join(c["function"]["arguments"] for c in calls) == args and all("id" not in c for c in calls[1:])
+    assert content == "" and called and _merged(calls) == [(0, "weather", args)]
 
     required = json.dumps([{"name": "time", "parameters": {}}])
     content, calls, called = _streamed(ToolPlan.of(TOOLS, "required"), required, "hermes", size)
     assert content == "" and called and [c["function"]["name"] for c in calls] == ["time"]
+
+
+def test_a_call_goes_out_once_its_name_has_and_its_arguments_as_they_come():
+    """Streamed, a call opens as soon as its name is written, its arguments follow as written, short of what may be
+    the call's own closing brace or end marker; a call cut short (max_tokens) stays one, as far as it got."""
+    stream = ToolStream(ToolPlan.of(TOOLS, None), "hermes")
+    assert stream.feed('Hi<tool_call>{"name": "weath') == [{"content": "Hi"}]
+    opening, first = stream.feed('er", "arguments": {"ci')
+    assert opening["tool_calls"][0]["function"] == {"name": "weather", "arguments": ""}
+    assert first == {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}
+    held = stream.feed('ty": "Oslo"}')  # (a brace that may close the call is held back)
+    assert held == [{"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"'}}]}]
+    let_out = stream.feed(" }</tool")  # (the next one is: the first closed the arguments)
+    assert let_out == [{"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}]
+    assert stream.feed("_call>") == []
+    assert stream.end() == ([], True)
+
+    cut = ToolStream(ToolPlan.of(TOOLS, None), "hermes")
+    deltas = cut.feed('<tool_call>{"name": "weather", "arguments": {"city": "Os')
+    last, called = cut.end()
+    assert called and _merged([c for d in deltas + last for c in d["tool_calls"]]) == [(0, "weather", '{"city": "Os')]

@@ -5,7 +5,8 @@ back from its answer.
   answer is read with the base model's tool-call format (`GatewaySettings.tool_call_format`): `hermes`
   (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen2.5's) or `llama3_json` (an answer that is
   `{"name": ..., "parameters": {...}}`, several joined by `;`, Llama 3.1's). An answer that holds no well-formed
-  call is plain content.
+  call is plain content. Streamed, a call goes out as soon as its name has, then its arguments as the model writes
+  them (the text it wrote, as vLLM's parsers stream it; whole, the arguments are re-serialized).
 - `required`: the answer is constrained to a JSON array of calls of the given tools (each `{"name", "parameters"}`,
   the parameters following the tool's schema), as vLLM does.
 - a named function: the answer is constrained to that function's parameters schema, and is its arguments.
@@ -84,11 +85,38 @@ def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+# A call's opening as both formats write it, up to where its arguments' value starts.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _call(body: str) -> ToolCall | None:
+    """The call a complete body (`{"name": ..., "arguments"|"parameters": ...}`) holds; None where it is not one."""
+    try:
+        call = json.loads(body)
+        name, arguments = call["name"], call.get("parameters", call.get("arguments", {}))
+    except (ValueError, KeyError, TypeError):
+        return None
+    return ToolCall(name, _arguments(arguments)) if isinstance(name, str) else None
+
+
+def _without_close(args: str) -> str:
+    """A call's arguments text less what may be the call's own closing brace (and the spaces around it)."""
+    args = args.rstrip()
+    return args[:-1].rstrip() if args.endswith("}") else args
+
+
+def _held_suffix(text: str, marker: str) -> int:
+    """How many characters at the end of `text` may be the start of `marker`."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
 class HermesFormat:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, after optional content."""
 
-    marker = "<tool_call>"
-    _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+    marker, close = "<tool_call>", "</tool_call>"
 
     def start(self, text: str, since: int = 0) -> int | None:
         """Where the first call starts, looked for from `since` (None: no call)."""
@@ -97,19 +125,29 @@ class HermesFormat:
 
     def held(self, text: str) -> int:
         """How many characters at the end of `text` may be the start of a call (not to be streamed as content yet)."""
-        for k in range(min(len(self.marker) - 1, len(text)), 0, -1):
-            if text.endswith(self.marker[:k]):
-                return k
-        return 0
+        return _held_suffix(text, self.marker)
+
+    def bodies(self, text: str) -> list[tuple[int, int | None]]:
+        """Where each call's body lies in `text` (from a call's start): its start and end, None while it is open."""
+        spans, at = [], text.find(self.marker)
+        while at >= 0:
+            begin = at + len(self.marker)
+            end = text.find(self.close, begin)
+            spans.append((begin, None if end < 0 else end))
+            at = -1 if end < 0 else text.find(self.marker, end + len(self.close))
+        return spans
+
+    def open_tail(self, body: str) -> int:
+        """How many characters at the end of an open body may be its end's marker."""
+        return _held_suffix(body, self.close)
 
     def calls(self, text: str) -> list[ToolCall] | None:
         calls = []
-        for body in self._call.findall(text):
-            try:
-                call = json.loads(body)
-                calls.append(ToolCall(call["name"], _arguments(call.get("arguments", {}))))
-            except (ValueError, KeyError, TypeError):
+        for begin, end in self.bodies(text):
+            call = _call(text[begin:end])
+            if call is None:
                 return None
+            calls.append(call)
         return calls or None
 
 
@@ -130,18 +168,31 @@ class Llama3JsonFormat:
         stripped = text.lstrip()
         return len(text) if self.tag.startswith(stripped) else 0
 
-    def calls(self, text: str) -> list[ToolCall] | None:
-        text = text.strip().removeprefix(self.tag)
-        decoder, at, calls = json.JSONDecoder(), 0, []
-        while at < len(text):
-            try:
-                call, at = decoder.raw_decode(text, at)
-                calls.append(ToolCall(call["name"], _arguments(call.get("parameters", call.get("arguments", {})))))
-            except (ValueError, KeyError, TypeError):
-                return None
+    def bodies(self, text: str) -> list[tuple[int, int | None]]:
+        """Where each call's JSON object lies in `text` (from a call's start): its start and end, None while it is
+        not yet a whole JSON value (or never becomes one)."""
+        decoder, spans = json.JSONDecoder(), []
+        at = len(text) - len(text.lstrip())
+        at += len(self.tag) if text.startswith(self.tag, at) else 0
+        while True:
             while at < len(text) and text[at] in " \t\r\n;":
                 at += 1
-        return calls or None
+            if at == len(text):
+                return spans
+            try:
+                _, end = decoder.raw_decode(text, at)
+            except ValueError:
+                return [*spans, (at, None)]
+            spans.append((at, end))
+            at = end
+
+    def open_tail(self, body: str) -> int:
+        return 0
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        spans = self.bodies(text.rstrip())
+        calls = [_call(text[begin:end]) if end is not None else None for begin, end in spans]
+        return None if not calls or None in calls else calls  # type: ignore[return-value]
 
 
 FORMATS = {"hermes": HermesFormat(), "llama3_json": Llama3JsonFormat()}
@@ -216,15 +267,30 @@ class ToolPlan:
         return text[:at].strip() or None, calls if self.parallel else calls[:1]
 
 
+@dataclass
+class _StreamedCall:
+    """A call of an `auto` answer as it streams: where its arguments start in its body, how much of them went out,
+    whether they go out only at its end (`whole`: their value is a string, not JSON text) and whether all did."""
+
+    index: int
+    args_at: int
+    sent: int = 0
+    whole: bool = False
+    done: bool = False
+
+
 class ToolStream:
-    """One choice's answer, streamed under a plan as chat deltas: `auto` streams content until a call may start and
-    holds the rest, a named function streams its arguments as they come, `required` holds all; the held text is
-    read at the end (calls, or content where no call is well formed)."""
+    """One choice's answer, streamed under a plan as chat deltas. `auto` streams content until a call may start, then
+    each call once its name is out, with its arguments as they come (a call whose opening is not the usual
+    name-then-arguments goes out whole at its end); where no call turns out well formed the held text is content at
+    the end. A named function streams its arguments as they come; `required` holds all and is read at the end."""
 
     def __init__(self, plan: ToolPlan, call_format: ToolCallFormat) -> None:
         self.plan, self.call_format, self.format = plan, call_format, FORMATS[call_format]
-        self.text, self.sent = "", 0  # the answer so far; how much of it went out
-        self.holding = plan.mode == "required"
+        self.text, self.sent = "", 0  # the answer so far; how much of it went out as content
+        self.holding = plan.mode == "required"  # (all read at the end)
+        self.calls_at: int | None = None  # where the first call starts (auto)
+        self.calls: list[_StreamedCall | None] = []  # per call body: None where it was no call (auto)
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
         """The deltas to send for the next piece of the answer."""
@@ -235,22 +301,77 @@ class ToolStream:
             first, self.sent = self.sent == 0, len(self.text)
             call = ToolCall(self.plan.tools[0].function.name, piece).as_openai(0)
             return [{"tool_calls": [call if first else {"index": 0, "function": {"arguments": piece}}]}]
+        if self.calls_at is not None:
+            return self._calls(ended=False)
         if self.holding:
             return []
         at = self.format.start(self.text, self.sent)  # (no call starts in what went out: held() kept it back)
-        if at is not None:
-            self.holding = True
-        end = at if at is not None else len(self.text) - self.format.held(self.text)
-        return self._content(end)
+        if at is None:
+            return self._content(len(self.text) - self.format.held(self.text))
+        deltas = self._content(at)
+        self.calls_at = at
+        return deltas + self._calls(ended=False)
 
     def end(self) -> tuple[list[dict[str, Any]], bool]:
         """The last deltas once the answer is complete, and whether it made calls."""
         if self.plan.mode == "named":
             return [], True
+        if self.calls_at is not None:
+            deltas = self._calls(ended=True)
+            if any(self.calls):
+                return deltas, True
         _, calls = self.plan.read(self.text[self.sent :], self.call_format)
         if calls:
             return [{"tool_calls": [call.as_openai(i) for i, call in enumerate(calls)]}], True
         return self._content(len(self.text)), False
+
+    def _calls(self, ended: bool) -> list[dict[str, Any]]:
+        """What the calls written since the last piece let out: a call's opening once its name is complete, then its
+        arguments up to what may be its closing brace (all of them once its body ends)."""
+        assert self.calls_at is not None
+        region, deltas = self.text[self.calls_at :], []
+        for n, (begin, end) in enumerate(self.format.bodies(region)):
+            closed = end is not None or ended
+            body = region[begin:end]
+            body = body[: len(body) - self.format.open_tail(body)] if end is None else body
+            taken_up = n < len(self.calls)
+            if not taken_up and ((not self.plan.parallel and any(self.calls)) or not self._open(body, closed, deltas)):
+                break
+            call = self.calls[n]
+            if call is None or call.done:
+                continue
+            args = body[call.args_at :]
+            if call.whole:
+                if not closed:
+                    break
+                parsed = _call(body)
+                out = parsed.arguments if parsed is not None else _without_close(args)
+            else:
+                out = _without_close(args)
+            if len(out) > call.sent:
+                deltas.append({"tool_calls": [{"index": call.index, "function": {"arguments": out[call.sent :]}}]})
+                call.sent = len(out)
+            call.done = closed
+            if not closed:
+                break
+        return deltas
+
+    def _open(self, body: str, closed: bool, deltas: list[dict[str, Any]]) -> bool:
+        """Take up the next call's body: its opening goes out once its name and its arguments' first character are
+        written; a body that never opens so goes out whole at its end, or is no call. False: wait for more."""
+        index = sum(c is not None for c in self.calls)
+        head = _CALL_HEAD.match(body)
+        if head is not None and len(body) > head.end():
+            self.calls.append(_StreamedCall(index, head.end(), whole=body[head.end()] == '"'))
+            deltas.append({"tool_calls": [ToolCall(head.group(1), "").as_openai(index)]})
+            return True
+        if not closed:
+            return False
+        whole = _call(body)
+        self.calls.append(None if whole is None else _StreamedCall(index, len(body), done=True))
+        if whole is not None:
+            deltas.append({"tool_calls": [whole.as_openai(index)]})
+        return True
 
     def _content(self, end: int) -> list[dict[str, Any]]:
         piece, self.sent = self.text[self.sent : end], max(self.sent, end)

@@ -202,7 +202,7 @@ TOOLS = [
 
 def test_tools_auto_required_and_named_whole_and_streamed(make_gateway, registry, stub, tokenizer):
     """auto: the tools reach the model through the chat template and calls in the model's format (hermes here) come
-    back as tool_calls, content before them streamed as it comes; required and named: the engine is constrained to
+    back as tool_calls, content before them and each call's arguments streamed as they come; required and named: the engine is constrained to
     the calls' schema and the answer is the calls; past calls and tool answers go back into the prompt."""
     client = make_gateway(max_prompt_tokens=450).openai(registry.tenant("acme"))  # (tools take ~270 tiny tokens)
     messages = [{"role": "user", "content": "weather in Oslo?"}]
@@ -222,8 +222,10 @@ def test_tools_auto_required_and_named_whole_and_streamed(make_gateway, registry
     )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == "Let me look.\n"
-    streamed = [t for d in deltas for t in d.tool_calls or []]
-    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == [(0, "weather", '{"city": "Oslo"}')]
+    streamed = [t for d in deltas for t in d.tool_calls or []]  # (the call opens, then its arguments come in pieces)
+    assert len(streamed) > 2 and streamed[0].id and streamed[0].function.name == "weather"
+    assert all(t.index == 0 and t.id is None and t.function.name is None for t in streamed[1:])
+    assert "".join(t.function.arguments for t in streamed) == '{"city": "Oslo"}'
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
     stub.reply = "It is sunny."  # (no call: plain content)

@@ -145,9 +145,9 @@ def test_streams_let_content_and_calls_out_as_they_come(size):
     content, calls, called = _streamed(ToolPlan.of(TOOLS, named("weather")), args, "hermes", size)
     assert content == "" and called and _merged(calls) == [(0, "weather", args)]
 
-    required = json.dumps([{"name": "time", "parameters": {}}])
+    required = json.dumps([{"name": "weather", "parameters": {"city": "Oslo"}}, {"name": "time", "parameters": {}}])
     content, calls, called = _streamed(ToolPlan.of(TOOLS, "required"), required, "hermes", size)
-    assert content == "" and called and [c["function"]["name"] for c in calls] == ["time"]
+    assert content == "" and called and _merged(calls) == [(0, "weather", '{"city": "Oslo"}'), (1, "time", "{}")]
 
 
 def test_a_call_goes_out_once_its_name_has_and_its_arguments_as_they_come():

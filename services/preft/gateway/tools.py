@@ -105,6 +105,23 @@ def _without_close(args: str) -> str:
     return args[:-1].rstrip() if args.endswith("}") else args
 
 
+def _json_values(text: str, at: int, separators: str, stop: str = "") -> list[tuple[int, int | None]]:
+    """Where each JSON value of a sequence lies in `text` from `at` (values apart by `separators`, up to `stop`): its
+    start and end, None for the last while it is not yet a whole value (or never becomes one)."""
+    decoder, spans = json.JSONDecoder(), []
+    while True:
+        while at < len(text) and text[at] in separators:
+            at += 1
+        if at == len(text) or text[at] == stop:
+            return spans
+        try:
+            _, end = decoder.raw_decode(text, at)
+        except ValueError:
+            return [*spans, (at, None)]
+        spans.append((at, end))
+        at = end
+
+
 def _held_suffix(text: str, marker: str) -> int:
     """How many characters at the end of `text` may be the start of `marker`."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -169,22 +186,9 @@ class Llama3JsonFormat:
         return len(text) if self.tag.startswith(stripped) else 0
 
     def bodies(self, text: str) -> list[tuple[int, int | None]]:
-        """Where each call's JSON object lies in `text` (from a call's start): its start and end, None while it is
-        not yet a whole JSON value (or never becomes one)."""
-        decoder, spans = json.JSONDecoder(), []
+        """Where each call's JSON object lies in `text` (from a call's start)."""
         at = len(text) - len(text.lstrip())
-        at += len(self.tag) if text.startswith(self.tag, at) else 0
-        while True:
-            while at < len(text) and text[at] in " \t\r\n;":
-                at += 1
-            if at == len(text):
-                return spans
-            try:
-                _, end = decoder.raw_decode(text, at)
-            except ValueError:
-                return [*spans, (at, None)]
-            spans.append((at, end))
-            at = end
+        return _json_values(text, at + len(self.tag) if text.startswith(self.tag, at) else at, " \t\r\n;")
 
     def open_tail(self, body: str) -> int:
         return 0
@@ -195,7 +199,16 @@ class Llama3JsonFormat:
         return None if not calls or None in calls else calls  # type: ignore[return-value]
 
 
+class RequiredFormat(Llama3JsonFormat):
+    """`required`'s answer: a JSON array of `{"name": ..., "parameters": {...}}` (the engine is held to it)."""
+
+    def bodies(self, text: str) -> list[tuple[int, int | None]]:
+        at = len(text) - len(text.lstrip())
+        return _json_values(text, at + 1 if text.startswith("[", at) else at, " \t\r\n,", stop="]")
+
+
 FORMATS = {"hermes": HermesFormat(), "llama3_json": Llama3JsonFormat()}
+REQUIRED = RequiredFormat()
 
 
 @dataclass(frozen=True)
@@ -254,11 +267,8 @@ class ToolPlan:
         if self.mode == "named":
             return None, [ToolCall(self.tools[0].function.name, text)]
         if self.mode == "required":
-            try:
-                calls = [ToolCall(c["name"], _arguments(c["parameters"])) for c in json.loads(text)]
-            except (ValueError, KeyError, TypeError):
-                return text, []
-            return None, calls
+            calls = REQUIRED.calls(text)
+            return (None, calls) if calls else (text, [])
         fmt = FORMATS[call_format]
         at = fmt.start(text)
         calls = None if at is None else fmt.calls(text[at:])
@@ -283,14 +293,16 @@ class ToolStream:
     """One choice's answer, streamed under a plan as chat deltas. `auto` streams content until a call may start, then
     each call once its name is out, with its arguments as they come (a call whose opening is not the usual
     name-then-arguments goes out whole at its end); where no call turns out well formed the held text is content at
-    the end. A named function streams its arguments as they come; `required` holds all and is read at the end."""
+    the end. `required`'s calls stream the same way out of their JSON array; a named function's answer is its
+    arguments, streamed as they come."""
 
     def __init__(self, plan: ToolPlan, call_format: ToolCallFormat) -> None:
-        self.plan, self.call_format, self.format = plan, call_format, FORMATS[call_format]
+        required = plan.mode == "required"
+        self.plan, self.call_format = plan, call_format
+        self.format = REQUIRED if required else FORMATS[call_format]
         self.text, self.sent = "", 0  # the answer so far; how much of it went out as content
-        self.holding = plan.mode == "required"  # (all read at the end)
-        self.calls_at: int | None = None  # where the first call starts (auto)
-        self.calls: list[_StreamedCall | None] = []  # per call body: None where it was no call (auto)
+        self.calls_at: int | None = 0 if required else None  # where the first call starts
+        self.calls: list[_StreamedCall | None] = []  # per call body: None where it was no call
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
         """The deltas to send for the next piece of the answer."""
@@ -303,8 +315,6 @@ class ToolStream:
             return [{"tool_calls": [call if first else {"index": 0, "function": {"arguments": piece}}]}]
         if self.calls_at is not None:
             return self._calls(ended=False)
-        if self.holding:
-            return []
         at = self.format.start(self.text, self.sent)  # (no call starts in what went out: held() kept it back)
         if at is None:
             return self._content(len(self.text) - self.format.held(self.text))

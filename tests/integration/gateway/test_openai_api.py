@@ -202,8 +202,9 @@ TOOLS = [
 
 def test_tools_auto_required_and_named_whole_and_streamed(make_gateway, registry, stub, tokenizer):
     """auto: the tools reach the model through the chat template and calls in the model's format (hermes here) come
-    back as tool_calls, content before them and each call's arguments streamed as they come; required and named: the engine is constrained to
-    the calls' schema and the answer is the calls; past calls and tool answers go back into the prompt."""
+    back as tool_calls, content before them and each call's arguments streamed as they come; required and named: the
+    engine is constrained to the calls' schema and the answer is the calls; past calls and tool answers go back into
+    the prompt."""
     client = make_gateway(max_prompt_tokens=450).openai(registry.tenant("acme"))  # (tools take ~270 tiny tokens)
     messages = [{"role": "user", "content": "weather in Oslo?"}]
     stub.reply = 'Let me look.\n<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'

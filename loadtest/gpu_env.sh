@@ -2,9 +2,23 @@
 # On the GPU machine, after ../shared/gpu's setup put vLLM 0.26.0 in /tmp/site: make this checkout's `preft`
 # package importable from there and register its vLLM plugin entry point (no pip build needed).
 #   bash .gpu/setup.sh && export PYTHONPATH=/tmp/site && bash loadtest/gpu_env.sh
+# With `bash loadtest/gpu_env.sh --wheels .gpu/extra` (here, before the transfer) it downloads instead the few
+# packages the serving engine's tests import beyond vLLM's (the image may lack them); carried in `.gpu/extra`, they
+# are installed there into /tmp/extra, to go last on PYTHONPATH (the image's own packages first).
 set -euo pipefail
-site=${1:-/tmp/site}
 root=$(cd "$(dirname "$0")/.." && pwd)
+if [ "${1:-}" = "--wheels" ]; then
+  for p in pydantic-settings python-dotenv redis prometheus-client psutil; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "${2:?folder}" "$p"
+  done
+  exit 0
+fi
+site=${1:-/tmp/site}
+if compgen -G "$root/.gpu/extra/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/extra "$root"/.gpu/extra/*.whl
+  echo "extra packages in /tmp/extra (put it last on PYTHONPATH)"
+fi
 info="$site/preft_serve-0.1.0.dist-info"
 mkdir -p "$info"
 printf 'Metadata-Version: 2.1\nName: preft-serve\nVersion: 0.1.0\n' > "$info/METADATA"

@@ -53,7 +53,7 @@ VLLM_API = (
     "vllm.v1.engine.async_llm:AsyncLLM.shutdown",  # + instance attribute model_config.max_model_len
     # internal: the only non-API read, for tests and ops (instance attribute AsyncLLM.output_processor)
     "vllm.v1.engine.output_processor:OutputProcessor.get_num_unfinished_requests",
-    "vllm.exceptions:VLLMValidationError",  # a request vLLM refuses: ValueError's (0.26), VLLMClientError's (0.28)
+    "vllm.exceptions:VLLMValidationError",  # a request vLLM refuses (a ValueError in 0.26, a VLLMClientError in 0.28)
     "vllm.v1.engine.exceptions:EngineDeadError",
     "vllm.logprobs:Logprob",  # CompletionOutput.logprobs: per new token, {token id: Logprob} (the chosen and top k)
     # (RequestOutput.prompt_logprobs: the same per prompt token, None for the first, all in the first DELTA output)

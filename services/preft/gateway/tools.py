@@ -279,8 +279,8 @@ class ToolPlan:
 
 @dataclass
 class _StreamedCall:
-    """A call of an `auto` answer as it streams: where its arguments start in its body, how much of them went out,
-    whether they go out only at its end (`whole`: their value is a string, not JSON text) and whether all did."""
+    """A call of an answer as it streams: where its arguments start in its body, how much of them went out, whether
+    they go out only at its end (`whole`: their value is a string, not JSON text) and whether all did."""
 
     index: int
     args_at: int

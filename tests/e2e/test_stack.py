@@ -150,19 +150,27 @@ def test_constrained_answers_through_every_hop(stack, tenants):
         ("demo-direft", {"type": "function", "function": {"name": "pick"}}, "stop"),
         ("demo-lora", "required", "tool_calls"),
     ):
-        called = demo.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "pick a number"}],
-            max_tokens=60,
-            temperature=0,
-            logit_bias=spaces,
-            tools=tools,
-            tool_choice=tool_choice,
-            parallel_tool_calls=False,  # (one call: a random model may add calls until max_tokens)
-        )
+        asked = {
+            "model": model,
+            "messages": [{"role": "user", "content": "pick a number"}],
+            "max_tokens": 60,
+            "temperature": 0,
+            "logit_bias": spaces,
+            "tools": tools,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": False,  # (one call: a random model may add calls until max_tokens)
+        }
+        called = demo.chat.completions.create(**asked)
         assert called.choices[0].finish_reason == finish, called.choices[0].message.content
         (call,) = called.choices[0].message.tool_calls
         assert call.function.name == "pick" and json.loads(call.function.arguments)["n"] in (1, 2, 3)
+        # streamed: the call opens once, then its arguments come in pieces that add up to the same call
+        chunks = [c for c in demo.chat.completions.create(**asked, stream=True) if c.choices]
+        pieces = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert pieces[0].function.name == "pick" and all(t.function.name is None for t in pieces[1:])
+        streamed = "".join(t.function.arguments or "" for t in pieces)
+        assert json.loads(streamed) == json.loads(call.function.arguments)
+        assert chunks[-1].choices[0].finish_reason == finish
     with pytest.raises(openai.BadRequestError, match="regex"):
         demo.completions.create(
             model="demo-lora", prompt=PROMPT, max_tokens=4, extra_body={"structured_outputs": {"regex": "(open"}}

@@ -92,12 +92,17 @@ def reference_generate(
     *,
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
     logit_bias: dict[int, float] | None = None,
     allowed: Callable[[list[int]], Collection[int]] | None = None,
+    min_tokens: int = 0,
+    stop_token_ids: Collection[int] = (),
 ) -> list[int]:
     """Greedy tokens of the reference; the penalties as OpenAI defines them, over the tokens generated so far: each
-    token's logit less frequency_penalty × its count and presence_penalty once it has appeared; logit_bias added
-    to its tokens' logits; `allowed(tokens so far)`: the only tokens it may pick next (a constraint)."""
+    token's logit less frequency_penalty × its count and presence_penalty once it has appeared; repetition_penalty
+    as vLLM (and HF) define it, over the prompt and the tokens so far: a positive logit divided by it, a negative
+    one multiplied; logit_bias added to its tokens' logits; `allowed(tokens so far)`: the only tokens it may pick
+    next (a constraint); stop_token_ids left out of the first min_tokens, and the answer ends with the first one."""
     counts: dict[int, int] = {}
     tokens: list[int] = []
 
@@ -105,8 +110,14 @@ def reference_generate(
         penalized = step.clone()
         for token, bias in (logit_bias or {}).items():
             penalized[token] += bias
+        if repetition_penalty != 1.0:
+            seen = sorted({*prompt_ids, *tokens})
+            logits = penalized[seen]
+            penalized[seen] = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
         for token, count in counts.items():
             penalized[token] -= frequency_penalty * count + presence_penalty
+        if len(tokens) < min_tokens and stop_token_ids:
+            penalized[list(stop_token_ids)] = float("-inf")
         if allowed is not None:
             mask = torch.full_like(penalized, float("-inf"))
             mask[list(allowed(tokens))] = 0.0
@@ -118,7 +129,8 @@ def reference_generate(
 
     logits = _step_logits(model_dir, prompt_ids, adapter_dir, mode, max_tokens, lambda i, step: pick(step))
     pick(logits[-1])  # (the last step's token is not fed back)
-    return tokens
+    stops = [i for i, t in enumerate(tokens) if t in stop_token_ids]
+    return tokens[: stops[0] + 1] if stops else tokens
 
 
 def reference_logits(

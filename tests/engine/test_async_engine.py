@@ -226,6 +226,32 @@ def test_penalties_follow_their_definition(async_engine, model_dirs, adapters, l
         assert got["penalized"] != got["plain"]  # (the penalties changed this greedy run: the test can tell)
 
 
+def test_vllms_sampling_extensions_follow_their_definitions(async_engine, model_dirs, adapters, loop):
+    """vLLM's repetition_penalty (over the prompt and the answer), stop_token_ids with min_tokens, and top_k / min_p at
+    temperature 1 narrowed to the most likely token (so sampling picks what greedy does), as the reference applies
+    them, for a LoRAP request."""
+    prompt, model = random_prompt(random.Random(21), 12), model_dirs["llama"]
+    adapter_dir, mode = adapters["llama"]["lora_a"], "prefill"
+    req = EngineRequest(request_id="extensions", prompt_token_ids=prompt, max_tokens=16, ignore_eos=True, mode=mode)
+
+    def run(**update) -> tuple[list[int], str | None]:
+        chunks = loop.run_until_complete(_collect(async_engine, req.model_copy(update=update), adapter_dir))
+        return [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason
+
+    def reference(**options) -> list[int]:
+        return reference_generate(model, prompt, adapter_dir, mode, 16, **options)
+
+    greedy = reference()
+    repeated = run(repetition_penalty=1.8)[0]
+    assert repeated == reference(repetition_penalty=1.8) and repeated != greedy
+    stop = [greedy[2]]
+    assert run(stop_token_ids=stop) == (reference(stop_token_ids=stop), "stop")
+    held = run(stop_token_ids=stop, min_tokens=4)[0]
+    assert held == reference(stop_token_ids=stop, min_tokens=4) and len(held) > 4 > greedy.index(stop[0])
+    for narrowed in ({"top_k": 1}, {"min_p": 1.0}):
+        assert run(temperature=1.0, seed=3, **narrowed)[0] == greedy, narrowed
+
+
 def test_logit_bias_moves_the_tokens_it_names(async_engine, model_dirs, adapters, loop):
     """A bias of -100 on the unbiased run's tokens steers greedy decoding elsewhere, as the reference adding it
     does; +100 on one token makes it every token."""

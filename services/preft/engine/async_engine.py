@@ -161,6 +161,11 @@ class AsyncPreftEngine:
             top_p=request.top_p,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            min_tokens=request.min_tokens,
+            stop_token_ids=list(request.stop_token_ids) or None,
             logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs,
             logit_bias=request.logit_bias or None,
@@ -189,6 +194,7 @@ class AsyncPreftEngine:
                 max_model_len=self.max_model_len,
             )
             check_token_ids(request.logit_bias, self.shape.vocab_size, "logit_bias")
+            check_token_ids(request.stop_token_ids, self.shape.vocab_size, "stop_token_ids")
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
         lora, method = None, "none"

@@ -46,6 +46,8 @@ MAX_LOGIT_BIASES = 300  # token ids a request may bias (OpenAI's limit)
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 MAX_CONSTRAINT_CHARS = 32_768  # a constraint's schema (as JSON), regex or grammar
 MAX_CONSTRAINT_CHOICES = 64
+MAX_REPETITION_PENALTY = 10.0
+MAX_STOP_TOKEN_IDS = 32
 
 
 def _schema_from_text(value: Any) -> Any:
@@ -131,6 +133,21 @@ class EngineRequest(BaseModel):
     frequency_penalty: float = Field(
         0.0, ge=-2.0, le=2.0, description="Subtracted from each token's logit once per time it was generated"
     )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        le=MAX_REPETITION_PENALTY,
+        description="The logit of each token in the prompt or generated so far divided by it (multiplied where the "
+        "logit is negative); 1: none",
+    )
+    top_k: int = Field(0, ge=0, description="Sample among this many most likely tokens only (0: all)")
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="Leave out tokens less likely than min_p times the most likely one (0: none)"
+    )
+    min_tokens: int = Field(0, ge=0, description="Tokens to generate before the end-of-sequence or a stop token may")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end the answer (kept in it)"
+    )
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -155,6 +172,12 @@ class EngineRequest(BaseModel):
     adapter: AdapterSpec | None = None
     mode: PositionMode = PositionMode.PREFILL
     tenant: str = Field("", description="For metrics labels only")
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> EngineRequest:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        return self
 
 
 class Usage(BaseModel):

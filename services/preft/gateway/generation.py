@@ -115,6 +115,9 @@ class GenerationService:
         budgets = [self.max_tokens_for(len(prompt), max_tokens) for prompt in prompts]
         stop, logprobs = body.stop_list(), body.engine_logprobs()  # (400s before anything is reserved)
         logit_bias, constraint, n = body.token_biases(vocab_size), body.constraint(), body.samples()
+        stop_token_ids, min_tokens = body.stop_token_ids_in(vocab_size), body.min_tokens or 0
+        if min_tokens > min(budgets):
+            raise InvalidArgument(f"min_tokens ({min_tokens}) exceeds max_tokens ({min(budgets)})")
         reserved = sum(len(prompt) + n * budget for prompt, budget in zip(prompts, budgets, strict=True))
         admission = await self.limiter.admit(caller.tenant, reserved)
         try:
@@ -130,6 +133,11 @@ class GenerationService:
             top_p=1.0 if body.top_p is None else body.top_p,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            top_k=max(body.top_k or 0, 0),  # (-1: all, as vLLM takes it)
+            min_p=body.min_p or 0.0,
+            min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids,
             logprobs=logprobs,
             prompt_logprobs=body.engine_prompt_logprobs(),
             logit_bias=logit_bias,

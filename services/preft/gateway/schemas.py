@@ -18,7 +18,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from preft.common.errors import InvalidArgument
-from preft.engine.contract import MAX_LOGIT_BIASES, JsonSchema, LogitBias, OutputConstraint
+from preft.engine.contract import (
+    MAX_LOGIT_BIASES,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    JsonSchema,
+    LogitBias,
+    OutputConstraint,
+)
 from preft.gateway.tools import MAX_TOOLS, ToolChoice, ToolPlan, ToolSpec
 from preft.vllm_plugin.modes import PositionMode
 
@@ -86,6 +93,28 @@ class GenerationBody(BaseModel):
     frequency_penalty: float | None = Field(
         None, ge=-2.0, le=2.0, description="Lowers each token's logit by this much per time it was generated"
     )
+    repetition_penalty: float | None = Field(
+        None,
+        gt=0.0,
+        le=MAX_REPETITION_PENALTY,
+        description="vLLM extension: divides the logit of each token in the prompt or generated so far (multiplies it "
+        "where negative); 1: none",
+    )
+    top_k: int | None = Field(
+        None, ge=-1, description="vLLM extension: sample among the k most likely tokens (0, -1: all)"
+    )
+    min_p: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="vLLM extension: leave out tokens less likely than min_p × the most likely one",
+    )
+    min_tokens: int | None = Field(
+        None, ge=0, description="vLLM extension: tokens to generate before end-of-sequence or stop_token_ids may end it"
+    )
+    stop_token_ids: list[int] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension: token ids that end the answer (kept in it)"
+    )
     logit_bias: dict[str, LogitBias] | None = Field(
         None, max_length=MAX_LOGIT_BIASES, description="Token id (as a string) → bias added to its logit, -100 to 100"
     )
@@ -124,6 +153,13 @@ class GenerationBody(BaseModel):
                 raise InvalidArgument(f"logit_bias: keys must be token ids in [0, {vocab_size}), not {key!r}")
             biases[token] = bias
         return biases
+
+    def stop_token_ids_in(self, vocab_size: int) -> list[int]:
+        """stop_token_ids, checked against this model's vocabulary (400 for an id outside it)."""
+        bad = [t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument(f"stop_token_ids: token ids in [0, {vocab_size}), not {bad[0]}")
+        return list(self.stop_token_ids or [])
 
     def constraint(self) -> OutputConstraint | None:
         """What the generated text must match: `response_format` or `structured_outputs` (400 for both)."""

@@ -32,6 +32,23 @@ from preft.vllm_plugin.modes import PositionMode
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 8  # n (and best_of) at most: each sample is an engine request of its own
 MAX_SAMPLES = 256  # engine requests one request may make (a batch of prompts × their samples)
+# vLLM's request fields that change what is generated and that this server does not implement, with vLLM's default:
+# a request that asks for other than the default is refused (400), not served as if the field were not there
+VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
+    "guided_json": None,  # (vLLM's former constraint fields: structured_outputs now)
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_json_object": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "truncate_prompt_tokens": None,
+}
 
 
 class StreamOptions(BaseModel):
@@ -73,9 +90,10 @@ class ResponseFormat(BaseModel):
 
 
 class GenerationBody(BaseModel):
-    """What completions and chat requests share."""
+    """What completions and chat requests share (fields it does not know are kept aside, and ignored unless they are
+    vLLM's that ask for what this server does not do: `refuse_unsupported`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1, max_length=256, description="Base model name or adapter reference")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate")
@@ -137,7 +155,13 @@ class GenerationBody(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """400 naming the first field that asks for something the engine does not do."""
-        for name, asked in self._unsupported().items():
+        extra = self.model_extra or {}
+        vllms = {
+            name: extra[name] not in (default, [], None) if default is None else extra[name] != default
+            for name, default in VLLM_FIELDS_NOT_SUPPORTED.items()
+            if name in extra
+        }
+        for name, asked in {**self._unsupported(), **vllms}.items():
             if asked:
                 raise InvalidArgument(f"{name} is not supported by this server")
 

@@ -157,7 +157,7 @@ class GenerationBody(BaseModel):
         """400 naming the first field that asks for something the engine does not do."""
         extra = self.model_extra or {}
         vllms = {
-            name: extra[name] not in (default, [], None) if default is None else extra[name] != default
+            name: extra[name] not in (default, None, [])  # (null or an empty list: not asked either)
             for name, default in VLLM_FIELDS_NOT_SUPPORTED.items()
             if name in extra
         }

@@ -227,16 +227,19 @@ def test_penalties_follow_their_definition(async_engine, model_dirs, adapters, l
 
 
 def test_vllms_sampling_extensions_follow_their_definitions(async_engine, model_dirs, adapters, loop):
-    """vLLM's repetition_penalty (over the prompt and the answer), stop_token_ids with min_tokens, and top_k / min_p at
-    temperature 1 narrowed to the most likely token (so sampling picks what greedy does), as the reference applies
-    them, for a LoRAP request."""
+    """vLLM's repetition_penalty (over the prompt and the answer), stop_token_ids with min_tokens, allowed_token_ids,
+    and top_k / min_p at temperature 1 narrowed to the most likely token (so sampling picks what greedy does), as the
+    reference applies them, for a LoRAP request; include_stop_str_in_output keeps a stop string in the text."""
     prompt, model = random_prompt(random.Random(21), 12), model_dirs["llama"]
     adapter_dir, mode = adapters["llama"]["lora_a"], "prefill"
     req = EngineRequest(request_id="extensions", prompt_token_ids=prompt, max_tokens=16, ignore_eos=True, mode=mode)
 
     def run(**update) -> tuple[list[int], str | None]:
+        return run_with_text(**update)[:2]
+
+    def run_with_text(**update) -> tuple[list[int], str | None, str]:
         chunks = loop.run_until_complete(_collect(async_engine, req.model_copy(update=update), adapter_dir))
-        return [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason
+        return [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason, "".join(c.text for c in chunks)
 
     def reference(**options) -> list[int]:
         return reference_generate(model, prompt, adapter_dir, mode, 16, **options)
@@ -250,6 +253,14 @@ def test_vllms_sampling_extensions_follow_their_definitions(async_engine, model_
     assert held == reference(stop_token_ids=stop, min_tokens=4) and len(held) > 4 > greedy.index(stop[0])
     for narrowed in ({"top_k": 1}, {"min_p": 1.0}):
         assert run(temperature=1.0, seed=3, **narrowed)[0] == greedy, narrowed
+    allowed = sorted({greedy[1], greedy[3], 7})
+    only = run(allowed_token_ids=allowed)[0]
+    assert only == reference(allowed=lambda _: allowed) and set(only) <= set(allowed)
+    text = run_with_text()[2]
+    stop = text[len(text) // 2 :][:3]
+    cut = text.index(stop)
+    assert run_with_text(stop=[stop])[2] == text[:cut]
+    assert run_with_text(stop=[stop], include_stop_str_in_output=True)[2] == text[: cut + len(stop)]
 
 
 def test_logit_bias_moves_the_tokens_it_names(async_engine, model_dirs, adapters, loop):

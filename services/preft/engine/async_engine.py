@@ -166,6 +166,8 @@ class AsyncPreftEngine:
             min_p=request.min_p,
             min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids) or None,
+            allowed_token_ids=list(request.allowed_token_ids) or None,
+            include_stop_str_in_output=request.include_stop_str_in_output,
             logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs,
             logit_bias=request.logit_bias or None,
@@ -195,6 +197,7 @@ class AsyncPreftEngine:
             )
             check_token_ids(request.logit_bias, self.shape.vocab_size, "logit_bias")
             check_token_ids(request.stop_token_ids, self.shape.vocab_size, "stop_token_ids")
+            check_token_ids(request.allowed_token_ids, self.shape.vocab_size, "allowed_token_ids")
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
         lora, method = None, "none"

@@ -48,6 +48,7 @@ MAX_CONSTRAINT_CHARS = 32_768  # a constraint's schema (as JSON), regex or gramm
 MAX_CONSTRAINT_CHOICES = 64
 MAX_REPETITION_PENALTY = 10.0
 MAX_STOP_TOKEN_IDS = 32
+MAX_ALLOWED_TOKEN_IDS = 1024
 
 
 def _schema_from_text(value: Any) -> Any:
@@ -148,6 +149,9 @@ class EngineRequest(BaseModel):
     stop_token_ids: list[int] = Field(
         default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end the answer (kept in it)"
     )
+    allowed_token_ids: list[int] = Field(
+        default_factory=list, max_length=MAX_ALLOWED_TOKEN_IDS, description="The only tokens to generate (none: any)"
+    )
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -167,6 +171,7 @@ class EngineRequest(BaseModel):
     constraint: OutputConstraint | None = Field(None, description="What the generated text must match")
     seed: int | None = None
     stop: list[str] = Field(default_factory=list, max_length=8)
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the answer in it")
     ignore_eos: bool = False
     stream: bool = False
     adapter: AdapterSpec | None = None

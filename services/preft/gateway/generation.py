@@ -115,7 +115,8 @@ class GenerationService:
         budgets = [self.max_tokens_for(len(prompt), max_tokens) for prompt in prompts]
         stop, logprobs = body.stop_list(), body.engine_logprobs()  # (400s before anything is reserved)
         logit_bias, constraint, n = body.token_biases(vocab_size), body.constraint(), body.samples()
-        stop_token_ids, min_tokens = body.stop_token_ids_in(vocab_size), body.min_tokens or 0
+        stop_token_ids, min_tokens = body.token_ids("stop_token_ids", vocab_size), body.min_tokens or 0
+        allowed_token_ids = body.token_ids("allowed_token_ids", vocab_size)
         if min_tokens > min(budgets):
             raise InvalidArgument(f"min_tokens ({min_tokens}) exceeds max_tokens ({min(budgets)})")
         reserved = sum(len(prompt) + n * budget for prompt, budget in zip(prompts, budgets, strict=True))
@@ -138,12 +139,14 @@ class GenerationService:
             min_p=body.min_p or 0.0,
             min_tokens=min_tokens,
             stop_token_ids=stop_token_ids,
+            allowed_token_ids=allowed_token_ids,
             logprobs=logprobs,
             prompt_logprobs=body.engine_prompt_logprobs(),
             logit_bias=logit_bias,
             constraint=constraint,
             seed=body.seed,
             stop=stop,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos,
             stream=bool(body.stream),
             adapter=resolution.adapter,

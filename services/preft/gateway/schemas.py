@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from preft.common.errors import InvalidArgument
 from preft.engine.contract import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGIT_BIASES,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
@@ -42,9 +43,7 @@ VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
     "guided_json_object": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "allowed_token_ids": None,
     "bad_words": None,
-    "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "truncate_prompt_tokens": None,
@@ -133,6 +132,12 @@ class GenerationBody(BaseModel):
     stop_token_ids: list[int] | None = Field(
         None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension: token ids that end the answer (kept in it)"
     )
+    include_stop_str_in_output: bool = Field(
+        False, description="vLLM extension: keep the stop string that ended the answer in its text"
+    )
+    allowed_token_ids: list[int] | None = Field(
+        None, max_length=MAX_ALLOWED_TOKEN_IDS, description="vLLM extension: the only tokens to generate"
+    )
     logit_bias: dict[str, LogitBias] | None = Field(
         None, max_length=MAX_LOGIT_BIASES, description="Token id (as a string) → bias added to its logit, -100 to 100"
     )
@@ -178,12 +183,14 @@ class GenerationBody(BaseModel):
             biases[token] = bias
         return biases
 
-    def stop_token_ids_in(self, vocab_size: int) -> list[int]:
-        """stop_token_ids, checked against this model's vocabulary (400 for an id outside it)."""
-        bad = [t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size]
+    def token_ids(self, field: str, vocab_size: int) -> list[int]:
+        """A list of token ids the body gives (stop_token_ids, allowed_token_ids), checked against this model's
+        vocabulary (400 for an id outside it)."""
+        ids = list(getattr(self, field) or [])
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise InvalidArgument(f"stop_token_ids: token ids in [0, {vocab_size}), not {bad[0]}")
-        return list(self.stop_token_ids or [])
+            raise InvalidArgument(f"{field}: token ids in [0, {vocab_size}), not {bad[0]}")
+        return ids
 
     def constraint(self) -> OutputConstraint | None:
         """What the generated text must match: `response_format` or `structured_outputs` (400 for both)."""

@@ -50,6 +50,7 @@ BAD_BODIES = [
     (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "min_p": 1.5}', "min_p"),
     (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "max_tokens": 4, "min_tokens": 5}', "min_tokens (5)"),
     (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "stop_token_ids": [99999]}', "stop_token_ids: token"),
+    (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "allowed_token_ids": [-1]}', "allowed_token_ids: token"),
     (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "stop_token_ids": [' + b"1, " * 32 + b"1]}", "stop_token"),
     (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "logit_bias": {"hello": 1}}', "logit_bias: keys"),
     (COMPLETIONS, b'{"model": "tiny-llama", "prompt": "hi", "logit_bias": {"99999": 1}}', "token ids in [0, "),

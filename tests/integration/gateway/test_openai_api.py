@@ -126,12 +126,16 @@ def test_logprobs_and_penalties_with_the_openai_client(gateway, registry, stub):
     assert client.completions.create(model=BASE, prompt="hello", max_tokens=2).choices[0].logprobs is None
     _, req = stub.received[-1]
     assert req.logprobs is None and req.presence_penalty == 0.0 and req.logit_bias == {}
-    sent = lambda r: (r.repetition_penalty, r.top_k, r.min_p, r.min_tokens, r.stop_token_ids)  # noqa: E731
-    assert sent(req) == (1.0, 0, 0.0, 0, [])
+    sent = lambda r: (  # noqa: E731
+        r.repetition_penalty, r.top_k, r.min_p, r.min_tokens, r.stop_token_ids, r.allowed_token_ids,
+        r.include_stop_str_in_output,
+    )  # fmt: skip
+    assert sent(req) == (1.0, 0, 0.0, 0, [], [], False)
     extensions = {"repetition_penalty": 1.2, "top_k": -1, "min_p": 0.05, "min_tokens": 2, "stop_token_ids": [7, 9]}
+    extensions |= {"allowed_token_ids": [3, 4], "include_stop_str_in_output": True}
     defaults = {"use_beam_search": False, "skip_special_tokens": True, "guided_json": None, "not_a_field": 1}
     client.completions.create(model=BASE, prompt="hello", max_tokens=3, extra_body=extensions | defaults)
-    assert sent(stub.received[-1][1]) == (1.2, 0, 0.05, 2, [7, 9])  # (vLLM's extensions; top_k -1: all, sent as 0)
+    assert sent(stub.received[-1][1]) == (1.2, 0, 0.05, 2, [7, 9], [3, 4], True)  # (top_k -1: all, sent as 0)
     # (vLLM's fields this server does not implement pass at their defaults: test_bad_input has them refused otherwise;
     # fields no one defines are ignored)
 

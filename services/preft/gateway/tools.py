@@ -298,8 +298,7 @@ class ToolStream:
 
     def __init__(self, plan: ToolPlan, call_format: ToolCallFormat) -> None:
         required = plan.mode == "required"
-        self.plan, self.call_format = plan, call_format
-        self.format = REQUIRED if required else FORMATS[call_format]
+        self.plan, self.format = plan, REQUIRED if required else FORMATS[call_format]
         self.text, self.sent = "", 0  # the answer so far; how much of it went out as content
         self.calls_at: int | None = 0 if required else None  # where the first call starts
         self.calls: list[_StreamedCall | None] = []  # per call body: None where it was no call
@@ -330,10 +329,7 @@ class ToolStream:
             deltas = self._calls(ended=True)
             if any(self.calls):
                 return deltas, True
-        _, calls = self.plan.read(self.text[self.sent :], self.call_format)
-        if calls:
-            return [{"tool_calls": [call.as_openai(i) for i, call in enumerate(calls)]}], True
-        return self._content(len(self.text)), False
+        return self._content(len(self.text)), False  # (no call well formed: what was held is content)
 
     def _calls(self, ended: bool) -> list[dict[str, Any]]:
         """What the calls written since the last piece let out: a call's opening once its name is complete, then its

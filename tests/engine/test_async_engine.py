@@ -263,6 +263,61 @@ def test_vllms_sampling_extensions_follow_their_definitions(async_engine, model_
     assert run_with_text(stop=[stop], include_stop_str_in_output=True)[2] == text[: cut + len(stop)]
 
 
+def _bad_word_sequences(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's tokens alone, and after a space where that is as many tokens and starts elsewhere (as vLLM
+    defines bad_words)."""
+    sequences = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(alone)
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.append(spaced)
+    return sequences
+
+
+def test_bad_words_and_special_tokens_follow_their_definitions(async_engine, model_dirs, adapters, loop):
+    """bad_words: the last token of a bad word's tokens is never picked right after the tokens before it, as the
+    reference masking it does (for a LoRAP request); skip_special_tokens false keeps special tokens in the text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["llama"])
+    prompt, model = random_prompt(random.Random(23), 12), model_dirs["llama"]
+    adapter_dir, mode = adapters["llama"]["lora_a"], "prefill"
+    req = EngineRequest(request_id="words", prompt_token_ids=prompt, max_tokens=12, ignore_eos=True, mode=mode)
+
+    def run(**update) -> tuple[list[int], str]:
+        chunks = loop.run_until_complete(_collect(async_engine, req.model_copy(update=update), adapter_dir))
+        return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks)
+
+    greedy = reference_generate(model, prompt, adapter_dir, mode, 12)
+    vocab = range(tokenizer.vocab_size)
+    changed = []
+    for words in ([tokenizer.decode(greedy[2:3])], [tokenizer.decode(greedy[4:6]), tokenizer.decode(greedy[8:9])]):
+        banned = _bad_word_sequences(tokenizer, words)
+
+        def allowed(tokens: list[int], banned=banned) -> list[int]:
+            last = {
+                seq[-1]
+                for seq in banned
+                if len(seq) <= len(tokens) + 1 and tokens[len(tokens) - len(seq) + 1 :] == seq[:-1]
+            }
+            return [t for t in vocab if t not in last]
+
+        tokens = run(bad_words=words)[0]
+        assert tokens == reference_generate(model, prompt, adapter_dir, mode, 12, allowed=allowed), words
+        changed.append(tokens != greedy)
+    assert any(changed)
+
+    special = tokenizer.convert_tokens_to_ids("<|begin|>")
+    text_prompt = tokenizer.encode("the cat sat on the mat")  # (a random prompt's last bytes may be text's first)
+    forced = {"prompt_token_ids": text_prompt, "allowed_token_ids": [special], "max_tokens": 3}
+    assert run(**forced) == ([special] * 3, "")
+    for spaces in (True, False):  # (a fast tokenizer's text has no spaces between them either way)
+        kept = run(**forced, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        assert kept == ([special] * 3, "<|begin|>" * 3)
+
+
 def test_logit_bias_moves_the_tokens_it_names(async_engine, model_dirs, adapters, loop):
     """A bias of -100 on the unbiased run's tokens steers greedy decoding elsewhere, as the reference adding it
     does; +100 on one token makes it every token."""

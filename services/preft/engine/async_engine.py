@@ -150,10 +150,11 @@ class AsyncPreftEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+        for field, asked in (("constraint", request.constraint is not None), ("bad_words", bool(request.bad_words))):
+            if asked and not self.options.tokenizer:
+                raise InvalidArgument(f"{field}: this engine runs without a tokenizer, which {field} needs")
         structured = None
         if request.constraint is not None:
-            if not self.options.tokenizer:
-                raise InvalidArgument("constraint: this engine runs without a tokenizer, which constraints need")
             structured = StructuredOutputsParams(**request.constraint.vllm_fields())
         return SamplingParams(
             n=1,
@@ -167,7 +168,10 @@ class AsyncPreftEngine:
             min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids) or None,
             allowed_token_ids=list(request.allowed_token_ids) or None,
+            bad_words=list(request.bad_words) or None,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
             logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs,
             logit_bias=request.logit_bias or None,

@@ -49,6 +49,16 @@ MAX_CONSTRAINT_CHOICES = 64
 MAX_REPETITION_PENALTY = 10.0
 MAX_STOP_TOKEN_IDS = 32
 MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 64  # (each word is tokenized alone and after a space: vLLM 0.28 takes up to 128 such sequences)
+
+
+def _not_blank(word: str) -> str:
+    if not word.strip():
+        raise ValueError("a bad word must have a character other than whitespace")
+    return word
+
+
+BadWord = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_not_blank)]
 
 
 def _schema_from_text(value: Any) -> Any:
@@ -152,6 +162,12 @@ class EngineRequest(BaseModel):
     allowed_token_ids: list[int] = Field(
         default_factory=list, max_length=MAX_ALLOWED_TOKEN_IDS, description="The only tokens to generate (none: any)"
     )
+    bad_words: list[BadWord] = Field(
+        default_factory=list,
+        max_length=MAX_BAD_WORDS,
+        description="Words never generated: the last of a word's tokens (alone, and after a space where that is as "
+        "many tokens) is left out wherever the tokens before it were just generated",
+    )
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -172,6 +188,8 @@ class EngineRequest(BaseModel):
     seed: int | None = None
     stop: list[str] = Field(default_factory=list, max_length=8)
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the answer in it")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text")
+    spaces_between_special_tokens: bool = Field(True, description="A space between adjacent special tokens' text")
     ignore_eos: bool = False
     stream: bool = False
     adapter: AdapterSpec | None = None

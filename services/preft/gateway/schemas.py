@@ -20,9 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from preft.common.errors import InvalidArgument
 from preft.engine.contract import (
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIASES,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
+    BadWord,
     JsonSchema,
     LogitBias,
     OutputConstraint,
@@ -43,10 +45,6 @@ VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
     "guided_json_object": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "bad_words": None,
-    "skip_special_tokens": True,
-    "spaces_between_special_tokens": True,
-    "truncate_prompt_tokens": None,
 }
 
 
@@ -138,6 +136,25 @@ class GenerationBody(BaseModel):
     allowed_token_ids: list[int] | None = Field(
         None, max_length=MAX_ALLOWED_TOKEN_IDS, description="vLLM extension: the only tokens to generate"
     )
+    bad_words: list[BadWord] | None = Field(
+        None,
+        max_length=MAX_BAD_WORDS,
+        description="vLLM extension: words the answer never writes (as tokenized alone, or after a space)",
+    )
+    skip_special_tokens: bool = Field(True, description="vLLM extension: leave special tokens out of the text")
+    spaces_between_special_tokens: bool = Field(
+        True, description="vLLM extension: with skip_special_tokens false, a space between adjacent special tokens"
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        ge=-1,
+        description="vLLM extension: keep only this many of the prompt's tokens (-1: as many as the server accepts)",
+    )
+    truncation_side: Literal["left", "right"] | None = Field(
+        None,
+        description="vLLM extension: with truncate_prompt_tokens, keep the last tokens (left, the default) or "
+        "the first (right)",
+    )
     logit_bias: dict[str, LogitBias] | None = Field(
         None, max_length=MAX_LOGIT_BIASES, description="Token id (as a string) → bias added to its logit, -100 to 100"
     )
@@ -147,6 +164,17 @@ class GenerationBody(BaseModel):
     )
     preft_mode: PositionMode | None = Field(None, description="PreFT extension: the adapter's position mode")
     ignore_eos: bool = Field(False, description="PreFT extension: do not stop at the end-of-sequence token")
+
+    def truncated(self, prompt_ids: list[int], max_prompt_tokens: int) -> list[int]:
+        """The prompt's tokens as truncate_prompt_tokens keeps them (all when it is not given)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep == -1:
+            keep = max_prompt_tokens
+        if len(prompt_ids) <= keep:
+            return prompt_ids
+        return prompt_ids[:keep] if self.truncation_side == "right" else prompt_ids[len(prompt_ids) - keep :]
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 
+import openai
 import pytest
 
 from preft.api.v1 import registry_pb2 as pb
@@ -128,14 +129,16 @@ def test_logprobs_and_penalties_with_the_openai_client(gateway, registry, stub):
     assert req.logprobs is None and req.presence_penalty == 0.0 and req.logit_bias == {}
     sent = lambda r: (  # noqa: E731
         r.repetition_penalty, r.top_k, r.min_p, r.min_tokens, r.stop_token_ids, r.allowed_token_ids,
-        r.include_stop_str_in_output,
+        r.include_stop_str_in_output, r.bad_words, r.skip_special_tokens, r.spaces_between_special_tokens,
     )  # fmt: skip
-    assert sent(req) == (1.0, 0, 0.0, 0, [], [], False)
+    assert sent(req) == (1.0, 0, 0.0, 0, [], [], False, [], True, True)
     extensions = {"repetition_penalty": 1.2, "top_k": -1, "min_p": 0.05, "min_tokens": 2, "stop_token_ids": [7, 9]}
-    extensions |= {"allowed_token_ids": [3, 4], "include_stop_str_in_output": True}
-    defaults = {"use_beam_search": False, "skip_special_tokens": True, "guided_json": None, "not_a_field": 1}
+    extensions |= {"allowed_token_ids": [3, 4], "include_stop_str_in_output": True, "bad_words": ["no", "not this"]}
+    extensions |= {"skip_special_tokens": False, "spaces_between_special_tokens": False}
+    defaults = {"use_beam_search": False, "length_penalty": 1.0, "guided_json": None, "not_a_field": 1}
     client.completions.create(model=BASE, prompt="hello", max_tokens=3, extra_body=extensions | defaults)
-    assert sent(stub.received[-1][1]) == (1.2, 0, 0.05, 2, [7, 9], [3, 4], True)  # (top_k -1: all, sent as 0)
+    asked = (1.2, 0, 0.05, 2, [7, 9], [3, 4], True, ["no", "not this"], False, False)
+    assert sent(stub.received[-1][1]) == asked  # (top_k -1: all, sent as 0)
     # (vLLM's fields this server does not implement pass at their defaults: test_bad_input has them refused otherwise;
     # fields no one defines are ignored)
 
@@ -203,6 +206,39 @@ def test_echo_answers_the_prompt_first_with_its_tokens_logprobs(gateway, registr
     token_prompt = asyncio.run(tokenizer.encode("the cat"))
     echoed = client.completions.create(model=BASE, prompt=token_prompt, max_tokens=2, echo=True)
     assert echoed.choices[0].text == "the cat" + fake_text(stub, stub.received[-1][1])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end_or_start(make_gateway, registry, stub, tokenizer):
+    """truncate_prompt_tokens: the engine gets the prompt's last tokens (truncation_side right: its first), counted in
+    usage and echoed as their text; -1 keeps as many as the server accepts, so an over-long prompt is served; chat
+    truncates the rendered conversation."""
+    client = make_gateway(max_prompt_tokens=8).openai(registry.tenant("acme"))
+    prompt = "the cat sat on the mat and then the dog sat on the cat"
+    ids = asyncio.run(tokenizer.encode(prompt))
+    assert len(ids) > 8
+    out = client.completions.create(
+        model=BASE, prompt=prompt, max_tokens=2, echo=True, extra_body={"truncate_prompt_tokens": 3}
+    )
+    _, req = stub.received[-1]
+    assert req.prompt_token_ids == ids[-3:] and out.usage.prompt_tokens == 3
+    assert out.choices[0].text == tokenizer.decode(ids[-3:]) + fake_text(stub, req)
+    right = {"truncate_prompt_tokens": 3, "truncation_side": "right"}
+    client.completions.create(model=BASE, prompt=prompt, max_tokens=2, extra_body=right)
+    assert stub.received[-1][1].prompt_token_ids == ids[:3]
+    client.completions.create(model=BASE, prompt=prompt, max_tokens=2, extra_body={"truncate_prompt_tokens": -1})
+    assert stub.received[-1][1].prompt_token_ids == ids[-8:]
+    with pytest.raises(openai.APIStatusError) as refused:  # (without truncation: over the server's limit)
+        client.completions.create(model=BASE, prompt=prompt, max_tokens=2)
+    assert refused.value.status_code == 413
+    client.completions.create(model=BASE, prompt=ids[:5], max_tokens=2, extra_body={"truncate_prompt_tokens": 6})
+    assert stub.received[-1][1].prompt_token_ids == ids[:5]  # (shorter than the limit: whole)
+
+    messages = [{"role": "user", "content": "hi"}]
+    whole = asyncio.run(tokenizer.encode_chat(messages))
+    client.chat.completions.create(
+        model=BASE, messages=messages, max_tokens=2, extra_body={"truncate_prompt_tokens": 4}
+    )
+    assert stub.received[-1][1].prompt_token_ids == whole[-4:]
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

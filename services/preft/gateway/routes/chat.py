@@ -108,6 +108,7 @@ async def create_chat_completion(
         )
     tools = plan.template_tools() if plan is not None else None
     prompt_ids = await tokenizer.encode_chat(body.conversation(), tools, continue_final=body.continue_final_message)
+    prompt_ids = body.truncated(prompt_ids, generation.settings.max_prompt_tokens)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     job = await generation.admit(
         caller, body, [prompt_ids], max_tokens=body.token_limit, request_id=request_id, vocab_size=tokenizer.vocab_size

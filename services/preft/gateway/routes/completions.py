@@ -66,9 +66,10 @@ async def _token_ids(prompt: str | list[int], tokenizer: PromptTokenizer) -> lis
     return list(prompt)
 
 
-def _echo(prompt: str | list[int], ids: list[int], tokenizer: PromptTokenizer) -> Echo:
-    """A prompt as echoed: its text (a token-id prompt's decoded), and its first token's text."""
-    text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+def _echo(prompt: str | list[int], ids: list[int], tokenizer: PromptTokenizer, *, truncated: bool) -> Echo:
+    """A prompt as echoed: its text (a token-id prompt's decoded, or a truncated one's: `ids` are what the engine got),
+    and its first token's text."""
+    text = prompt if isinstance(prompt, str) and not truncated else tokenizer.decode(ids)
     return Echo(text=text, first_token=tokenizer.decode(ids[:1]))
 
 
@@ -100,9 +101,11 @@ async def create_completion(
 ) -> Response:
     body.refuse_unsupported()
     prompts = body.prompts()
-    prompt_ids = [await _token_ids(prompt, tokenizer) for prompt in prompts]
+    whole = [await _token_ids(prompt, tokenizer) for prompt in prompts]
+    prompt_ids = [body.truncated(ids, generation.settings.max_prompt_tokens) for ids in whole]
     echoes = [
-        _echo(prompt, ids, tokenizer) if body.echo else None for prompt, ids in zip(prompts, prompt_ids, strict=True)
+        _echo(prompt, ids, tokenizer, truncated=len(ids) < len(all_ids)) if body.echo else None
+        for prompt, ids, all_ids in zip(prompts, prompt_ids, whole, strict=True)
     ]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     job = await generation.admit(

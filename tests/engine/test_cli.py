@@ -1,4 +1,4 @@
-"""`preft generate` end to end: a requests file with mixed adapters, modes and bad lines."""
+"""`preft generate` end to end: a requests file with mixed adapters, modes, sampling options and bad lines."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ PREFT = Path(sys.executable).with_name("preft")
 
 
 def test_generate_file_mixed_requests(model_dirs, adapters, tmp_path):
+    """Each line's adapter, mode and sampling options hold (--sampling's are every line's default: logprobs here);
+    lines that cannot run, one vLLM refuses among them (a regex it cannot compile), fail alone."""
     model, ads = model_dirs["llama"], adapters["llama"]
+    prompt, lora = [5, 9, 13, 17, 21, 25], str(ads["lora_a"])
+    greedy = reference_generate(model, prompt, lora, "prefill", 8)
+    sampled = {"prompt_ids": prompt, "adapter": lora, "max_tokens": 8}
     lines = [
         {"id": "base", "prompt_ids": [5, 9, 13, 17, 21, 25], "adapter": None, "mode": "prefill", "max_tokens": 6},
         {
@@ -38,6 +43,10 @@ def test_generate_file_mixed_requests(model_dirs, adapters, tmp_path):
         },
         {"id": "text", "prompt": "hello world the adapter", "adapter": str(ads["lora_b"]), "max_tokens": 4},
         {"id": "missing-adapter", "prompt_ids": [5, 6], "adapter": str(tmp_path / "nope"), "max_tokens": 4},
+        {"id": "stopped", **sampled, "stop_token_ids": [greedy[2]], "logprobs": 2},
+        {"id": "penalized", **sampled, "repetition_penalty": 1.8},
+        {"id": "refused", **sampled, "constraint": {"regex": "(unclosed"}},
+        {"id": "bad-top-p", **sampled, "top_p": 0},
     ]
     req_file, out_file = tmp_path / "req.jsonl", tmp_path / "out.jsonl"
     req_file.write_text("\n".join(json.dumps(x) for x in lines) + "\n{broken\n")
@@ -59,23 +68,34 @@ def test_generate_file_mixed_requests(model_dirs, adapters, tmp_path):
             "16",
             "--max-model-len",
             "256",
+            "--sampling",
+            '{"logprobs": 1}',
         ],
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    assert proc.returncode == 1, proc.stderr[-3000:]  # two requests fail, the rest succeed
+    assert proc.returncode == 1, proc.stderr[-3000:]  # four requests fail, the rest succeed
     out = {o["id"]: o for o in map(json.loads, out_file.read_text().splitlines())}
-    assert set(out) == {"base", "lora-p", "direft-a", "text", "missing-adapter", "line-6"}
+    assert set(out) == {x["id"] for x in lines} | {"line-10"}
     for rid in ("base", "lora-p", "direft-a"):
         req = next(x for x in lines if x["id"] == rid)
         assert out[rid]["token_ids"] == reference_generate(model, req["prompt_ids"], req["adapter"], req["mode"], 6)
-        assert isinstance(out[rid]["text"], str)
+        assert isinstance(out[rid]["text"], str) and out[rid]["finish_reason"] == "length"
+        assert [lp["token_id"] for lp in out[rid]["logprobs"]] == out[rid]["token_ids"]
+        assert all(len(lp["top"]) == 1 for lp in out[rid]["logprobs"])
     assert len(out["text"]["token_ids"]) == 4
+    stopped = out["stopped"]
+    assert stopped["token_ids"] == greedy[:3] and stopped["finish_reason"] == "stop"
+    assert [len(lp["top"]) for lp in stopped["logprobs"]] == [2, 2, 2]  # (the line's own logprobs win)
+    penalized = reference_generate(model, prompt, lora, "prefill", 8, repetition_penalty=1.8)
+    assert out["penalized"]["token_ids"] == penalized != greedy
     assert "does not exist" in out["missing-adapter"]["error"]
-    assert "not valid JSON" in out["line-6"]["error"]
-    assert "4 of 6 requests succeeded" in proc.stderr
+    assert "the engine refused the request" in out["refused"]["error"]
+    assert "top_p" in out["bad-top-p"]["error"]
+    assert "not valid JSON" in out["line-10"]["error"]
+    assert "6 of 10 requests succeeded" in proc.stderr
 
 
 def test_usage_errors_exit_2(model_dirs, tmp_path):
@@ -87,3 +107,11 @@ def test_usage_errors_exit_2(model_dirs, tmp_path):
         [str(PREFT), "generate", "--model", str(tmp_path), "--prompt", "hi"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2 and "not a model directory" in proc.stderr
+    for sampling, says in (("{not json", "not JSON"), ('{"max_tokens": 3}', "sampling options")):
+        proc = subprocess.run(
+            [str(PREFT), "generate", "--model", str(model_dirs["llama"]), "--prompt", "hi", "--sampling", sampling],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2 and says in proc.stderr, proc.stderr

@@ -38,3 +38,25 @@ def test_bad_lines_fail_alone_with_their_reason():
     assert "prompt_ids" in errors["neg"]
     assert "max_tokens" in errors["tokens"]
     assert "JSON object" in errors["line-6"]
+
+
+def test_sampling_options_come_from_the_line_over_the_defaults():
+    """Keys beyond the request's are sampling options (the serving engine's): greedy with EOS ignored unless a line
+    or the defaults say otherwise; a bad option fails its line alone, naming it."""
+    lines = [
+        json.dumps({"id": "plain", "prompt": "x"}),
+        json.dumps({"id": "own", "prompt": "x", "temperature": 0.7, "seed": 3, "ignore_eos": False, "stop": ["."]}),
+        json.dumps({"id": "p", "prompt": "x", "top_p": 0}),
+        json.dumps({"id": "min", "prompt": "x", "max_tokens": 4, "min_tokens": 5}),
+        json.dumps({"id": "words", "prompt": "x", "bad_words": [" "]}),
+        json.dumps({"id": "two", "prompt": "x", "constraint": {"regex": "a", "choice": ["b"]}}),
+    ]
+    reqs, failed = read_requests(lines, {"temperature": 0.2, "logprobs": 1})
+    plain, own = (r.sampling for r in reqs)
+    assert (plain.temperature, plain.ignore_eos, plain.logprobs, plain.seed) == (0.2, True, 1, None)
+    assert (own.temperature, own.ignore_eos, own.logprobs, own.seed, own.stop) == (0.7, False, 1, 3, ["."])
+    assert read_requests(lines[:1])[0][0].sampling.temperature == 0.0
+    errors = {f.id: f.error for f in failed}
+    assert errors["p"].startswith("line 3: top_p:")
+    assert errors["min"] == "line 4: min_tokens (5) exceeds max_tokens (4)"
+    assert "bad_words.0" in errors["words"] and "give exactly one of" in errors["two"]

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from preft.engine.requests import GenerationRequest, GenerationResult, RequestError, read_requests
+from preft.engine.requests import REQUEST_KEYS, GenerationRequest, GenerationResult, RequestError, read_requests
 from preft.vllm_plugin.modes import PositionMode
 
 app = typer.Typer(
@@ -65,18 +65,36 @@ def generate(
         PositionMode, typer.Option("--mode", help="Adapter positions for --prompt.")
     ] = PositionMode.PREFILL,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate for --prompt.")] = 32,
+    sampling: Annotated[
+        str | None,
+        typer.Option(
+            "--sampling",
+            help='Sampling options as a JSON object, e.g. \'{"temperature": 0.8, "seed": 1, "stop": ["\\n"]}\': '
+            "for --prompt, or the default of every request line (its own keys win).",
+        ),
+    ] = None,
     dtype: DtypeOpt = "auto",
     max_loras: MaxLorasOpt = 4,
     max_lora_rank: MaxRankOpt = 16,
     max_num_batched_tokens: BatchOpt = None,
     max_model_len: LenOpt = None,
 ) -> None:
-    """Greedy generation (EOS ignored) for every request in one engine, in mixed batches.
+    """Generation for every request in one engine, in mixed batches (greedy, EOS ignored, unless asked otherwise).
 
     Exit code 0: all requests succeeded; 1: some failed (their output lines hold "error"); 2: bad usage.
     """
     if (requests is None) == (prompt is None):
         err.print("[red]error:[/red] give either --requests FILE or --prompt TEXT")
+        raise typer.Exit(2)
+    try:
+        defaults = json.loads(sampling) if sampling is not None else {}
+    except ValueError as e:
+        err.print(f"[red]error:[/red] --sampling is not JSON: {e}")
+        raise typer.Exit(2) from None
+    if not isinstance(defaults, dict) or set(defaults) & set(REQUEST_KEYS):
+        err.print(
+            f"[red]error:[/red] --sampling must be a JSON object of sampling options (not {', '.join(REQUEST_KEYS)})"
+        )
         raise typer.Exit(2)
     if requests is not None:
         try:
@@ -84,12 +102,13 @@ def generate(
         except OSError as e:
             err.print(f"[red]error:[/red] cannot read {requests}: {e.strerror}")
             raise typer.Exit(2) from None
-        reqs, failed = read_requests(lines)
+        reqs, failed = read_requests(lines, defaults)
     else:
         try:
             reqs = [
                 GenerationRequest.from_json(
-                    {
+                    defaults
+                    | {
                         "id": "prompt",
                         "prompt": prompt,
                         "mode": mode.value,

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +18,19 @@ from preft.adapters import AdapterError, AdapterInfo, ModelShape
 from preft.common import metrics
 from preft.common.errors import InvalidArgument, PreftError, Unavailable
 from preft.engine.catalog import AdapterCatalog, CatalogEntry
-from preft.engine.contract import EngineChunk, EngineRequest, FinishReason, TokenLogprob, TopLogprob, Usage
+from preft.engine.contract import EngineChunk, EngineRequest, FinishReason, Usage
 from preft.engine.throughput import ThroughputWindow
 from preft.engine.vllm_engine import (
     EngineOptions,
     check_prompt,
-    check_token_ids,
+    check_sampling,
+    client_error,
     engine_kwargs,
     lora_request,
+    sampling_params,
+    token_logprobs,
     use_v1_model_runner,
 )
-from preft.vllm_plugin.modes import mode_extra_args
 
 logger = logging.getLogger(__name__)
 
@@ -64,26 +66,6 @@ FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "len
 THROUGHPUT = ThroughputWindow(window_s=10.0)  # one per process, like the metrics it feeds
 for _mode in MODES:
     metrics.TOKENS_PER_SECOND.labels(_mode).set_function(lambda m=_mode: THROUGHPUT.rate(m))
-
-
-def client_error() -> type[Exception]:
-    """The class of vLLM's errors for a request the client got wrong, as AsyncLLM.generate re-raises them:
-    VLLMClientError from 0.28 on; in 0.26 (no such class) a ValueError, VLLMValidationError's base there."""
-    import vllm.exceptions
-
-    return getattr(vllm.exceptions, "VLLMClientError", ValueError)
-
-
-def token_logprobs(token_ids: list[int], positions: Sequence[Mapping[int, Any]], k: int) -> list[TokenLogprob]:
-    """Each new token's logprob and the `k` most likely tokens at its position, from vLLM's {token id: Logprob} per
-    position (the chosen token and the top k, each with its rank)."""
-    out = []
-    for token_id, position in zip(token_ids, positions, strict=True):
-        chosen = position[token_id]
-        ranked = sorted((lp.rank, t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= k)
-        top = [TopLogprob(token_id=t, token=lp.decoded_token or "", logprob=lp.logprob) for _, t, lp in ranked]
-        out.append(TokenLogprob(token_id=token_id, token=chosen.decoded_token or "", logprob=chosen.logprob, top=top))
-    return out
 
 
 class AsyncPreftEngine:
@@ -146,45 +128,6 @@ class AsyncPreftEngine:
             raise Unavailable("the engine's processes died; this replica is being replaced")
         return self._llm
 
-    def _params(self, request: EngineRequest) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
-        for field, asked in (("constraint", request.constraint is not None), ("bad_words", bool(request.bad_words))):
-            if asked and not self.options.tokenizer:
-                raise InvalidArgument(f"{field}: this engine runs without a tokenizer, which {field} needs")
-        structured = None
-        if request.constraint is not None:
-            structured = StructuredOutputsParams(**request.constraint.vllm_fields())
-        return SamplingParams(
-            n=1,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            repetition_penalty=request.repetition_penalty,
-            top_k=request.top_k,
-            min_p=request.min_p,
-            min_tokens=request.min_tokens,
-            stop_token_ids=list(request.stop_token_ids) or None,
-            allowed_token_ids=list(request.allowed_token_ids) or None,
-            bad_words=list(request.bad_words) or None,
-            include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens,
-            spaces_between_special_tokens=request.spaces_between_special_tokens,
-            logprobs=request.logprobs,
-            prompt_logprobs=request.prompt_logprobs,
-            logit_bias=request.logit_bias or None,
-            structured_outputs=structured,
-            seed=request.seed,
-            stop=list(request.stop) or None,
-            ignore_eos=request.ignore_eos,
-            max_tokens=request.max_tokens,
-            detokenize=self.options.tokenizer,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args=mode_extra_args(request.mode),
-        )
-
     async def generate(self, request: EngineRequest, adapter_dir: Path | None) -> AsyncIterator[EngineChunk]:
         """Stream the request's output as deltas; see `preft.engine.protocol.Engine.generate`."""
         from vllm.inputs import TokensPrompt
@@ -199,9 +142,10 @@ class AsyncPreftEngine:
                 vocab_size=self.shape.vocab_size,
                 max_model_len=self.max_model_len,
             )
-            check_token_ids(request.logit_bias, self.shape.vocab_size, "logit_bias")
-            check_token_ids(request.stop_token_ids, self.shape.vocab_size, "stop_token_ids")
-            check_token_ids(request.allowed_token_ids, self.shape.vocab_size, "allowed_token_ids")
+            check_sampling(request, self.shape.vocab_size)
+            params = sampling_params(
+                request, max_tokens=request.max_tokens, mode=request.mode, tokenizer=self.options.tokenizer, delta=True
+            )
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
         lora, method = None, "none"
@@ -214,7 +158,7 @@ class AsyncPreftEngine:
 
         stream = llm.generate(
             TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
-            self._params(request),
+            params,
             f"{request.request_id}-{secrets.token_hex(4)}",  # unique in vLLM even when a gateway retries
             lora_request=lora,
         )

@@ -130,12 +130,10 @@ class OutputConstraint(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
-class EngineRequest(BaseModel):
-    """One generation, already tokenized and authorized by the gateway."""
+class SamplingOptions(BaseModel):
+    """How a generation picks its tokens and what it returns beside them (vLLM's SamplingParams, less the length):
+    the serving engine's requests and the offline engine's take the same ones."""
 
-    request_id: str
-    prompt_token_ids: list[int] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     presence_penalty: float = Field(
@@ -191,6 +189,19 @@ class EngineRequest(BaseModel):
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text")
     spaces_between_special_tokens: bool = Field(True, description="A space between adjacent special tokens' text")
     ignore_eos: bool = False
+
+    def check_length(self, max_tokens: int) -> None:
+        """ValueError where min_tokens exceeds the generation's max_tokens."""
+        if self.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})")
+
+
+class EngineRequest(SamplingOptions):
+    """One generation, already tokenized and authorized by the gateway."""
+
+    request_id: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
     stream: bool = False
     adapter: AdapterSpec | None = None
     mode: PositionMode = PositionMode.PREFILL
@@ -198,8 +209,7 @@ class EngineRequest(BaseModel):
 
     @model_validator(mode="after")
     def _min_within_max(self) -> EngineRequest:
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        self.check_length(self.max_tokens)
         return self
 
 

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
+from preft.engine.contract import SamplingOptions, TokenLogprob
 from preft.vllm_plugin.modes import PositionMode
+
+# The keys of a request line that are not sampling options; all others are SamplingOptions' (unknown ones ignored)
+REQUEST_KEYS = ("id", "prompt_ids", "prompt", "adapter", "mode", "max_tokens")
+
+
+def greedy() -> SamplingOptions:
+    """The offline engine's default: greedy, the end-of-sequence token ignored (every request runs max_tokens)."""
+    return SamplingOptions(ignore_eos=True)
 
 
 class RequestError(ValueError):
@@ -15,7 +27,8 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One greedy generation: a prompt (token ids or text), an optional adapter directory and its mode."""
+    """One generation: a prompt (token ids or text), an optional adapter directory and its mode, and how its tokens
+    are picked (greedy by default, EOS ignored)."""
 
     id: str
     prompt_ids: tuple[int, ...] | None = None
@@ -23,9 +36,11 @@ class GenerationRequest:
     adapter: str | None = None
     mode: PositionMode = PositionMode.PREFILL
     max_tokens: int = 16
+    sampling: SamplingOptions = field(default_factory=greedy)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", PositionMode(self.mode))
+        self.sampling.check_length(self.max_tokens)
 
     @classmethod
     def from_json(cls, data: Any, *, line_no: int | None = None) -> GenerationRequest:
@@ -56,34 +71,56 @@ class GenerationRequest:
         max_tokens = data.get("max_tokens", 16)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise RequestError(f"{where}'max_tokens' must be a positive integer")
-        return cls(
-            id=str(rid),
-            prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None,
-            prompt=prompt,
-            adapter=adapter,
-            mode=mode,
-            max_tokens=max_tokens,
-        )
+        try:
+            sampling = SamplingOptions.model_validate(
+                greedy().model_dump(exclude_defaults=True) | {k: v for k, v in data.items() if k not in REQUEST_KEYS}
+            )
+            return cls(
+                id=str(rid),
+                prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None,
+                prompt=prompt,
+                adapter=adapter,
+                mode=mode,
+                max_tokens=max_tokens,
+                sampling=sampling,
+            )
+        except ValidationError as e:
+            first = e.errors()[0]
+            at = ".".join(str(p) for p in first["loc"])
+            raise RequestError(f"{where}{at + ': ' if at else ''}{first['msg']}") from None
+        except ValueError as e:
+            raise RequestError(f"{where}{e}") from None
 
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """Generated token ids and text, or the error that failed the request."""
+    """Generated token ids and text (with why the generation ended, and logprobs where asked), or the error that
+    failed the request."""
 
     id: str
     token_ids: tuple[int, ...] = field(default=())
     text: str = ""
+    finish_reason: str | None = None  # "stop" (end-of-sequence, a stop string or token) or "length"
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # (every prompt token's but the first)
     error: str | None = None
     first_token_latency_s: float | None = None  # arrival to first token (engine stats), when recorded
 
     def to_json(self) -> dict[str, Any]:
         if self.error is not None:
             return {"id": self.id, "error": self.error}
-        return {"id": self.id, "token_ids": list(self.token_ids), "text": self.text}
+        out = {"id": self.id, "token_ids": list(self.token_ids), "text": self.text, "finish_reason": self.finish_reason}
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(self, name)) is not None:
+                out[name] = [lp.model_dump() for lp in value]
+        return out
 
 
-def read_requests(lines: list[str]) -> tuple[list[GenerationRequest], list[GenerationResult]]:
-    """Parse JSON lines; a malformed line becomes a failed result (with its id when one can be read)."""
+def read_requests(
+    lines: list[str], defaults: Mapping[str, Any] | None = None
+) -> tuple[list[GenerationRequest], list[GenerationResult]]:
+    """Parse JSON lines (`defaults`: keys each line has unless it gives them); a malformed line becomes a failed result
+    (with its id when one can be read)."""
     requests: list[GenerationRequest] = []
     failed: list[GenerationResult] = []
     for no, line in enumerate(lines, start=1):
@@ -95,6 +132,8 @@ def read_requests(lines: list[str]) -> tuple[list[GenerationRequest], list[Gener
             failed.append(GenerationResult(id=f"line-{no}", error=f"line {no}: not valid JSON ({e.msg})"))
             continue
         try:
+            if isinstance(data, dict):
+                data = {**(defaults or {}), **data}
             requests.append(GenerationRequest.from_json(data, line_no=no))
         except RequestError as e:
             rid = data.get("id") if isinstance(data, dict) and isinstance(data.get("id"), str) else f"line-{no}"

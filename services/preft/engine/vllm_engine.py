@@ -7,14 +7,15 @@ package is the only one that touches vLLM internals); both build vLLM's argument
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from preft.adapters import AdapterError, ModelShape
 from preft.engine.catalog import AdapterCatalog, CatalogEntry
+from preft.engine.contract import SamplingOptions, TokenLogprob, TopLogprob
 from preft.engine.requests import GenerationRequest, GenerationResult
-from preft.vllm_plugin.modes import mode_extra_args
+from preft.vllm_plugin.modes import PositionMode, mode_extra_args
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,98 @@ def check_length(n_prompt: int, max_tokens: int, max_model_len: int) -> None:
         )
 
 
+def check_sampling(options: SamplingOptions, vocab_size: int) -> None:
+    """Refuse (ValueError) token ids outside the vocabulary in the options' logit_bias, stop_token_ids and
+    allowed_token_ids."""
+    check_token_ids(options.logit_bias, vocab_size, "logit_bias")
+    check_token_ids(options.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(options.allowed_token_ids, vocab_size, "allowed_token_ids")
+
+
+def sampling_params(
+    options: SamplingOptions, *, max_tokens: int, mode: PositionMode, tokenizer: bool, delta: bool = False
+) -> Any:
+    """vLLM's SamplingParams for one generation (`delta`: each output holds only what is new); ValueError for what
+    needs the tokenizer (constraints, bad words) where the engine runs without one."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    for field, asked in (("constraint", options.constraint is not None), ("bad_words", bool(options.bad_words))):
+        if asked and not tokenizer:
+            raise ValueError(f"{field}: this engine runs without a tokenizer, which {field} needs")
+    structured = None
+    if options.constraint is not None:
+        structured = StructuredOutputsParams(**options.constraint.vllm_fields())
+    return SamplingParams(
+        n=1,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        repetition_penalty=options.repetition_penalty,
+        top_k=options.top_k,
+        min_p=options.min_p,
+        min_tokens=options.min_tokens,
+        stop_token_ids=list(options.stop_token_ids) or None,
+        allowed_token_ids=list(options.allowed_token_ids) or None,
+        bad_words=list(options.bad_words) or None,
+        include_stop_str_in_output=options.include_stop_str_in_output,
+        skip_special_tokens=options.skip_special_tokens,
+        spaces_between_special_tokens=options.spaces_between_special_tokens,
+        logprobs=options.logprobs,
+        prompt_logprobs=options.prompt_logprobs,
+        logit_bias=options.logit_bias or None,
+        structured_outputs=structured,
+        seed=options.seed,
+        stop=list(options.stop) or None,
+        ignore_eos=options.ignore_eos,
+        max_tokens=max_tokens,
+        detokenize=tokenizer,
+        extra_args=mode_extra_args(mode),
+        **({"output_kind": RequestOutputKind.DELTA} if delta else {}),
+    )
+
+
+def client_error() -> type[Exception]:
+    """The class of vLLM's errors for a request the client got wrong, as it raises them when a request is added:
+    VLLMClientError from 0.28 on; in 0.26 (no such class) a ValueError, VLLMValidationError's base there."""
+    import vllm.exceptions
+
+    return getattr(vllm.exceptions, "VLLMClientError", ValueError)
+
+
+def token_logprobs(token_ids: list[int], positions: Sequence[Mapping[int, Any]], k: int) -> list[TokenLogprob]:
+    """Each token's logprob and the `k` most likely tokens at its position, from vLLM's {token id: Logprob} per
+    position (the chosen token and the top k, each with its rank)."""
+    out = []
+    for token_id, position in zip(token_ids, positions, strict=True):
+        chosen = position[token_id]
+        ranked = sorted((lp.rank, t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= k)
+        top = [TopLogprob(token_id=t, token=lp.decoded_token or "", logprob=lp.logprob) for _, t, lp in ranked]
+        out.append(TokenLogprob(token_id=token_id, token=chosen.decoded_token or "", logprob=chosen.logprob, top=top))
+    return out
+
+
+def _result(req: GenerationRequest, out: Any) -> GenerationResult:
+    """A request's result from vLLM's RequestOutput (its final one)."""
+    completion, metrics, asked = out.outputs[0], getattr(out, "metrics", None), req.sampling
+    tokens = list(completion.token_ids)
+    logprobs = prompt_logprobs = None
+    if asked.logprobs is not None:
+        logprobs = token_logprobs(tokens, completion.logprobs or (), asked.logprobs)
+    if asked.prompt_logprobs is not None and out.prompt_logprobs:  # ([None, ...]: the first token has none)
+        prompt_logprobs = token_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs[1:], asked.prompt_logprobs)
+    return GenerationResult(
+        id=req.id,
+        token_ids=tuple(tokens),
+        text=completion.text or "",
+        finish_reason=completion.finish_reason,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        first_token_latency_s=getattr(metrics, "first_token_latency", None),
+    )
+
+
 def lora_request(entry: CatalogEntry) -> Any:
     """The vLLM LoRARequest of a catalog entry (DiReFT adapters ride the same request type; the plugin sorts them)."""
     from vllm.lora.request import LoRARequest
@@ -134,7 +227,6 @@ class PreftEngine:
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
     def _prepare(self, req: GenerationRequest) -> tuple[Any, Any, Any]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if req.prompt_ids is not None:
@@ -152,12 +244,9 @@ class PreftEngine:
             if not self.options.enable_lora:
                 raise ValueError("this engine was started without adapter support")
             lora = lora_request(self.catalog.resolve(req.adapter))
-        params = SamplingParams(
-            temperature=0.0,
-            max_tokens=req.max_tokens,
-            ignore_eos=True,
-            detokenize=self.options.tokenizer,
-            extra_args=mode_extra_args(req.mode),
+        check_sampling(req.sampling, self.shape.vocab_size)
+        params = sampling_params(
+            req.sampling, max_tokens=req.max_tokens, mode=req.mode, tokenizer=self.options.tokenizer
         )
         return prompt, params, lora
 
@@ -171,22 +260,38 @@ class PreftEngine:
             except (AdapterError, ValueError, OSError) as e:
                 adapter = f"adapter {req.adapter}: " if isinstance(e, AdapterError) else ""
                 results[i] = GenerationResult(id=req.id, error=f"{adapter}{e}")
-        if runnable:
+        self._run(requests, runnable, results)
+        return [results[i] for i in range(len(requests))]
+
+    def _run(
+        self,
+        requests: list[GenerationRequest],
+        runnable: list[tuple[int, Any, Any, Any]],
+        results: dict[int, GenerationResult],
+    ) -> None:
+        """Run the prepared requests in one batch. vLLM refuses the whole batch for one request it will not take (a
+        constraint it cannot compile): the batch is then run in halves, down to the refused request, an error
+        result."""
+        if not runnable:
+            return
+        try:
             outputs = self.llm.generate(
                 [p for _, p, _, _ in runnable],
                 [s for _, _, s, _ in runnable],
                 lora_request=[lr for _, _, _, lr in runnable],
                 use_tqdm=False,
             )
-            for (i, *_), out in zip(runnable, outputs, strict=True):
-                completion, metrics = out.outputs[0], getattr(out, "metrics", None)
-                results[i] = GenerationResult(
-                    id=requests[i].id,
-                    token_ids=tuple(completion.token_ids),
-                    text=completion.text or "",
-                    first_token_latency_s=getattr(metrics, "first_token_latency", None),
-                )
-        return [results[i] for i in range(len(requests))]
+        except (ValueError, client_error()) as e:
+            if len(runnable) == 1:
+                i = runnable[0][0]
+                results[i] = GenerationResult(id=requests[i].id, error=f"the engine refused the request: {e}")
+                return
+            half = len(runnable) // 2
+            self._run(requests, runnable[:half], results)
+            self._run(requests, runnable[half:], results)
+            return
+        for (i, *_), out in zip(runnable, outputs, strict=True):
+            results[i] = _result(requests[i], out)
 
     def close(self) -> None:
         """Stop vLLM's engine processes (an engine is also stopped when the process exits)."""

@@ -71,6 +71,17 @@ def test_completions_chat_and_streaming_in_both_modes(stack, tenants):
     )
     deltas = [c.choices[0].delta.content or "" for c in chat_stream if c.choices]
     assert "".join(deltas)
+    # the Responses API: the same answer as chat's, whole and streamed (the client's accumulator rebuilds it)
+    greedy = {"model": "demo-lora", "max_output_tokens": 8, "temperature": 0}
+    chat_greedy = demo.chat.completions.create(
+        model="demo-lora", messages=[{"role": "user", "content": "hello world"}], max_tokens=8, temperature=0
+    )
+    response = demo.responses.create(input="hello world", **greedy)
+    assert response.output_text == chat_greedy.choices[0].message.content
+    cut = response.usage.output_tokens == 8  # (cut at max_output_tokens: incomplete)
+    assert response.status == ("incomplete" if cut else "completed")
+    with demo.responses.stream(input="hello world", **greedy) as events:
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
 
     # logprobs and penalties through every hop: greedy, so each chosen token is its position's most likely
     scored = demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)

@@ -19,6 +19,7 @@ from preft.gateway.errors import PayloadTooLarge, validation_message
 from preft.gateway.generation import GenerationService
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.resolution import AdapterResolver
+from preft.gateway.responses import ResponsesBody
 from preft.gateway.schemas import ChatBody, CompletionBody
 from preft.gateway.settings import GatewaySettings
 from preft.gateway.tokenization import PromptTokenizer
@@ -88,3 +89,4 @@ ResolverDep = Annotated[AdapterResolver, Depends(get_resolver)]
 RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
 CompletionBodyDep = Annotated[CompletionBody, Depends(json_body(CompletionBody))]
 ChatBodyDep = Annotated[ChatBody, Depends(json_body(ChatBody))]
+ResponsesBodyDep = Annotated[ResponsesBody, Depends(json_body(ResponsesBody))]

@@ -27,7 +27,9 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 def sse(event: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+    """One event; one with a `type` (the Responses API's) is named after it."""
+    data = b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+    return b"event: " + event["type"].encode() + b"\n" + data if "type" in event else data
 
 
 def usage_dict(usage: Usage) -> dict[str, int]:
@@ -89,8 +91,10 @@ async def events(
     render: ChunkRenderer,
     *,
     include_usage: bool,
+    done: bool = True,
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE bytes for a job's opened engine streams (one per choice); always closes them and finishes the job."""
+    """The SSE bytes for a job's opened engine streams (one per choice), ending with [DONE] where `done` (the Responses
+    API's stream has none); always closes the streams and finishes the job."""
     try:
         for event in render.opening(len(streams)):
             yield sse(event)
@@ -114,7 +118,8 @@ async def events(
             job.generated_tokens = usage.completion_tokens
             if include_usage:
                 yield sse(render.usage(usage))
-        yield DONE
+        if done:
+            yield DONE
     except Exception as e:
         yield sse_error(e)
     finally:
@@ -148,8 +153,9 @@ def stream_response(
     *,
     include_usage: bool,
     headers: dict[str, str],
+    done: bool = True,
 ) -> EventStreamResponse:
-    body = events(generation, job, streams, render, include_usage=include_usage)
+    body = events(generation, job, streams, render, include_usage=include_usage, done=done)
 
     async def close() -> None:
         # Normally the generator has finished the job already; this covers a client gone before or mid-stream.

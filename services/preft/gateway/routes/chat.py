@@ -12,11 +12,14 @@ from starlette.responses import JSONResponse, Response
 
 from preft.common.errors import InvalidArgument
 from preft.engine.contract import EngineChunk, EngineResponse, Usage
+from preft.gateway.auth import Caller
 from preft.gateway.deps import CallerDep, ChatBodyDep, GenerationDep, TokenizerDep
-from preft.gateway.generation import total_usage
+from preft.gateway.generation import GenerationService, Job, total_usage
 from preft.gateway.logprobs import chat_logprobs
 from preft.gateway.observability import started_s
+from preft.gateway.schemas import ChatBody
 from preft.gateway.sse import stream_response, usage_dict
+from preft.gateway.tokenization import PromptTokenizer
 from preft.gateway.tools import ToolCallFormat, ToolPlan, ToolStream
 
 router = APIRouter(tags=["chat"])
@@ -95,12 +98,12 @@ def _message(out: EngineResponse, plan: ToolPlan | None, call_format: ToolCallFo
     return message, finish_reason(plan, out.finish_reason, bool(calls))
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(
-    request: Request, caller: CallerDep, body: ChatBodyDep, generation: GenerationDep, tokenizer: TokenizerDep
-) -> Response:
+async def start_chat(
+    caller: Caller, body: ChatBody, generation: GenerationService, tokenizer: PromptTokenizer, request_id: str
+) -> tuple[Job, ToolPlan | None]:
+    """A chat request's conversation rendered with the chat template (and the tools, in auto mode), then admitted."""
     body.refuse_unsupported()
-    plan, call_format = body.tool_plan, generation.settings.tool_call_format
+    plan = body.tool_plan
     if plan is not None and plan.mode == "auto" and not tokenizer.takes_tools:
         raise InvalidArgument(
             "tools: this base model's chat template does not show tools to the model; use tool_choice "
@@ -109,10 +112,19 @@ async def create_chat_completion(
     tools = plan.template_tools() if plan is not None else None
     prompt_ids = await tokenizer.encode_chat(body.conversation(), tools, continue_final=body.continue_final_message)
     prompt_ids = body.truncated(prompt_ids, generation.settings.max_prompt_tokens)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
     job = await generation.admit(
         caller, body, [prompt_ids], max_tokens=body.token_limit, request_id=request_id, vocab_size=tokenizer.vocab_size
     )
+    return job, plan
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(
+    request: Request, caller: CallerDep, body: ChatBodyDep, generation: GenerationDep, tokenizer: TokenizerDep
+) -> Response:
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    job, plan = await start_chat(caller, body, generation, tokenizer, request_id)
+    call_format = generation.settings.tool_call_format
     headers = {"x-request-id": request_id, **job.admission.headers()}
     if body.stream:
         streams = await generation.open_streams(job, started_s=started_s(request))

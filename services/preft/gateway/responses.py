@@ -1,0 +1,426 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat path: the request becomes a chat request (`input` and
+`instructions` the conversation, `text.format` the response format, flat function tools the chat's), and the chat
+answer becomes the response's output items (a message with its `output_text`, then any function calls), whole or as
+the Responses stream's events.
+
+Responses are not stored (`store` is answered false): `previous_response_id`, `conversation`, `background` and
+retrieving a response later are not available; a conversation goes in `input` whole, with its past function calls and
+their outputs as items.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import secrets
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from preft.common.errors import InvalidArgument
+from preft.engine.contract import EngineChunk, EngineResponse, JsonSchema, Usage
+from preft.gateway.logprobs import chat_logprobs
+from preft.gateway.schemas import VLLM_FIELDS_NOT_SUPPORTED, GenerationBody
+from preft.gateway.tools import MAX_TOOLS, ToolCall, ToolCallFormat, ToolPlan, ToolStream
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# `include` values that ask for items this server never produces (reasoning, built-in tools, images): nothing to add
+INCLUDE_NOT_PRODUCED = frozenset(
+    {
+        "reasoning.encrypted_content",
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+    }
+)
+# Fields of a Responses request that OpenAI defines and this server does not do: refused when asked for (not null)
+NOT_SUPPORTED = ("previous_response_id", "conversation", "prompt", "reasoning", "background")
+# The chat body's own fields, which a Responses request gives in its own way (or not at all)
+CHAT_ONLY = frozenset(
+    {"model", "max_tokens", "stream", "stream_options", "n", "response_format", "user", "best_of", "echo", "logprobs"}
+)
+# The vLLM and PreFT extensions a Responses request may carry, as on chat (sampling options, `preft_mode`, ...)
+EXTENSIONS = (frozenset(GenerationBody.model_fields) - CHAT_ONLY) | frozenset(VLLM_FIELDS_NOT_SUPPORTED)
+
+
+class FunctionTool(BaseModel):
+    """A Responses `tools` entry: a function, flat (`{"type": "function", "name", "parameters", ...}`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: JsonSchema | None = None
+    strict: bool | None = None
+
+    def as_chat(self) -> dict[str, Any]:
+        if self.type != "function":
+            raise InvalidArgument(f"tools: only function tools are supported, not {self.type!r}")
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
+class FunctionChoice(BaseModel):
+    """`tool_choice: {"type": "function", "name": ...}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    """`text.format`: plain text, any JSON object, or JSON satisfying a named schema."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def as_response_format(self) -> dict[str, Any] | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        if self.name is None:
+            raise InvalidArgument("text.format: a json_schema format needs a name")
+        schema = {"name": self.name, "schema": self.schema_, "strict": self.strict, "description": self.description}
+        return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    format: TextFormat | None = None
+
+
+class ResponsesBody(BaseModel):
+    """POST /v1/responses (text in and out, function tools; extensions as on chat, through `extra_body`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1, max_length=256, description="Base model name or adapter reference")
+    input: str | list[dict[str, Any]] = Field(description="A user message, or a list of messages and call items")
+    instructions: str | None = Field(None, description="A system message before the input")
+    max_output_tokens: int | None = Field(None, ge=1, description="Most tokens to generate")
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool | None = False
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs included: the most likely tokens")
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = Field(
+        None, description="auto: the input's last tokens, as many as the server accepts (disabled: refused if longer)"
+    )
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    user: str | None = None
+    store: bool | None = Field(None, description="Accepted; responses are not stored")
+
+    def refuse_unsupported(self) -> None:
+        extra = self.model_extra or {}
+        for name in NOT_SUPPORTED:
+            if extra.get(name) not in (None, False):
+                raise InvalidArgument(f"{name} is not supported by this server (responses are not stored)")
+        for item in self.include or []:
+            if item != LOGPROBS_INCLUDE and item not in INCLUDE_NOT_PRODUCED:
+                raise InvalidArgument(f"include: unknown value {item!r}")
+
+    @property
+    def logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or [])
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The chat request this one asks for (ChatBody's fields)."""
+        choice = self.tool_choice
+        if isinstance(choice, FunctionChoice):
+            choice = {"type": "function", "function": {"name": choice.name}}  # type: ignore[assignment]
+        response_format = self.text.format.as_response_format() if self.text and self.text.format else None
+        extensions = {k: v for k, v in (self.model_extra or {}).items() if k in EXTENSIONS}
+        if self.truncation == "auto":
+            extensions["truncate_prompt_tokens"] = -1
+        fields = {
+            "model": self.model,
+            "messages": conversation(self.input, self.instructions),
+            "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stream": self.stream,
+            "tools": [t.as_chat() for t in self.tools] if self.tools else None,
+            "tool_choice": choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "response_format": response_format,
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs if self.logprobs else None,
+            "user": self.user,
+        }
+        return extensions | {k: v for k, v in fields.items() if v is not None}
+
+
+# chat field paths in validation messages → the Responses request's own
+_CHAT_PATHS = (
+    (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
+    (re.compile(r"\bresponse_format\.json_schema\."), "text.format."),
+    (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\bmessages\b"), "input"),
+)
+
+
+def in_responses_terms(message: str) -> str:
+    """A chat validation message with the fields named as the Responses request names them."""
+    for pattern, name in _CHAT_PATHS:
+        message = pattern.sub(name, message)
+    return message
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's or output's content as text: a string, or text parts (input_text, output_text)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidArgument(f"{where}: content must be a string or a list of text parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidArgument(f"{where}: only text content parts are supported, not {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise InvalidArgument(f"{where}: a text part needs its text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{where}: {key} must be a non-empty string")
+    return value
+
+
+def conversation(input: str | list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
+    """The chat messages of a Responses input: `instructions` as a system message first, then each item (messages;
+    function calls, consecutive ones as one assistant turn; their outputs as tool turns)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    if isinstance(input, str):
+        if not input:
+            raise InvalidArgument("input: the input is empty")
+        return [*messages, {"role": "user", "content": input}]
+    if not input:
+        raise InvalidArgument("input: the input is empty")
+    for i, item in enumerate(input):
+        where, kind = f"input.{i}", item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise InvalidArgument(f"{where}: role must be user, assistant, system or developer, not {role!r}")
+            messages.append({"role": role, "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {
+                "id": _string(item, "call_id", where),
+                "type": "function",
+                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text(output, where)
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text})
+        else:
+            raise InvalidArgument(f"{where}: input items of type {kind!r} are not supported")
+    return messages
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def usage_of(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+class ResponseShape:
+    """The response object around the output: what the request asked, echoed as OpenAI does."""
+
+    def __init__(self, body: ResponsesBody, response_id: str) -> None:
+        tools = [{"type": "function", **t.model_dump(exclude_none=True, exclude={"type"})} for t in body.tools or []]
+        choice: Any = body.tool_choice or "auto"
+        self.head = {
+            "id": response_id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": body.model,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "store": False,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "text": {"format": {"type": "text"}} if body.text is None else body.text.model_dump(exclude_none=True),
+            "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice,
+            "tools": tools,
+            "top_logprobs": body.top_logprobs,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "truncation": body.truncation or "disabled",
+            "user": body.user,
+        }
+
+    def response(self, output: list[dict[str, Any]], finish_reason: str | None, usage: Usage | None) -> dict[str, Any]:
+        """The response: in progress (no finish reason yet), completed, or incomplete (cut at max_output_tokens)."""
+        status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            **self.head,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "output": output,
+            "usage": None if usage is None else usage_of(usage),
+        }
+
+
+def message_item(text: str, logprobs: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+    return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant", "content": [part]}
+
+
+def call_item(call: ToolCall, call_id: str | None = None, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": _id("fc"),
+        "call_id": call_id or _id("call"),
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
+
+
+def output_items(out: EngineResponse, plan: ToolPlan | None, call_format: ToolCallFormat) -> list[dict[str, Any]]:
+    """A whole answer's output: its text as a message (where it has any), then its calls."""
+    content, calls = (out.text, []) if plan is None else plan.read(out.text, call_format)
+    logprobs = chat_logprobs(out.logprobs)["content"] if out.logprobs is not None else []
+    items = [message_item(content, logprobs)] if content else []
+    return items + [call_item(call) for call in calls]
+
+
+class ResponseEvents:
+    """The Responses stream's events for one answer (a `ChunkRenderer`): the response created and in progress, each
+    output item added, its text or arguments in deltas and done, then the response completed (or incomplete)."""
+
+    def __init__(self, shape: ResponseShape, plan: ToolPlan | None, call_format: ToolCallFormat) -> None:
+        self.shape = shape
+        self.tools = None if plan is None else ToolStream(plan, call_format)
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []  # the items so far (the last one may be open)
+        self.open: int | None = None  # the index of the item being written
+        self.calls: dict[int, int] = {}  # a chat call index → its item's index
+        self.finish_reason: str | None = None
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.sequence += 1
+        return {"type": f"response.{kind}", "sequence_number": self.sequence - 1, **fields}
+
+    def opening(self, choices: int) -> list[dict[str, Any]]:
+        response = self.shape.response([], None, None)
+        return [self._event("created", response=response), self._event("in_progress", response=response)]
+
+    def piece(self, chunk: EngineChunk, index: int) -> list[dict[str, Any]]:
+        if self.tools is None:
+            deltas = [{"content": chunk.text}] if chunk.text or chunk.logprobs else []
+        else:
+            deltas = self.tools.feed(chunk.text)
+            if chunk.finish_reason is not None:
+                deltas += self.tools.end()[0]
+        logprobs = chat_logprobs(chunk.logprobs)["content"] if chunk.logprobs else []
+        events = []
+        for delta in deltas:
+            if delta.get("content") or ("content" in delta and logprobs):
+                events += self._text(delta["content"], logprobs)
+                logprobs = []
+            for call in delta.get("tool_calls", []):
+                events += self._call(call)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+            events += self._close()
+        return events
+
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        events = []
+        if self.open is None or self.output[self.open]["type"] != "message":
+            events += self._close()
+            item = message_item("", [], status="in_progress")
+            events += self._add(item)
+            part = item["content"][0]
+            events.append(self._event("content_part.added", **self._at(), content_index=0, part=copy.deepcopy(part)))
+        part = self.output[self.open]["content"][0]  # type: ignore[index]
+        part["text"] += text
+        part["logprobs"] += logprobs
+        return [*events, self._event("output_text.delta", **self._at(), content_index=0, delta=text, logprobs=logprobs)]
+
+    def _call(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        events = []
+        if delta["index"] not in self.calls:
+            events += self._close()
+            function = delta["function"]
+            item = call_item(ToolCall(function["name"], ""), delta["id"], status="in_progress")
+            events += self._add(item)
+            self.calls[delta["index"]] = self.open  # type: ignore[assignment]
+        arguments = delta["function"].get("arguments", "")
+        if arguments:
+            self.output[self.calls[delta["index"]]]["arguments"] += arguments
+            events.append(self._event("function_call_arguments.delta", **self._at(), delta=arguments))
+        return events
+
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.output.append(item)
+        self.open = len(self.output) - 1
+        return [self._event("output_item.added", output_index=self.open, item=copy.deepcopy(item))]
+
+    def _at(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.output[self.open]["id"], "output_index": self.open}
+
+    def _close(self) -> list[dict[str, Any]]:
+        """The open item's done events."""
+        if self.open is None:
+            return []
+        item, events = self.output[self.open], []
+        if item["type"] == "message":
+            part = item["content"][0]
+            events.append(
+                self._event(
+                    "output_text.done", **self._at(), content_index=0, text=part["text"], logprobs=part["logprobs"]
+                )
+            )
+            events.append(self._event("content_part.done", **self._at(), content_index=0, part=part))
+        else:
+            done = {"name": item["name"], "arguments": item["arguments"]}
+            events.append(self._event("function_call_arguments.done", **self._at(), **done))
+        item["status"] = "completed"
+        events.append(self._event("output_item.done", output_index=self.open, item=item))
+        self.open = None
+        return events
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        response = self.shape.response(self.output, self.finish_reason, usage)
+        return self._event("incomplete" if response["status"] == "incomplete" else "completed", response=response)

@@ -1,0 +1,204 @@
+"""POST /v1/responses with the official `openai` client (real gateway, Redis and registry; the stub engine): the
+request reaches the engine as the chat route sends it, the answer comes back as output items, whole and streamed
+(the client's own stream accumulator rebuilds the same response)."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from preft.engine.contract import OutputConstraint
+
+from .conftest import BASE, error_of
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "name": "weather", "description": "Today's weather", "parameters": WEATHER},
+    {"type": "function", "name": "time"},
+]
+
+
+def _shape(response) -> list[tuple]:
+    """A response's output as (type, text or name, arguments), ids left out."""
+    return [
+        (item.type, item.content[0].text) if item.type == "message" else (item.type, item.name, item.arguments)
+        for item in response.output
+    ]
+
+
+def test_text_in_and_out_whole_and_streamed(gateway, registry, stub, tokenizer):
+    """instructions and input become the chat template's conversation; the answer is one message with its text;
+    streamed, the client's accumulator rebuilds the same response from the events (in order, numbered)."""
+    client = gateway.openai(registry.tenant("acme"))
+    stub.reply = "It is sunny in Oslo."
+    out = client.responses.create(model=BASE, instructions="Be brief.", input="weather?", max_output_tokens=40)
+    _, req = stub.received[-1]
+    assert tokenizer.decode(req.prompt_token_ids).startswith("system: Be brief.\nuser: weather?")
+    assert req.max_tokens == 40 and req.temperature == 1.0
+    assert out.id.startswith("resp_") and out.object == "response" and out.status == "completed"
+    assert out.output_text == "It is sunny in Oslo." and _shape(out) == [("message", "It is sunny in Oslo.")]
+    assert out.output[0].role == "assistant" and out.output[0].id.startswith("msg_")
+    assert out.usage.input_tokens == len(req.prompt_token_ids) and out.usage.output_tokens == len(stub.tokens(req))
+    assert out.usage.total_tokens == out.usage.input_tokens + out.usage.output_tokens
+    assert out.store is False and out.instructions == "Be brief." and out.max_output_tokens == 40
+
+    with client.responses.stream(model=BASE, instructions="Be brief.", input="weather?", max_output_tokens=40) as s:
+        events = list(s)
+        final = s.get_final_response()
+    assert _shape(final) == _shape(out) and final.usage.output_tokens == out.usage.output_tokens
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == out.output_text
+
+
+def test_cut_short_answers_are_incomplete(gateway, registry, stub):
+    client = gateway.openai(registry.tenant("acme"))
+    stub.reply = "a long answer that will not fit"
+    out = client.responses.create(model=BASE, input="hi", max_output_tokens=2)
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    events = list(client.responses.create(model=BASE, input="hi", max_output_tokens=2, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].content[0].text
+
+
+def test_function_calls_and_their_outputs(make_gateway, registry, stub, tokenizer):
+    """Flat function tools reach the chat template; calls in the model's format come back as function_call items
+    (after the text before them), their arguments streamed; required and named choices hold the engine to the
+    tools' schema; past calls and their outputs in `input` go back into the prompt."""
+    client = make_gateway(max_prompt_tokens=450).openai(registry.tenant("acme"))
+    stub.reply = 'Let me look.\n<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    out = client.responses.create(model=BASE, input="weather in Oslo?", tools=TOOLS, max_output_tokens=60)
+    _, req = stub.received[-1]
+    assert 'tools: {"name": "weather", "description": "Today\'s weather"' in tokenizer.decode(req.prompt_token_ids)
+    assert _shape(out) == [("message", "Let me look."), ("function_call", "weather", '{"city": "Oslo"}')]
+    call = out.output[1]
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
+    assert out.tools[0].name == "weather" and out.tool_choice == "auto"
+
+    with client.responses.stream(model=BASE, input="weather in Oslo?", tools=TOOLS, max_output_tokens=60) as s:
+        events = list(s)
+        final = s.get_final_response()
+    # (streamed, the text before a call goes out as it comes, its last newline included; whole, it is trimmed)
+    assert _shape(final) == [("message", "Let me look.\n"), ("function_call", "weather", '{"city": "Oslo"}')]
+    arguments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(arguments) > 1 and "".join(arguments) == '{"city": "Oslo"}'
+
+    stub.reply = '{"city": "Rome"}'
+    named = client.responses.create(
+        model=BASE,
+        input="weather?",
+        tools=TOOLS,
+        tool_choice={"type": "function", "name": "weather"},
+        max_output_tokens=60,
+    )
+    assert stub.received[-1][1].constraint == OutputConstraint(json=WEATHER)
+    assert _shape(named) == [("function_call", "weather", '{"city": "Rome"}')]
+    stub.reply = json.dumps([{"name": "time", "parameters": {}}])
+    required = client.responses.create(
+        model=BASE, input="time?", tools=TOOLS, tool_choice="required", max_output_tokens=60
+    )
+    assert stub.received[-1][1].constraint.json_schema["type"] == "array"
+    assert _shape(required) == [("function_call", "time", "{}")]
+
+    history = [
+        {"role": "user", "content": "weather in Oslo?"},
+        {"type": "function_call", "call_id": call.call_id, "name": "weather", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+    ]
+    stub.reply = "Sunny in Oslo."
+    answer = client.responses.create(model=BASE, input=history, tools=TOOLS, max_output_tokens=60)
+    prompt = tokenizer.decode(stub.received[-1][1].prompt_token_ids)
+    assert '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>\ntool: sunny, 21 C' in prompt
+    assert answer.output_text == "Sunny in Oslo."
+
+
+def test_formats_logprobs_and_extensions_reach_the_engine(gateway, make_gateway, registry, stub):
+    """text.format is the response format; logprobs come with `include`; vLLM's and PreFT's extensions pass as on
+    chat (chat's own fields do not); truncation auto keeps the input's last tokens."""
+    key = registry.tenant("acme")
+    client = gateway.openai(key)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}}
+    stub.reply = '{"a": 1}'
+    out = client.responses.create(model=BASE, input="a?", text=text)
+    assert stub.received[-1][1].constraint == OutputConstraint(json=schema)
+    assert out.output_text == '{"a": 1}' and out.text.format.type == "json_schema"
+    client.responses.create(model=BASE, input="a?", text={"format": {"type": "json_object"}})
+    assert stub.received[-1][1].constraint == OutputConstraint(json_object=True)
+
+    stub.reply = None  # (the stub's own tokens: token i's logprob is -(i+1)/8)
+    out = client.responses.create(
+        model=BASE, input="hi", max_output_tokens=3, include=["message.output_text.logprobs"], top_logprobs=2
+    )
+    _, req = stub.received[-1]
+    assert req.logprobs == 2
+    logprobs = out.output[0].content[0].logprobs
+    assert [lp.logprob for lp in logprobs] == [-0.125, -0.25, -0.375] and len(logprobs[0].top_logprobs) == 2
+    streamed = list(
+        client.responses.create(
+            model=BASE, input="hi", max_output_tokens=3, include=["message.output_text.logprobs"], stream=True
+        )
+    )
+    done = next(e for e in streamed if e.type == "response.output_text.done")
+    assert [lp.logprob for lp in done.logprobs] == [-0.125, -0.25, -0.375]
+
+    extensions = {"seed": 7, "top_k": 5, "stop": ["."], "repetition_penalty": 1.1}
+    client.responses.create(model=BASE, input="hi", temperature=0.5, top_p=0.9, extra_body=extensions)
+    _, req = stub.received[-1]
+    assert (req.seed, req.top_k, req.stop, req.repetition_penalty) == (7, 5, ["."], 1.1)
+    assert (req.temperature, req.top_p) == (0.5, 0.9)
+    sent = len(stub.received)
+    client.responses.create(model=BASE, input="hi", extra_body={"n": 3, "max_tokens": 1})
+    assert len(stub.received) == sent + 1 and stub.received[-1][1].max_tokens != 1
+
+    small = make_gateway(max_prompt_tokens=8).openai(key)
+    long_input = "the cat sat on the mat and then the dog sat on the cat"
+    with pytest.raises(openai.APIStatusError) as refused:
+        small.responses.create(model=BASE, input=long_input, max_output_tokens=2)
+    assert refused.value.status_code == 413
+    out = small.responses.create(model=BASE, input=long_input, max_output_tokens=2, truncation="auto")
+    assert len(stub.received[-1][1].prompt_token_ids) == 8 == out.usage.input_tokens
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"input": []}, "input is empty"),
+        ({"input": ""}, "input is empty"),
+        ({"input": [{"role": "wizard", "content": "x"}]}, "input.0: role"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "type 'reasoning' are not supported"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "call_id"),
+        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id is not supported"),
+        ({"input": "hi", "background": True}, "background is not supported"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
+        ({"input": "hi", "include": ["everything"]}, "include: unknown value"),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "needs a name"),
+        ({"input": "hi", "tool_choice": "required"}, "give tools"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "no spaces"}]}, "tools.0.name: String should match"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a b"}}}, "text.format.name"),
+        ({"input": "hi", "extra_body": {"top_k": -2}}, "top_k"),
+        ({"input": "hi", "extra_body": {"use_beam_search": True}}, "use_beam_search is not supported"),
+    ],
+)
+def test_bad_requests_are_400_before_the_engine(gateway, registry, stub, body, says):
+    client = gateway.openai(registry.tenant("acme"))
+    sent = len(stub.received)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=BASE, **body)
+    assert says in error_of(refused.value.response)["message"] and len(stub.received) == sent

@@ -22,7 +22,7 @@ from preft.gateway.limits import RateLimiter
 from preft.gateway.observability import RequestMetricsMiddleware
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.resolution import AdapterResolver
-from preft.gateway.routes import chat, completions, health, metrics, models, responses, tokenize
+from preft.gateway.routes import adapters, chat, completions, health, metrics, models, responses, tokenize
 from preft.gateway.settings import GatewaySettings
 from preft.gateway.tokenization import PromptTokenizer
 from preft.gateway.usage import UsageRecorder
@@ -52,6 +52,7 @@ def create_app(
                     settings.registry_address,
                     settings.registry_token.get_secret_value(),
                     timeout_s=settings.registry_timeout_s,
+                    upload_timeout_s=settings.registry_upload_timeout_s,
                 )
                 stack.push_async_callback(reg.close)
             engine = engine_client
@@ -101,7 +102,7 @@ def create_app(
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware)  # outermost: also counts the 500s of the error middleware
-    for module in (completions, chat, responses, tokenize, models, health, metrics):
+    for module in (completions, chat, responses, tokenize, models, adapters, health, metrics):
         app.include_router(module.router)
     return app
 

@@ -63,6 +63,13 @@ class InvalidApiKey(Unauthenticated):
     code: ClassVar[str] = "invalid_api_key"
 
 
+class LengthRequired(InvalidArgument):
+    """An upload without a Content-Length (its size is checked before it is read)."""
+
+    http_status = 411
+    code: ClassVar[str] = "length_required"
+
+
 class PayloadTooLarge(InvalidArgument):
     """The prompt or the request body is longer than the gateway accepts."""
 

@@ -52,6 +52,10 @@ class GatewaySettings(BaseSettings):
         "hermes", description="How the base model writes tool calls: hermes (Qwen2.5) or llama3_json (Llama 3.1)"
     )
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body (larger: 413)")
+    max_adapter_upload_bytes: int = Field(
+        512 * 1024 * 1024, ge=1024, description="Largest adapter upload through POST /v1/adapters (larger: 413)"
+    )
+    registry_upload_timeout_s: float = Field(600.0, gt=0, description="Deadline for an adapter upload to the registry")
 
     key_cache_ttl_s: float = Field(
         2.0, ge=0, description="How long an API key lookup is reused; revocation takes effect within this time"

@@ -14,7 +14,7 @@ import copy
 import re
 import secrets
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -123,7 +123,9 @@ class ResponsesBody(BaseModel):
     truncation: Literal["auto", "disabled"] | None = Field(
         None, description="auto: the input's last tokens, as many as the server accepts (disabled: refused if longer)"
     )
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16, description="Up to 16 pairs, echoed in the response"
+    )
     user: str | None = None
     store: bool | None = Field(None, description="Accepted; responses are not stored")
 
@@ -276,7 +278,9 @@ class ResponseShape:
             "previous_response_id": None,
             "store": False,
             "temperature": 1.0 if body.temperature is None else body.temperature,
-            "text": {"format": {"type": "text"}} if body.text is None else body.text.model_dump(exclude_none=True),
+            "text": {"format": {"type": "text"}}
+            if body.text is None
+            else body.text.model_dump(exclude_none=True, by_alias=True),
             "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice,
             "tools": tools,
             "top_logprobs": body.top_logprobs,

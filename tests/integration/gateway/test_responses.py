@@ -33,7 +33,9 @@ def test_text_in_and_out_whole_and_streamed(gateway, registry, stub, tokenizer):
     streamed, the client's accumulator rebuilds the same response from the events (in order, numbered)."""
     client = gateway.openai(registry.tenant("acme"))
     stub.reply = "It is sunny in Oslo."
-    out = client.responses.create(model=BASE, instructions="Be brief.", input="weather?", max_output_tokens=40)
+    out = client.responses.create(
+        model=BASE, instructions="Be brief.", input="weather?", max_output_tokens=40, metadata={"job": "7"}
+    )
     _, req = stub.received[-1]
     assert tokenizer.decode(req.prompt_token_ids).startswith("system: Be brief.\nuser: weather?")
     assert req.max_tokens == 40 and req.temperature == 1.0
@@ -43,6 +45,7 @@ def test_text_in_and_out_whole_and_streamed(gateway, registry, stub, tokenizer):
     assert out.usage.input_tokens == len(req.prompt_token_ids) and out.usage.output_tokens == len(stub.tokens(req))
     assert out.usage.total_tokens == out.usage.input_tokens + out.usage.output_tokens
     assert out.store is False and out.instructions == "Be brief." and out.max_output_tokens == 40
+    assert out.metadata == {"job": "7"}
 
     with client.responses.stream(model=BASE, instructions="Be brief.", input="weather?", max_output_tokens=40) as s:
         events = list(s)
@@ -137,6 +140,7 @@ def test_formats_logprobs_and_extensions_reach_the_engine(gateway, make_gateway,
     out = client.responses.create(model=BASE, input="a?", text=text)
     assert stub.received[-1][1].constraint == OutputConstraint(json=schema)
     assert out.output_text == '{"a": 1}' and out.text.format.type == "json_schema"
+    assert out.text.format.schema_ == schema and out.text.format.name == "answer"
     client.responses.create(model=BASE, input="a?", text={"format": {"type": "json_object"}})
     assert stub.received[-1][1].constraint == OutputConstraint(json_object=True)
 
@@ -188,6 +192,7 @@ def test_formats_logprobs_and_extensions_reach_the_engine(gateway, make_gateway,
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
         ({"input": "hi", "include": ["everything"]}, "include: unknown value"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata"),
         ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "needs a name"),
         ({"input": "hi", "tool_choice": "required"}, "give tools"),
         ({"input": "hi", "tools": [{"type": "function", "name": "no spaces"}]}, "tools.0.name: String should match"),

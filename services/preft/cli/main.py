@@ -153,6 +153,7 @@ def up(state_dir: StateDirOpt = Path(".preft/stack")) -> None:
         raise typer.Exit(1) from None
     demo_info = json.loads((state_dir / "demo.json").read_text())
     key, url = demo_info["api_key"], info.gateway_url
+    lora = (state_dir / "adapters" / "lora").resolve()
     sys.stdout.write(
         f"""preft-serve is up: gateway {url}, registry {info.registry_address}, engine {info.engine_url}
 demo tenant {demo_info["tenant"]!r}, adapters {", ".join(demo_info["adapters"])}; stop with `preft down`.
@@ -163,12 +164,17 @@ curl {url}/v1/completions -H "Authorization: Bearer {key}" -H "Content-Type: app
 curl -N {url}/v1/chat/completions -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
   -d '{{"model": "demo-direft", "messages": [{{"role": "user", "content": "hello world"}}], "stream": true}}'
 
+# a tenant uploads its own adapter (here the demo LoRA again, as "my-lora"), then serves it by name
+curl {url}/v1/adapters -H "Authorization: Bearer {key}" -F name=my-lora -F alias=prod \\
+  -F files=@{lora}/adapter_config.json -F files=@{lora}/adapter_model.safetensors
+
 python - <<'PY'
 from openai import OpenAI
 client = OpenAI(base_url="{url}/v1", api_key="{key}")
 print(client.completions.create(model="demo-lora", prompt="the adapter serves a prompt", max_tokens=16).choices[0].text)
 chat = client.chat.completions.create(model="demo-direft", messages=[{{"role": "user", "content": "hello"}}])
 print(chat.choices[0].message.content)
+print(client.responses.create(model="demo-lora", input="hello", max_output_tokens=16).output_text)
 PY
 """
     )

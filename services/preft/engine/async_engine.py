@@ -146,7 +146,7 @@ class AsyncPreftEngine:
             params = sampling_params(
                 request, max_tokens=request.max_tokens, mode=request.mode, tokenizer=self.options.tokenizer, delta=True
             )
-        except ValueError as e:
+        except (ValueError, client_error()) as e:  # (SamplingParams' own checks raise vLLM's client errors)
             raise InvalidArgument(str(e)) from e
         lora, method = None, "none"
         if adapter_dir is not None:

@@ -251,13 +251,13 @@ class PreftEngine:
         return prompt, params, lora
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Greedy generation for all requests in one engine run (mixed batches); results in request order."""
+        """Generation for all requests in one engine run (mixed batches); results in request order."""
         results: dict[int, GenerationResult] = {}
         runnable: list[tuple[int, Any, Any, Any]] = []
         for i, req in enumerate(requests):
             try:
                 runnable.append((i, *self._prepare(req)))
-            except (AdapterError, ValueError, OSError) as e:
+            except (AdapterError, ValueError, OSError, client_error()) as e:
                 adapter = f"adapter {req.adapter}: " if isinstance(e, AdapterError) else ""
                 results[i] = GenerationResult(id=req.id, error=f"{adapter}{e}")
         self._run(requests, runnable, results)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
@@ -187,6 +188,23 @@ def test_constrained_answers_through_every_hop(stack, tenants):
             model="demo-lora", prompt=PROMPT, max_tokens=4, extra_body={"structured_outputs": {"regex": "(open"}}
         )
     assert demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_tenant_uploads_its_own_adapter_and_serves_it(stack, tenants, tmp_path):
+    """POST /v1/adapters with the tenant's key: the registry validates and stores it, the engine fetches it from S3 by
+    its digest and applies it (greedy answers other than the base model's); deleted, it is no longer served."""
+    lora = build_lora(tmp_path / "mine", stack.info.model_dir, rank=8, seed=93)
+    files = [("files", (p.name, p.read_bytes())) for p in sorted(lora.iterdir())]
+    headers = {"authorization": f"Bearer {tenants['beta']}"}
+    with httpx.Client(base_url=stack.info.gateway_url, headers=headers, timeout=120) as http:
+        up = http.post("/v1/adapters", data={"name": "uploaded", "mode": "all"}, files=files)
+        assert up.status_code == 201, up.text
+        beta = client(stack, tenants["beta"])
+        asked = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        adapted = beta.completions.create(model="uploaded", **asked).choices[0].text
+        assert adapted != beta.completions.create(model=BASE_MODEL_ID, **asked).choices[0].text
+        assert http.delete("/v1/adapters/uploaded").json()["versions"] == [1]
+        assert http.get("/v1/adapters/uploaded").status_code == 404
 
 
 def test_tenants_cannot_see_each_others_adapters_on_any_route(stack, tenants):

@@ -110,12 +110,19 @@ def test_function_calls_and_their_outputs(make_gateway, registry, stub, tokenize
     )
     assert stub.received[-1][1].constraint == OutputConstraint(json=WEATHER)
     assert _shape(named) == [("function_call", "weather", '{"city": "Rome"}')]
+    named_asked = {"tools": TOOLS, "tool_choice": {"type": "function", "name": "weather"}, "max_output_tokens": 60}
+    with client.responses.stream(model=BASE, input="weather?", **named_asked) as s:
+        assert _shape(s.get_final_response()) == _shape(named)
     stub.reply = json.dumps([{"name": "time", "parameters": {}}])
     required = client.responses.create(
         model=BASE, input="time?", tools=TOOLS, tool_choice="required", max_output_tokens=60
     )
     assert stub.received[-1][1].constraint.json_schema["type"] == "array"
     assert _shape(required) == [("function_call", "time", "{}")]
+    with client.responses.stream(
+        model=BASE, input="time?", tools=TOOLS, tool_choice="required", max_output_tokens=60
+    ) as s:
+        assert _shape(s.get_final_response()) == _shape(required)
 
     history = [
         {"role": "user", "content": "weather in Oslo?"},

@@ -69,9 +69,46 @@ def test_auto_reads_each_models_own_format():
         ('<tool_call>{"name": "weather", "argu', "hermes"),  # (cut short: not a call)
         ('<tool_call>{"arguments": {}}</tool_call>', "hermes"),  # (no name)
         ('The answer: {"name": "x"}', "llama3_json"),  # (a call only where the answer starts with one)
-        ('{"name": "weather", "parameters": {"city": "Oslo"}', "llama3_json"),
+        ('<tool_call>{"name": 1}</tool_call>', "hermes"),  # (a name that is not a string)
     ):
         assert plan.read(text, call_format) == (text, []), text
+
+
+def test_whole_answers_are_read_as_they_stream():
+    """Whole and streamed answers agree (the whole one is read by a stream): a malformed body among calls is left out,
+    wherever it stands; a call cut short (max_tokens) keeps the arguments it got; with parallel_tool_calls false,
+    the first well-formed call; whole, arguments are re-serialized."""
+    plan, one = ToolPlan.of(TOOLS, None), ToolPlan.of(TOOLS, None, parallel=False)
+    good, bad = '<tool_call>{"name": "time", "arguments": {}}</tool_call>', '<tool_call>{"name": 1}</tool_call>'
+    weather = '<tool_call>{"name": "weather", "arguments": {"city":"Oslo"}}</tool_call>'
+    cases = [
+        (plan, "hermes", f"Hi {bad}{good}", ("Hi", [CALLS[1]])),
+        (plan, "hermes", f"{good}\n{bad}", (None, [CALLS[1]])),
+        (one, "hermes", f"{bad}{weather}{good}", (None, [CALLS[0]])),
+        (
+            plan,
+            "hermes",
+            '<tool_call>{"name": "weather", "arguments": {"city": "Os',
+            (None, [ToolCall("weather", '{"city": "Os')]),
+        ),
+        (plan, "hermes", '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}', (None, [CALLS[0]])),
+        (plan, "llama3_json", '{"name": "weather", "parameters": {"city": "Oslo"}', (None, [CALLS[0]])),
+        (plan, "llama3_json", '{"name": "time", "parameters": {}}; oops', (None, [CALLS[1]])),
+    ]
+    for tools, call_format, text, read in cases:
+        assert tools.read(text, call_format) == read, text
+        for size in (1, 3, 7, 1000):
+            _, deltas, called = _streamed(tools, text, call_format, size)
+            streamed = [ToolCall(name, _json_or_text(args)) for _, name, args in _merged(deltas)]
+            assert called and streamed == [ToolCall(c.name, _json_or_text(c.arguments)) for c in read[1]], (text, size)
+
+
+def _json_or_text(arguments: str) -> str:
+    """Arguments as whole answers give them: re-serialized where they are JSON."""
+    try:
+        return json.dumps(json.loads(arguments))
+    except ValueError:
+        return arguments
 
 
 def test_required_and_named_answers_are_calls():

@@ -5,8 +5,10 @@ back from its answer.
   answer is read with the base model's tool-call format (`GatewaySettings.tool_call_format`): `hermes`
   (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen2.5's) or `llama3_json` (an answer that is
   `{"name": ..., "parameters": {...}}`, several joined by `;`, Llama 3.1's). An answer that holds no well-formed
-  call is plain content. Streamed, a call goes out as soon as its name has, then its arguments as the model writes
-  them (the text it wrote, as vLLM's parsers stream it; whole, the arguments are re-serialized).
+  call is plain content; a malformed call among well-formed ones is left out, and a call cut short keeps the
+  arguments it got, whole and streamed alike (a whole answer is read as it streams). Streamed, a call goes out as
+  soon as its name has, then its arguments as the model writes them (the text it wrote, as vLLM's parsers stream
+  it; whole, the arguments are re-serialized).
 - `required`: the answer is constrained to a JSON array of calls of the given tools (each `{"name", "parameters"}`,
   the parameters following the tool's schema), as vLLM does.
 - a named function: the answer is constrained to that function's parameters schema, and is its arguments.
@@ -83,6 +85,22 @@ class ToolCall:
 
 def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _canonical(arguments: str) -> str:
+    """Arguments text re-serialized where it is JSON (as it is otherwise: a call cut short)."""
+    try:
+        return _arguments(json.loads(arguments))
+    except ValueError:
+        return arguments
 
 
 # A call's opening as both formats write it, up to where its arguments' value starts.
@@ -263,18 +281,30 @@ class ToolPlan:
         return None
 
     def read(self, text: str, call_format: ToolCallFormat) -> tuple[str | None, list[ToolCall]]:
-        """The answer's content (None where it is all calls) and its calls; no calls where none is well formed."""
+        """The answer's content (None where it is all calls) and its calls; no calls where none is well formed.
+
+        `auto`'s answer is read as it streams (a `ToolStream` fed the whole text), so that the whole and the streamed
+        answer agree: its calls are the ones that open (a name, then arguments) or are whole, in order; a malformed
+        body among them is left out; a call cut short keeps what it got. Arguments that are JSON are re-serialized."""
         if self.mode == "named":
             return None, [ToolCall(self.tools[0].function.name, text)]
         if self.mode == "required":
             calls = REQUIRED.calls(text)
             return (None, calls) if calls else (text, [])
-        fmt = FORMATS[call_format]
-        at = fmt.start(text)
-        calls = None if at is None else fmt.calls(text[at:])
-        if not calls:
+        stream = ToolStream(self, call_format)
+        deltas = stream.feed(text)
+        last, called = stream.end()
+        if not called:
             return text, []
-        return text[:at].strip() or None, calls if self.parallel else calls[:1]
+        deltas += last
+        content = "".join(d.get("content", "") for d in deltas).strip() or None
+        names: dict[int, str] = {}
+        arguments: dict[int, str] = {}
+        for call in (c for d in deltas for c in d.get("tool_calls", [])):
+            i, function = call["index"], call["function"]
+            names.setdefault(i, function.get("name", ""))
+            arguments[i] = arguments.get(i, "") + function["arguments"]
+        return content, [ToolCall(names[i], _canonical(arguments[i])) for i in names]
 
 
 @dataclass
@@ -352,6 +382,8 @@ class ToolStream:
                     break
                 parsed = _call(body)
                 out = parsed.arguments if parsed is not None else _without_close(args)
+            elif end is None and ended and _is_json(args):
+                out = args.rstrip()  # (cut short right after its arguments: the last brace was theirs)
             else:
                 out = _without_close(args)
             if len(out) > call.sent:

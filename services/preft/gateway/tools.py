@@ -176,14 +176,6 @@ class HermesFormat:
         """How many characters at the end of an open body may be its end's marker."""
         return _held_suffix(body, self.close)
 
-    def calls(self, text: str) -> list[ToolCall] | None:
-        calls = []
-        for begin, end in self.bodies(text):
-            call = _call(text[begin:end])
-            if call is None:
-                return None
-            calls.append(call)
-        return calls or None
 
 
 class Llama3JsonFormat:
@@ -211,11 +203,6 @@ class Llama3JsonFormat:
     def open_tail(self, body: str) -> int:
         return 0
 
-    def calls(self, text: str) -> list[ToolCall] | None:
-        spans = self.bodies(text.rstrip())
-        calls = [_call(text[begin:end]) if end is not None else None for begin, end in spans]
-        return None if not calls or None in calls else calls  # type: ignore[return-value]
-
 
 class RequiredFormat(Llama3JsonFormat):
     """`required`'s answer: a JSON array of `{"name": ..., "parameters": {...}}` (the engine is held to it)."""
@@ -223,6 +210,12 @@ class RequiredFormat(Llama3JsonFormat):
     def bodies(self, text: str) -> list[tuple[int, int | None]]:
         at = len(text) - len(text.lstrip())
         return _json_values(text, at + 1 if text.startswith("[", at) else at, " \t\r\n,", stop="]")
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        """A whole answer's calls; None unless every one is well formed (the engine was held to the array)."""
+        spans = self.bodies(text.rstrip())
+        calls = [_call(text[begin:end]) if end is not None else None for begin, end in spans]
+        return None if not calls or None in calls else calls  # type: ignore[return-value]
 
 
 FORMATS = {"hermes": HermesFormat(), "llama3_json": Llama3JsonFormat()}

@@ -22,6 +22,7 @@ from preft.gateway.limits import RateLimiter
 from preft.gateway.observability import RequestMetricsMiddleware
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.resolution import AdapterResolver
+from preft.gateway.response_store import ResponseStore
 from preft.gateway.routes import adapters, chat, completions, health, metrics, models, responses, tokenize
 from preft.gateway.settings import GatewaySettings
 from preft.gateway.tokenization import PromptTokenizer
@@ -76,6 +77,9 @@ def create_app(
                 allow_mode_override=settings.allow_mode_override,
             )
             app.state.redis = r
+            app.state.response_store = ResponseStore(
+                r, ttl_s=settings.responses_store_ttl_s, timeout_s=settings.redis_timeout_s
+            )
             app.state.registry = reg
             app.state.tokenizer = tok
             app.state.resolver = resolver

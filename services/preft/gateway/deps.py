@@ -19,6 +19,7 @@ from preft.gateway.errors import PayloadTooLarge, validation_message
 from preft.gateway.generation import GenerationService
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.resolution import AdapterResolver
+from preft.gateway.response_store import ResponseStore
 from preft.gateway.responses import ResponsesBody
 from preft.gateway.schemas import ChatBody, CompletionBody
 from preft.gateway.settings import GatewaySettings
@@ -45,6 +46,10 @@ async def get_registry(request: Request) -> AsyncRegistry:
 
 async def get_resolver(request: Request) -> AdapterResolver:
     return request.app.state.resolver
+
+
+async def get_response_store(request: Request) -> ResponseStore:
+    return request.app.state.response_store
 
 
 async def get_redis(request: Request) -> aioredis.Redis:
@@ -89,4 +94,5 @@ ResolverDep = Annotated[AdapterResolver, Depends(get_resolver)]
 RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
 CompletionBodyDep = Annotated[CompletionBody, Depends(json_body(CompletionBody))]
 ChatBodyDep = Annotated[ChatBody, Depends(json_body(ChatBody))]
+ResponseStoreDep = Annotated[ResponseStore, Depends(get_response_store)]
 ResponsesBodyDep = Annotated[ResponsesBody, Depends(json_body(ResponsesBody))]

@@ -3,9 +3,10 @@
 answer becomes the response's output items (a message with its `output_text`, then any function calls), whole or as
 the Responses stream's events.
 
-Responses are not stored (`store` is answered false): `previous_response_id`, `conversation`, `background` and
-retrieving a response later are not available; a conversation goes in `input` whole, with its past function calls and
-their outputs as items.
+Responses are stored where the operator turned that on (`preft.gateway.response_store`: then `store`, true unless
+the request says false, keeps the response for `GET /v1/responses/{id}` and `previous_response_id`); otherwise a
+conversation goes in `input` whole, with its past function calls and their outputs as items. `conversation` and
+`background` are not available.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ INCLUDE_NOT_PRODUCED = frozenset(
     }
 )
 # Fields of a Responses request that OpenAI defines and this server does not do: refused when asked for (not null)
-NOT_SUPPORTED = ("previous_response_id", "conversation", "prompt", "reasoning", "background")
+NOT_SUPPORTED = ("conversation", "prompt", "reasoning", "background")
 # The chat body's own fields, which a Responses request gives in its own way (or not at all)
 CHAT_ONLY = frozenset(
     {"model", "max_tokens", "stream", "stream_options", "n", "response_format", "user", "best_of", "echo", "logprobs"}
@@ -127,13 +128,14 @@ class ResponsesBody(BaseModel):
         None, max_length=16, description="Up to 16 pairs, echoed in the response"
     )
     user: str | None = None
-    store: bool | None = Field(None, description="Accepted; responses are not stored")
+    store: bool | None = Field(None, description="Keep the response (where the server stores responses); default true")
+    previous_response_id: str | None = Field(None, description="A stored response this one continues")
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
         for name in NOT_SUPPORTED:
             if extra.get(name) not in (None, False):
-                raise InvalidArgument(f"{name} is not supported by this server (responses are not stored)")
+                raise InvalidArgument(f"{name} is not supported by this server")
         for item in self.include or []:
             if item != LOGPROBS_INCLUDE and item not in INCLUDE_NOT_PRODUCED:
                 raise InvalidArgument(f"include: unknown value {item!r}")
@@ -142,8 +144,8 @@ class ResponsesBody(BaseModel):
     def logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or [])
 
-    def chat_fields(self) -> dict[str, Any]:
-        """The chat request this one asks for (ChatBody's fields)."""
+    def chat_fields(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """The chat request this one asks for (ChatBody's fields), after the `history` it continues."""
         choice = self.tool_choice
         if isinstance(choice, FunctionChoice):
             choice = {"type": "function", "function": {"name": choice.name}}  # type: ignore[assignment]
@@ -153,7 +155,7 @@ class ResponsesBody(BaseModel):
             extensions["truncate_prompt_tokens"] = -1
         fields = {
             "model": self.model,
-            "messages": conversation(self.input, self.instructions),
+            "messages": conversation(self.input, self.instructions, history),
             "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -209,10 +211,16 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def conversation(input: str | list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
-    """The chat messages of a Responses input: `instructions` as a system message first, then each item (messages;
-    function calls, consecutive ones as one assistant turn; their outputs as tool turns)."""
+def conversation(
+    input: str | list[dict[str, Any]],
+    instructions: str | None,
+    history: list[dict[str, Any]] = (),  # type: ignore[assignment]
+) -> list[dict[str, Any]]:
+    """The chat messages of a Responses input: `instructions` as a system message first, the `history` it continues,
+    then each item (messages; function calls, consecutive ones as one assistant turn; their outputs as tool
+    turns)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    messages += [dict(turn) for turn in history]
     if isinstance(input, str):
         if not input:
             raise InvalidArgument("input: the input is empty")
@@ -246,6 +254,19 @@ def conversation(input: str | list[dict[str, Any]], instructions: str | None) ->
     return messages
 
 
+def output_turns(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output as the chat turn that continues its conversation: its text and its calls."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [
+        {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+        for item in output
+        if item["type"] == "function_call"
+    ]
+    return [
+        {"role": "assistant", "content": text or (None if calls else ""), **({"tool_calls": calls} if calls else {})}
+    ]
+
+
 def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
@@ -263,7 +284,7 @@ def usage_of(usage: Usage) -> dict[str, Any]:
 class ResponseShape:
     """The response object around the output: what the request asked, echoed as OpenAI does."""
 
-    def __init__(self, body: ResponsesBody, response_id: str) -> None:
+    def __init__(self, body: ResponsesBody, response_id: str, *, stored: bool) -> None:
         tools = [{"type": "function", **t.model_dump(exclude_none=True, exclude={"type"})} for t in body.tools or []]
         choice: Any = body.tool_choice or "auto"
         self.head = {
@@ -275,8 +296,8 @@ class ResponseShape:
             "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {},
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None,
-            "store": False,
+            "previous_response_id": body.previous_response_id,
+            "store": stored,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": {"type": "text"}}
             if body.text is None

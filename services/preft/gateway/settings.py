@@ -55,6 +55,11 @@ class GatewaySettings(BaseSettings):
     max_adapter_upload_bytes: int = Field(
         512 * 1024 * 1024, ge=1024, description="Largest adapter upload through POST /v1/adapters (larger: 413)"
     )
+    responses_store_ttl_s: float = Field(
+        0.0,
+        ge=0,
+        description="How long POST /v1/responses keeps a response for previous_response_id and GET (0: not stored)",
+    )
     registry_upload_timeout_s: float = Field(600.0, gt=0, description="Deadline for an adapter upload to the registry")
 
     key_cache_ttl_s: float = Field(

@@ -92,6 +92,7 @@ async def events(
     *,
     include_usage: bool,
     done: bool = True,
+    on_final: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE bytes for a job's opened engine streams (one per choice), ending with [DONE] where `done` (the Responses
     API's stream has none); always closes the streams and finishes the job."""
@@ -117,7 +118,10 @@ async def events(
             usage = total_usage(known, job.samples)  # type: ignore[arg-type]
             job.generated_tokens = usage.completion_tokens
             if include_usage:
-                yield sse(render.usage(usage))
+                final = render.usage(usage)
+                if on_final is not None:
+                    await on_final(final)
+                yield sse(final)
         if done:
             yield DONE
     except Exception as e:
@@ -154,8 +158,10 @@ def stream_response(
     include_usage: bool,
     headers: dict[str, str],
     done: bool = True,
+    on_final: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> EventStreamResponse:
-    body = events(generation, job, streams, render, include_usage=include_usage, done=done)
+    """The SSE response of a job's streams; `on_final` sees the last event (with the usage) before it goes out."""
+    body = events(generation, job, streams, render, include_usage=include_usage, done=done, on_final=on_final)
 
     async def close() -> None:
         # Normally the generator has finished the job already; this covers a client gone before or mid-stream.

@@ -177,7 +177,6 @@ class HermesFormat:
         return _held_suffix(body, self.close)
 
 
-
 class Llama3JsonFormat:
     """An answer that is `{"name": ..., "parameters": {...}}` (after an optional <|python_tag|>), several joined by
     `;`."""

@@ -194,7 +194,7 @@ def test_formats_logprobs_and_extensions_reach_the_engine(gateway, make_gateway,
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "type 'reasoning' are not supported"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "call_id"),
-        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id is not supported"),
+        ({"input": "hi", "previous_response_id": "resp_1"}, "does not store responses"),
         ({"input": "hi", "background": True}, "background is not supported"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
         ({"input": "hi", "include": ["everything"]}, "include: unknown value"),
@@ -214,3 +214,42 @@ def test_bad_requests_are_400_before_the_engine(gateway, registry, stub, body, s
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=BASE, **body)
     assert says in error_of(refused.value.response)["message"] and len(stub.received) == sent
+
+
+def test_stored_responses_continue_conversations(make_gateway, registry, stub, tokenizer):
+    """Where the server stores responses: previous_response_id continues the conversation (its input and output, not
+    its instructions), whole and streamed; GET finds a stored response, DELETE removes it; store false keeps nothing;
+    another tenant's response is a 404. Without storing, previous_response_id is a 400."""
+    acme, beta = registry.tenant("acme"), registry.tenant("beta")
+    gateway = make_gateway(responses_store_ttl_s=60)
+    client = gateway.openai(acme)
+    stub.reply = "Hello Bob."
+    first = client.responses.create(model=BASE, instructions="Be kind.", input="I am Bob.", max_output_tokens=20)
+    assert first.store is True and client.responses.retrieve(first.id).output_text == "Hello Bob."
+    stub.reply = "You are Bob."
+    second = client.responses.create(model=BASE, previous_response_id=first.id, input="Who am I?", max_output_tokens=20)
+    prompt = tokenizer.decode(stub.received[-1][1].prompt_token_ids)
+    assert prompt.startswith("user: I am Bob.\nassistant: Hello Bob.\nuser: Who am I?") and "Be kind" not in prompt
+    assert second.previous_response_id == first.id
+    with client.responses.stream(
+        model=BASE, previous_response_id=second.id, input="Again?", max_output_tokens=20
+    ) as events:
+        third = events.get_final_response()
+    assert "assistant: You are Bob.\nuser: Again?" in tokenizer.decode(stub.received[-1][1].prompt_token_ids)
+    assert client.responses.retrieve(third.id).output_text == "You are Bob."
+
+    with pytest.raises(openai.NotFoundError):
+        gateway.openai(beta).responses.retrieve(first.id)
+    client.responses.delete(first.id)
+    for gone in (lambda: client.responses.retrieve(first.id), lambda: client.responses.delete(first.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=BASE, previous_response_id=first.id, input="hi")
+    unkept = client.responses.create(model=BASE, input="hi", store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+
+    with pytest.raises(openai.BadRequestError, match="does not store responses"):
+        make_gateway().openai(acme).responses.create(model=BASE, previous_response_id=second.id, input="hi")

@@ -1,43 +1,90 @@
-"""POST /v1/responses: OpenAI's Responses API, answered through the chat path (`preft.gateway.responses`)."""
+"""POST /v1/responses: OpenAI's Responses API, answered through the chat path (`preft.gateway.responses`); GET and
+DELETE /v1/responses/{id} for stored responses (`preft.gateway.response_store`)."""
 
 from __future__ import annotations
 
+import logging
 import uuid
+from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
-from preft.common.errors import InvalidArgument
-from preft.gateway.deps import CallerDep, GenerationDep, ResponsesBodyDep, TokenizerDep
+from preft.common.errors import InvalidArgument, Unavailable
+from preft.gateway.deps import CallerDep, GenerationDep, ResponsesBodyDep, ResponseStoreDep, TokenizerDep
 from preft.gateway.errors import validation_message
 from preft.gateway.observability import started_s
-from preft.gateway.responses import ResponseEvents, ResponseShape, in_responses_terms, output_items
+from preft.gateway.responses import (
+    ResponseEvents,
+    ResponseShape,
+    conversation,
+    in_responses_terms,
+    output_items,
+    output_turns,
+)
 from preft.gateway.routes.chat import start_chat
 from preft.gateway.schemas import ChatBody
 from preft.gateway.sse import stream_response
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["responses"])
 
 
 @router.post("/v1/responses")
 async def create_response(
-    request: Request, caller: CallerDep, body: ResponsesBodyDep, generation: GenerationDep, tokenizer: TokenizerDep
+    request: Request,
+    caller: CallerDep,
+    body: ResponsesBodyDep,
+    generation: GenerationDep,
+    tokenizer: TokenizerDep,
+    store: ResponseStoreDep,
 ) -> Response:
     body.refuse_unsupported()
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        if not store.enabled:
+            raise InvalidArgument("previous_response_id: this server does not store responses")
+        history = (await store.get(caller.tenant, body.previous_response_id)).conversation
     try:
-        chat = ChatBody.model_validate(body.chat_fields())
+        chat = ChatBody.model_validate(body.chat_fields(history))
     except ValidationError as e:
         raise InvalidArgument(in_responses_terms(validation_message(e.errors(include_input=False)))) from None
     response_id = f"resp_{uuid.uuid4().hex}"
     job, plan = await start_chat(caller, chat, generation, tokenizer, response_id)
     call_format = generation.settings.tool_call_format
     headers = {"x-request-id": response_id, **job.admission.headers()}
-    shape = ResponseShape(body, response_id)
+    keep = store.enabled and body.store is not False
+    shape = ResponseShape(body, response_id, stored=keep)
+    turns = conversation(body.input, None, history)  # (what a later response continues: instructions are not kept)
+
+    async def save(response: dict[str, Any]) -> None:
+        try:
+            await store.save(caller.tenant, response, turns + output_turns(response["output"]))
+        except Unavailable as e:
+            log.warning("response %s not stored: %s", response["id"], e.message)
+            response["store"] = False
+
     if body.stream:
         streams = await generation.open_streams(job, started_s=started_s(request))
         render = ResponseEvents(shape, plan, call_format)
-        return stream_response(generation, job, streams, render, include_usage=True, headers=headers, done=False)
+        on_final = (lambda event: save(event["response"])) if keep else None
+        return stream_response(
+            generation, job, streams, render, include_usage=True, headers=headers, done=False, on_final=on_final
+        )
     (out,) = await generation.complete(job, started_s=started_s(request))
     answer = shape.response(output_items(out, plan, call_format), out.finish_reason, out.usage)
+    if keep:
+        await save(answer)
     return JSONResponse(answer, headers=headers)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, caller: CallerDep, store: ResponseStoreDep) -> JSONResponse:
+    return JSONResponse((await store.get(caller.tenant, response_id)).response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, caller: CallerDep, store: ResponseStoreDep) -> JSONResponse:
+    await store.delete(caller.tenant, response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

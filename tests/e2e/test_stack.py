@@ -83,6 +83,8 @@ def test_completions_chat_and_streaming_in_both_modes(stack, tenants):
     assert response.status == ("incomplete" if cut else "completed")
     with demo.responses.stream(input="hello world", **greedy) as events:
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    follow_up = demo.responses.create(input="and then?", previous_response_id=response.id, **greedy)  # (stored here)
+    assert follow_up.usage.input_tokens > response.usage.input_tokens + response.usage.output_tokens
 
     # logprobs and penalties through every hop: greedy, so each chosen token is its position's most likely
     scored = demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)

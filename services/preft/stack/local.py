@@ -308,6 +308,7 @@ class LocalStack:
             "PREFT_GATEWAY__SERVED_MODEL_NAME": BASE_MODEL_ID,
             "PREFT_GATEWAY__MAX_MODEL_LEN": "2048",
             "PREFT_GATEWAY__MAX_PROMPT_TOKENS": "1536",
+            "PREFT_GATEWAY__RESPONSES_STORE_TTL_S": "3600",  # (this machine's own data: keep responses an hour)
         }
         self.gateway.spawn([sys.executable, "-m", "preft.gateway"], cwd=self.state_dir, env=env)
         wait_until(

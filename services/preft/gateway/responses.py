@@ -40,10 +40,8 @@ INCLUDE_NOT_PRODUCED = frozenset(
 )
 # Fields of a Responses request that OpenAI defines and this server does not do: refused when asked for (not null)
 NOT_SUPPORTED = ("conversation", "prompt", "reasoning", "background")
-# The chat body's own fields, which a Responses request gives in its own way (or not at all)
-CHAT_ONLY = frozenset(
-    {"model", "max_tokens", "stream", "stream_options", "n", "response_format", "user", "best_of", "echo", "logprobs"}
-)
+# The generation fields a Responses request gives in its own way (or not at all: `n`)
+CHAT_ONLY = frozenset({"model", "max_tokens", "stream", "stream_options", "n", "response_format", "user"})
 # The vLLM and PreFT extensions a Responses request may carry, as on chat (sampling options, `preft_mode`, ...)
 EXTENSIONS = (frozenset(GenerationBody.model_fields) - CHAT_ONLY) | frozenset(VLLM_FIELDS_NOT_SUPPORTED)
 
@@ -142,7 +140,8 @@ class ResponsesBody(BaseModel):
 
     @property
     def logprobs(self) -> bool:
-        return LOGPROBS_INCLUDE in (self.include or [])
+        """Logprobs asked for: by `include`, or by asking for the most likely tokens."""
+        return LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None
 
     def chat_fields(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         """The chat request this one asks for (ChatBody's fields), after the `history` it continues."""

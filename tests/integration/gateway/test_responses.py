@@ -166,6 +166,12 @@ def test_formats_logprobs_and_extensions_reach_the_engine(gateway, make_gateway,
     )
     done = next(e for e in streamed if e.type == "response.output_text.done")
     assert [lp.logprob for lp in done.logprobs] == [-0.125, -0.25, -0.375]
+    client.responses.create(
+        model=BASE, input="hi", max_output_tokens=3, top_logprobs=1
+    )  # (top_logprobs alone asks too)
+    assert stub.received[-1][1].logprobs == 1
+    client.responses.create(model=BASE, input="hi", max_output_tokens=3)
+    assert stub.received[-1][1].logprobs is None
 
     extensions = {"seed": 7, "top_k": 5, "stop": ["."], "repetition_penalty": 1.1}
     client.responses.create(model=BASE, input="hi", temperature=0.5, top_p=0.9, extra_body=extensions)

@@ -1,7 +1,9 @@
-"""The gateway's async face of the registry (gRPC, `grpc.aio`): the few calls a request path needs.
+"""The gateway's async face of the registry (gRPC, `grpc.aio`): the calls a request path needs, and those of tenants
+managing their own adapters (`preft.gateway.routes.adapters`).
 
 Statuses become domain errors as in the blocking client (`preft.registry.client.as_domain_error`). NotFound and
-InvalidArgument pass through (the resolver turns them into 404s); every other failure (transport, deadline, a
+InvalidArgument pass through (the resolver turns them into 404s), and for management calls also the registry's
+conflicts, quotas and refusals; every other failure (transport, deadline, a
 refused admin token) reaches the caller as a plain "registry unavailable" 503, with the detail kept as the
 error's cause for the log, never in the answer (it names internal addresses). The channel retries connecting
 quickly (100 ms, at most 1 s apart), so a registry that comes back is used again within a second.

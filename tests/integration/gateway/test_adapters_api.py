@@ -73,9 +73,15 @@ def test_tenants_reach_only_their_own_adapters(gateway, registry, stub, tiny_mod
     ):
         assert answer.status_code == 404, answer.text
     assert gateway.http(acme).get("/v1/adapters/mine").status_code == 200  # (still there)
-    registry.share("acme", "mine", add=("beta",))
+    mine = gateway.http(acme)
+    assert mine.put("/v1/adapters/mine/shares/beta").json()["shared_with"] == ["beta"]
     (shared,) = other.get("/v1/adapters").json()["data"]
     assert shared["id"] == "acme/mine" and "shared_with" not in shared
+    assert _served_digest(gateway, beta, "acme/mine", stub) == adapter_digest(tiny_models["lora"])
+    assert other.put("/v1/adapters/mine/shares/gamma").status_code == 404  # (beta may use it, not share it)
+    assert mine.put("/v1/adapters/mine/shares/acme").status_code == 400  # (the owner)
+    assert mine.delete("/v1/adapters/mine/shares/beta").json()["shared_with"] == []
+    assert other.get("/v1/adapters").json()["data"] == []
     assert gateway.http("preft_nope_nope").get("/v1/adapters").status_code == 401
     unauthenticated = gateway.http().post("/v1/adapters", data={"name": "x"}, files=_files(tiny_models["lora"]))
     assert unauthenticated.status_code == 401

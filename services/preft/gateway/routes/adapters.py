@@ -10,6 +10,8 @@ is served once the gateway's adapter cache lets go of the old one (`resolve_cach
     GET    /v1/adapters/{name}                  one of its own, with every version
     PUT    /v1/adapters/{name}/aliases/{alias}  {"version": N}: point the alias at a version
     DELETE /v1/adapters/{name}/aliases/{alias}
+    PUT    /v1/adapters/{name}/shares/{tenant}  let another tenant use it (read-only, as owner/name)
+    DELETE /v1/adapters/{name}/shares/{tenant}
     DELETE /v1/adapters/{name}/versions/{version}
     DELETE /v1/adapters/{name}                  every version
 """
@@ -169,6 +171,18 @@ async def set_alias(
 async def remove_alias(name: str, alias: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
     request_pb = pb.SetAliasRequest(tenant=caller.tenant, name=name, alias=alias, version=0)
     return JSONResponse(adapter_entry(await registry.manage("SetAlias", request_pb), caller.tenant))
+
+
+@router.put("/v1/adapters/{name}/shares/{tenant}")
+async def share(name: str, tenant: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
+    request_pb = pb.ShareRequest(tenant=caller.tenant, name=name, add=[tenant])
+    return JSONResponse(adapter_entry(await registry.manage("Share", request_pb), caller.tenant))
+
+
+@router.delete("/v1/adapters/{name}/shares/{tenant}")
+async def unshare(name: str, tenant: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
+    request_pb = pb.ShareRequest(tenant=caller.tenant, name=name, remove=[tenant])
+    return JSONResponse(adapter_entry(await registry.manage("Share", request_pb), caller.tenant))
 
 
 @router.delete("/v1/adapters/{name}/versions/{version}")

@@ -7,6 +7,7 @@ prompt's text, which the gateway otherwise never keeps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")
 class StoredResponse:
     response: dict[str, Any]  # as it was answered
     conversation: list[dict[str, Any]]  # the chat turns it ended: earlier ones, its input, its output (no instructions)
+    input_items: list[dict[str, Any]]  # its own input, as Responses items with ids
 
 
 class ResponseStore:
@@ -45,9 +47,9 @@ class ResponseStore:
     def _missing(self, response_id: str) -> NotFound:
         return NotFound(f"no stored response {response_id!r} (responses are kept {self.ttl_s:g} s)")
 
-    async def save(self, tenant: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        data = json.dumps({"response": response, "conversation": conversation}, separators=(",", ":"))
-        key = self._key(tenant, response["id"])
+    async def save(self, tenant: str, stored: StoredResponse) -> None:
+        data = json.dumps(dataclasses.asdict(stored), separators=(",", ":"))
+        key = self._key(tenant, stored.response["id"])
         await guarded(self._redis.set(key, data, px=int(self.ttl_s * 1000)), self._timeout_s)
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse:
@@ -57,8 +59,7 @@ class ResponseStore:
         data = await guarded(self._redis.get(self._key(tenant, response_id)), self._timeout_s)
         if data is None:
             raise self._missing(response_id)
-        record = json.loads(data)
-        return StoredResponse(record["response"], record["conversation"])
+        return StoredResponse(**json.loads(data))
 
     async def delete(self, tenant: str, response_id: str) -> None:
         if not self.enabled or not RESPONSE_ID.match(response_id):

@@ -253,6 +253,22 @@ def conversation(
     return messages
 
 
+def input_items(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A (checked) Responses input as its items, each with an id (`GET /v1/responses/{id}/input_items`)."""
+    items = []
+    for item in [{"role": "user", "content": input}] if isinstance(input, str) else input:
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item["content"]
+            if isinstance(content, str):
+                content = [{"type": "output_text" if item["role"] == "assistant" else "input_text", "text": content}]
+            message = {"type": "message", "role": item["role"], "content": content, "status": "completed"}
+            items.append({"id": item.get("id") or _id("msg"), **message})
+        else:
+            items.append({**item, "id": item.get("id") or _id("fc" if kind == "function_call" else "fco")})
+    return items
+
+
 def output_turns(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output as the chat turn that continues its conversation: its text and its calls."""
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])

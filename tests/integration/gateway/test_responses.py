@@ -243,6 +243,21 @@ def test_stored_responses_continue_conversations(make_gateway, registry, stub, t
         third = events.get_final_response()
     assert "assistant: You are Bob.\nuser: Again?" in tokenizer.decode(stub.received[-1][1].prompt_token_ids)
     assert client.responses.retrieve(third.id).output_text == "You are Bob."
+    history = [
+        {"role": "user", "content": "one"},
+        {"type": "function_call", "call_id": "call_1", "name": "time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "noon"},
+    ]
+    items = client.responses.create(model=BASE, input=history, max_output_tokens=5).id
+    listed = list(client.responses.input_items.list(items, limit=2))  # (the client pages through `after`)
+    assert [i.type for i in listed] == ["function_call_output", "function_call", "message"]  # (newest first)
+    assert listed[2].content[0].type == "input_text" and listed[2].content[0].text == "one"
+    assert listed[0].output == "noon" and listed[1].call_id == "call_1" and all(i.id for i in listed)
+    oldest = client.responses.input_items.list(items, order="asc", limit=1)
+    assert [i.type for i in oldest.data] == ["message"] and oldest.has_more
+    with pytest.raises(openai.BadRequestError, match="after"):
+        client.responses.input_items.list(items, after="msg_nope")
+    assert gateway.http(acme).get(f"/v1/responses/{items}/input_items?limit=0").status_code == 400
 
     with pytest.raises(openai.NotFoundError):
         gateway.openai(beta).responses.retrieve(first.id)

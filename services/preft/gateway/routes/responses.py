@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
@@ -15,11 +15,13 @@ from preft.common.errors import InvalidArgument, Unavailable
 from preft.gateway.deps import CallerDep, GenerationDep, ResponsesBodyDep, ResponseStoreDep, TokenizerDep
 from preft.gateway.errors import validation_message
 from preft.gateway.observability import started_s
+from preft.gateway.response_store import StoredResponse
 from preft.gateway.responses import (
     ResponseEvents,
     ResponseShape,
     conversation,
     in_responses_terms,
+    input_items,
     output_items,
     output_turns,
 )
@@ -60,7 +62,8 @@ async def create_response(
 
     async def save(response: dict[str, Any]) -> None:
         try:
-            await store.save(caller.tenant, response, turns + output_turns(response["output"]))
+            stored = StoredResponse(response, turns + output_turns(response["output"]), input_items(body.input))
+            await store.save(caller.tenant, stored)
         except Unavailable as e:
             log.warning("response %s not stored: %s", response["id"], e.message)
             response["store"] = False
@@ -82,6 +85,36 @@ async def create_response(
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, caller: CallerDep, store: ResponseStoreDep) -> JSONResponse:
     return JSONResponse((await store.get(caller.tenant, response_id)).response)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    caller: CallerDep,
+    store: ResponseStoreDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> JSONResponse:
+    """A stored response's input items, a page at a time (newest first unless order=asc; `after`: an item id)."""
+    items = (await store.get(caller.tenant, response_id)).input_items
+    items = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise InvalidArgument(f"after: {after!r} is not an input item of this response")
+        start = ids.index(after) + 1
+    page = items[start : start + limit]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + limit < len(items),
+        }
+    )
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -1,4 +1,4 @@
-"""Tenants manage their own adapters with their API key: upload a version, list, inspect, alias and delete.
+"""Tenants manage their own adapters with their API key: upload a version, list, inspect, alias, share and delete.
 
 The registry does the work as it does for `preft-admin` (validation against the base model, content-addressed
 blobs, atomic publish, the tenant's quotas); the gateway calls it for the caller's tenant only, so a key reaches
@@ -32,7 +32,7 @@ from preft.api.v1 import registry_pb2 as pb
 from preft.common.errors import InvalidArgument
 from preft.gateway.deps import CallerDep, GenerationDep, RegistryDep, SettingsDep, json_body
 from preft.gateway.errors import LengthRequired, PayloadTooLarge
-from preft.gateway.registry import BlobUpload
+from preft.gateway.registry import AsyncRegistry, BlobUpload
 
 router = APIRouter(tags=["adapters"])
 
@@ -197,6 +197,6 @@ async def delete_adapter(name: str, caller: CallerDep, registry: RegistryDep) ->
     return await _delete(caller.tenant, name, 0, registry)
 
 
-async def _delete(tenant: str, name: str, version: int, registry: Any) -> JSONResponse:
+async def _delete(tenant: str, name: str, version: int, registry: AsyncRegistry) -> JSONResponse:
     deleted = await registry.manage("Delete", pb.DeleteRequest(tenant=tenant, name=name, version=version))
     return JSONResponse({"object": "adapter.deleted", "name": name, "versions": list(deleted.versions)})

@@ -18,12 +18,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from preft.devtools.tiny import build_lora
 from preft.engine.requests import GenerationRequest
 from tests.conftest import random_prompt
-from tests.engine.conftest import MAX_LORAS, MAX_NUM_BATCHED_TOKENS
+from tests.engine.conftest import LOGIT_TIE, MAX_LORAS, MAX_NUM_BATCHED_TOKENS
 from tests.reference import reference_logits
 
 pytestmark = pytest.mark.engine
@@ -32,7 +31,6 @@ ADAPTERS = ("lora_a", "lora_b", "lora_c", "lora_wide", "direft_a", "direft_b")
 WIDE_RANK = 40  # above lora_act.RANK_CHUNK, not a multiple of it
 PROMPT_LENGTHS = (5, 13, 47, 90)  # 47 and 90 exceed the 32-token step: chunked prefill
 MAX_TOKENS = 12
-LOGIT_TIE = 0.02 if torch.cuda.is_available() else 0.0  # the logits' spread here is ~1.5 (std over the vocabulary)
 
 
 def _request(rid, prompt, adapter_dir, mode, max_tokens=MAX_TOKENS) -> GenerationRequest:

@@ -61,6 +61,13 @@ def _not_blank(word: str) -> str:
 BadWord = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_not_blank)]
 
 
+def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    """ValueError where min_tokens exceeds the generation's max_tokens (the gateway, the serving and the offline
+    engine's requests all hold to it)."""
+    if min_tokens > max_tokens:
+        raise ValueError(f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})")
+
+
 def _schema_from_text(value: Any) -> Any:
     if isinstance(value, str):
         try:
@@ -190,11 +197,6 @@ class SamplingOptions(BaseModel):
     spaces_between_special_tokens: bool = Field(True, description="A space between adjacent special tokens' text")
     ignore_eos: bool = False
 
-    def check_length(self, max_tokens: int) -> None:
-        """ValueError where min_tokens exceeds the generation's max_tokens."""
-        if self.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})")
-
 
 class EngineRequest(SamplingOptions):
     """One generation, already tokenized and authorized by the gateway."""
@@ -209,7 +211,7 @@ class EngineRequest(SamplingOptions):
 
     @model_validator(mode="after")
     def _min_within_max(self) -> EngineRequest:
-        self.check_length(self.max_tokens)
+        check_min_tokens(self.min_tokens, self.max_tokens)
         return self
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from preft.engine.contract import SamplingOptions, TokenLogprob
+from preft.engine.contract import SamplingOptions, TokenLogprob, check_min_tokens
 from preft.vllm_plugin.modes import PositionMode
 
 # The keys of a request line that are not sampling options; all others are SamplingOptions' (unknown ones ignored)
@@ -40,7 +40,7 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", PositionMode(self.mode))
-        self.sampling.check_length(self.max_tokens)
+        check_min_tokens(self.sampling.min_tokens, self.max_tokens)
 
     @classmethod
     def from_json(cls, data: Any, *, line_no: int | None = None) -> GenerationRequest:

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from preft.common.errors import InvalidArgument, Unavailable
 from preft.common.metrics import GATEWAY_OVERHEAD, QUEUE_DEPTH
-from preft.engine.contract import EngineRequest, EngineResponse, Usage
+from preft.engine.contract import EngineRequest, EngineResponse, Usage, check_min_tokens
 from preft.gateway.auth import Caller
 from preft.gateway.engine_client import EngineClient, EngineStream
 from preft.gateway.errors import PayloadTooLarge
@@ -117,8 +117,10 @@ class GenerationService:
         logit_bias, constraint, n = body.token_biases(vocab_size), body.constraint(), body.samples()
         stop_token_ids, min_tokens = body.token_ids("stop_token_ids", vocab_size), body.min_tokens or 0
         allowed_token_ids = body.token_ids("allowed_token_ids", vocab_size)
-        if min_tokens > min(budgets):
-            raise InvalidArgument(f"min_tokens ({min_tokens}) exceeds max_tokens ({min(budgets)})")
+        try:
+            check_min_tokens(min_tokens, min(budgets))
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
         reserved = sum(len(prompt) + n * budget for prompt, budget in zip(prompts, budgets, strict=True))
         admission = await self.limiter.admit(caller.tenant, reserved)
         try:

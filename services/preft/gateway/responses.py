@@ -143,8 +143,9 @@ class ResponsesBody(BaseModel):
         """Logprobs asked for: by `include`, or by asking for the most likely tokens."""
         return LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None
 
-    def chat_fields(self, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """The chat request this one asks for (ChatBody's fields), after the `history` it continues."""
+    def chat_fields(self, turns: list[dict[str, Any]]) -> dict[str, Any]:
+        """The chat request this one asks for (ChatBody's fields): `instructions` as a system message, then the
+        conversation's `turns` (`conversation`: the history it continues and its input)."""
         choice = self.tool_choice
         if isinstance(choice, FunctionChoice):
             choice = {"type": "function", "function": {"name": choice.name}}  # type: ignore[assignment]
@@ -154,7 +155,7 @@ class ResponsesBody(BaseModel):
             extensions["truncate_prompt_tokens"] = -1
         fields = {
             "model": self.model,
-            "messages": conversation(self.input, self.instructions, history),
+            "messages": ([{"role": "system", "content": self.instructions}] if self.instructions else []) + turns,
             "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -212,14 +213,12 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
 
 def conversation(
     input: str | list[dict[str, Any]],
-    instructions: str | None,
     history: list[dict[str, Any]] = (),  # type: ignore[assignment]
 ) -> list[dict[str, Any]]:
-    """The chat messages of a Responses input: `instructions` as a system message first, the `history` it continues,
-    then each item (messages; function calls, consecutive ones as one assistant turn; their outputs as tool
-    turns)."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    messages += [dict(turn) for turn in history]
+    """The chat turns of a Responses input after the `history` it continues: each item (messages; function calls,
+    consecutive ones as one assistant turn; their outputs as tool turns). No instructions: a later response that
+    continues these turns does not carry them."""
+    messages = [dict(turn) for turn in history]
     if isinstance(input, str):
         if not input:
             raise InvalidArgument("input: the input is empty")

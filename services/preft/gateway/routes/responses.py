@@ -48,8 +48,9 @@ async def create_response(
         if not store.enabled:
             raise InvalidArgument("previous_response_id: this server does not store responses")
         history = (await store.get(caller.tenant, body.previous_response_id)).conversation
+    turns = conversation(body.input, history)  # (what a later response continues)
     try:
-        chat = ChatBody.model_validate(body.chat_fields(history))
+        chat = ChatBody.model_validate(body.chat_fields(turns))
     except ValidationError as e:
         raise InvalidArgument(in_responses_terms(validation_message(e.errors(include_input=False)))) from None
     response_id = f"resp_{uuid.uuid4().hex}"
@@ -58,7 +59,6 @@ async def create_response(
     headers = {"x-request-id": response_id, **job.admission.headers()}
     keep = store.enabled and body.store is not False
     shape = ResponseShape(body, response_id, stored=keep)
-    turns = conversation(body.input, None, history)  # (what a later response continues: instructions are not kept)
 
     async def save(response: dict[str, Any]) -> None:
         try:

@@ -70,8 +70,54 @@ def test_auto_reads_each_models_own_format():
         ('<tool_call>{"arguments": {}}</tool_call>', "hermes"),  # (no name)
         ('The answer: {"name": "x"}', "llama3_json"),  # (a call only where the answer starts with one)
         ('<tool_call>{"name": 1}</tool_call>', "hermes"),  # (a name that is not a string)
+        ("[TOOL_CALLS]", "mistral"),
+        ("[TOOL_CALLS]weather", "mistral"),  # (no [ARGS])
+        ("[1, 2] are numbers", "pythonic"),
+        ("[weather(city)]", "pythonic"),  # (a positional argument)
+        ("[weather(city=now())]", "pythonic"),  # (not a literal)
+        ("Calls look like [weather(city='Oslo')]", "pythonic"),  # (a call only where the answer starts with one)
     ):
         assert plan.read(text, call_format) == (text, []), text
+
+
+MISTRAL_ANSWERS = (
+    'Let me look.[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "time", "arguments": {}}]',
+    'Let me look.[TOOL_CALLS]weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]time[ARGS]{}',
+)
+PYTHONIC_ANSWERS = (
+    "[weather(city='Oslo'), time()]",
+    '<|python_start|>[weather(city="Oslo"), time()]<|python_end|>',
+)
+
+
+def test_mistral_and_pythonic_formats():
+    """Mistral's two ways (a JSON array after [TOOL_CALLS]; `name[ARGS]{...}` per call) and the pythonic list of
+    calls (Llama 3.2, Llama 4) read to the same calls whole and streamed; Python literals become JSON."""
+    plan = ToolPlan.of(TOOLS, None)
+    for text in MISTRAL_ANSWERS:
+        assert plan.read(text, "mistral") == ("Let me look.", CALLS), text
+    for text in PYTHONIC_ANSWERS:
+        assert plan.read(text, "pythonic") == (None, CALLS), text
+    literals = "[weather(city=\"O'slo, (x)]\", days=[1, 2.5], hot=True, note=None, more={'a': (1, 2)})]"
+    arguments = {"city": "O'slo, (x)]", "days": [1, 2.5], "hot": True, "note": None, "more": {"a": [1, 2]}}
+    ((call,),) = [plan.read(literals, "pythonic")[1]]
+    assert call.name == "weather" and json.loads(call.arguments) == arguments
+    for size in (1, 3, 7, 1000):
+        for text, call_format in [
+            *((t, "mistral") for t in MISTRAL_ANSWERS),
+            *((t, "pythonic") for t in PYTHONIC_ANSWERS),
+        ]:
+            content, deltas, called = _streamed(plan, text, call_format, size)
+            assert called and content == ("Let me look." if call_format == "mistral" else ""), (text, size)
+            assert _merged(deltas) == [(0, "weather", '{"city": "Oslo"}'), (1, "time", "{}")], (text, size)
+    stream = ToolStream(plan, "mistral")
+    assert stream.feed("Hi [TOOL_") == [{"content": "Hi "}]  # (what may start a call is held back)
+    opening = stream.feed('CALLS]weather[ARGS]{"ci')  # (v11's arguments are the body's end: their brace goes out)
+    assert [d["tool_calls"][0]["function"] for d in opening] == [
+        {"name": "weather", "arguments": ""},
+        {"arguments": '{"ci'},
+    ]
+    assert stream.feed('ty": "Oslo"}') == [{"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]}]
 
 
 def test_whole_answers_are_read_as_they_stream():
@@ -94,6 +140,9 @@ def test_whole_answers_are_read_as_they_stream():
         (plan, "hermes", '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}', (None, [CALLS[0]])),
         (plan, "llama3_json", '{"name": "weather", "parameters": {"city": "Oslo"}', (None, [CALLS[0]])),
         (plan, "llama3_json", '{"name": "time", "parameters": {}}; oops', (None, [CALLS[1]])),
+        (plan, "mistral", '[TOOL_CALLS]weather[ARGS]{"city": "Os', (None, [ToolCall("weather", '{"city": "Os')])),
+        (plan, "mistral", "[TOOL_CALLS]time[ARGS]{}[TOOL_CALLS]nope", (None, [CALLS[1]])),
+        (plan, "pythonic", "[time(), weather(city='Os", (None, [CALLS[1]])),  # (a pythonic call goes out whole)
     ]
     for tools, call_format, text, read in cases:
         assert tools.read(text, call_format) == read, text

@@ -49,7 +49,9 @@ class GatewaySettings(BaseSettings):
     max_prompt_tokens: int = Field(8191, ge=1, description="Longest prompt accepted, in tokens (longer: 413)")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request sets none (capped by length)")
     tool_call_format: ToolCallFormat = Field(
-        "hermes", description="How the base model writes tool calls: hermes (Qwen2.5) or llama3_json (Llama 3.1)"
+        "hermes",
+        description="How the base model writes tool calls: hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.1), mistral "
+        "or pythonic (Llama 3.2, Llama 4)",
     )
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body (larger: 413)")
     max_adapter_upload_bytes: int = Field(

@@ -3,12 +3,13 @@ back from its answer.
 
 - `auto` (the default with tools): the tools go into the chat template, in the model's own tool format, and the
   answer is read with the base model's tool-call format (`GatewaySettings.tool_call_format`): `hermes`
-  (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen2.5's) or `llama3_json` (an answer that is
-  `{"name": ..., "parameters": {...}}`, several joined by `;`, Llama 3.1's). An answer that holds no well-formed
-  call is plain content; a malformed call among well-formed ones is left out, and a call cut short keeps the
-  arguments it got, whole and streamed alike (a whole answer is read as it streams). Streamed, a call goes out as
-  soon as its name has, then its arguments as the model writes them (the text it wrote, as vLLM's parsers stream
-  it; whole, the arguments are re-serialized).
+  (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen2.5's), `llama3_json` (an answer that is
+  `{"name": ..., "parameters": {...}}`, several joined by `;`, Llama 3.1's), `mistral` (`[TOOL_CALLS]` and a JSON
+  array, or `name[ARGS]{...}` per call) or `pythonic` (`[name(key=literal, ...), ...]`, Llama 3.2's and 4's; each
+  call goes out whole). An answer that holds no well-formed call is plain content; a malformed call among
+  well-formed ones is left out, and a call cut short keeps the arguments it got, whole and streamed alike (a whole
+  answer is read as it streams). Streamed, a call goes out as soon as its name has, then its arguments as the model
+  writes them (the text it wrote, as vLLM's parsers stream it; whole, the arguments are re-serialized).
 - `required`: the answer is constrained to a JSON array of calls of the given tools (each `{"name", "parameters"}`,
   the parameters following the tool's schema), as vLLM does.
 - a named function: the answer is constrained to that function's parameters schema, and is its arguments.
@@ -17,6 +18,7 @@ back from its answer.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -29,7 +31,7 @@ from preft.common.errors import InvalidArgument
 from preft.engine.contract import JsonSchema, OutputConstraint
 
 MAX_TOOLS = 128
-ToolCallFormat = Literal["hermes", "llama3_json"]
+ToolCallFormat = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 
 
 class FunctionSpec(BaseModel):
@@ -103,8 +105,18 @@ def _canonical(arguments: str) -> str:
         return arguments
 
 
-# A call's opening as both formats write it, up to where its arguments' value starts.
+# A call's opening as the JSON formats write it, up to where its arguments' value starts.
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+@dataclass(frozen=True)
+class CallHead:
+    """A call's opening as streamed: its name, where its arguments start in its body, and whether the body wraps
+    them (its last brace is the call's own, not the arguments')."""
+
+    name: str
+    args_at: int
+    wrapped: bool = True
 
 
 def _call(body: str) -> ToolCall | None:
@@ -115,6 +127,20 @@ def _call(body: str) -> ToolCall | None:
     except (ValueError, KeyError, TypeError):
         return None
     return ToolCall(name, _arguments(arguments)) if isinstance(name, str) else None
+
+
+class JsonBodies:
+    """Formats whose calls are JSON objects, `{"name": ..., "arguments"|"parameters": ...}`."""
+
+    def head(self, body: str) -> CallHead | None:
+        """The body's opening once its name and its arguments' first character are written (None: not yet, or a
+        body that is not written name first: it goes out whole at its end)."""
+        match = _CALL_HEAD.match(body)
+        return CallHead(match.group(1), match.end()) if match is not None and len(body) > match.end() else None
+
+    def call(self, body: str) -> ToolCall | None:
+        """The call a complete body holds; None where it is not one."""
+        return _call(body)
 
 
 def _without_close(args: str) -> str:
@@ -148,7 +174,7 @@ def _held_suffix(text: str, marker: str) -> int:
     return 0
 
 
-class HermesFormat:
+class HermesFormat(JsonBodies):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, after optional content."""
 
     marker, close = "<tool_call>", "</tool_call>"
@@ -177,7 +203,7 @@ class HermesFormat:
         return _held_suffix(body, self.close)
 
 
-class Llama3JsonFormat:
+class Llama3JsonFormat(JsonBodies):
     """An answer that is `{"name": ..., "parameters": {...}}` (after an optional <|python_tag|>), several joined by
     `;`."""
 
@@ -217,7 +243,149 @@ class RequiredFormat(Llama3JsonFormat):
         return None if not calls or None in calls else calls  # type: ignore[return-value]
 
 
-FORMATS = {"hermes": HermesFormat(), "llama3_json": Llama3JsonFormat()}
+# Mistral's newer tokenizers (v11 on) write `name[ARGS]{...}` after each [TOOL_CALLS]; the older a JSON array.
+_ARGS_HEAD = re.compile(r"\s*([A-Za-z0-9_-]{1,64})\[ARGS\]\s*")
+
+
+class MistralFormat(JsonBodies):
+    """`[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}` (Mistral's v3 tokenizer), or
+    `[TOOL_CALLS]name[ARGS]{...}` once per call (v11 on), after optional content."""
+
+    marker = "[TOOL_CALLS]"
+
+    def start(self, text: str, since: int = 0) -> int | None:
+        at = text.find(self.marker, since)
+        return None if at < 0 else at
+
+    def held(self, text: str) -> int:
+        return _held_suffix(text, self.marker)
+
+    def bodies(self, text: str) -> list[tuple[int, int | None]]:
+        """Each call's body: an object of the array after a marker, or `name[ARGS]` and the arguments' value."""
+        spans: list[tuple[int, int | None]] = []
+        at = text.find(self.marker)
+        while at >= 0:
+            at += len(self.marker)
+            rest = text[at:].lstrip()
+            if rest.startswith("[") or rest.startswith("{"):
+                begin = len(text) - len(rest)
+                values = _json_values(text, begin + 1 if rest[0] == "[" else begin, " \t\r\n,", stop="]")
+            else:
+                head = _ARGS_HEAD.match(text, at)
+                if head is None:  # (its name still coming, or no call: read as one at the end)
+                    return [*spans, (at, None)] if rest else spans
+                values = [(at, end) for _, end in _json_values(text, head.end(), "")[:1]] or [(at, None)]
+            spans += values
+            if not values or values[-1][1] is None:
+                return spans
+            at = text.find(self.marker, values[-1][1])
+        return spans
+
+    def open_tail(self, body: str) -> int:
+        return 0
+
+    def head(self, body: str) -> CallHead | None:
+        named = _ARGS_HEAD.match(body)
+        if named is None:
+            return super().head(body)
+        return CallHead(named.group(1), named.end(), wrapped=False) if len(body) > named.end() else None
+
+    def call(self, body: str) -> ToolCall | None:
+        named = _ARGS_HEAD.match(body)
+        if named is None:
+            return _call(body)
+        try:
+            return ToolCall(named.group(1), _arguments(json.loads(body[named.end() :])))
+        except ValueError:
+            return None
+
+
+class PythonicFormat:
+    """An answer that is a Python list of calls with keyword arguments, `[weather(city="Oslo"), time()]` (Llama
+    3.2's and 4's pythonic format; Llama 4 wraps it in <|python_start|> ... <|python_end|>). Each call goes out
+    whole once written: its arguments are Python literals, not JSON text to stream."""
+
+    tag = "<|python_start|>"
+
+    def start(self, text: str, since: int = 0) -> int | None:
+        stripped = text.lstrip()
+        if stripped.startswith("[") or stripped.startswith(self.tag):
+            return len(text) - len(stripped)
+        return None
+
+    def held(self, text: str) -> int:
+        stripped = text.lstrip()
+        return len(text) if self.tag.startswith(stripped) else 0
+
+    def bodies(self, text: str) -> list[tuple[int, int | None]]:
+        """Each call's text in the list: up to its closing parenthesis (strings and brackets inside skipped)."""
+        at = len(text) - len(text.lstrip())
+        at = len(text) - len(text[at + len(self.tag) :].lstrip()) if text.startswith(self.tag, at) else at
+        if not text.startswith("[", at):
+            return []
+        spans: list[tuple[int, int | None]] = []
+        at += 1
+        while True:
+            while at < len(text) and text[at] in " \t\r\n,":
+                at += 1
+            if at == len(text) or text[at] == "]":
+                return spans
+            end = _python_call_end(text, at)
+            spans.append((at, end))
+            if end is None:
+                return spans
+            at = end
+
+    def open_tail(self, body: str) -> int:
+        return 0
+
+    def head(self, body: str) -> CallHead | None:
+        return None
+
+    def call(self, body: str) -> ToolCall | None:
+        """`name(key=literal, ...)` as a call with JSON arguments; None for anything else."""
+        try:
+            node = ast.parse(body.strip(), mode="eval").body
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return None
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+            if len(arguments) != len(node.keywords):
+                return None
+            return ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False))
+        except (SyntaxError, ValueError, TypeError, RecursionError):
+            return None
+
+
+def _python_call_end(text: str, at: int) -> int | None:
+    """Where the Python call starting at `at` ends (after its closing parenthesis); None while it is not closed."""
+    depth, quote, i = 0, "", at
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 1
+            elif text.startswith(quote, i):
+                i += len(quote) - 1
+                quote = ""
+        elif c in "'\"":
+            quote = text[i : i + 3] if text[i : i + 3] in ('"""', "'''") else c
+            i += len(quote) - 1
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth <= 0:
+                return i + 1 if c == ")" and depth == 0 else None
+        i += 1
+    return None
+
+
+FORMATS = {
+    "hermes": HermesFormat(),
+    "llama3_json": Llama3JsonFormat(),
+    "mistral": MistralFormat(),
+    "pythonic": PythonicFormat(),
+}
 REQUIRED = RequiredFormat()
 
 
@@ -309,6 +477,7 @@ class _StreamedCall:
     sent: int = 0
     whole: bool = False
     done: bool = False
+    wrapped: bool = True
 
 
 class ToolStream:
@@ -372,12 +541,12 @@ class ToolStream:
             if call.whole:
                 if not closed:
                     break
-                parsed = _call(body)
+                parsed = self.format.call(body)
                 out = parsed.arguments if parsed is not None else _without_close(args)
             elif end is None and ended and _is_json(args):
                 out = args.rstrip()  # (cut short right after its arguments: the last brace was theirs)
             else:
-                out = _without_close(args)
+                out = _without_close(args) if call.wrapped else args.rstrip()
             if len(out) > call.sent:
                 deltas.append({"tool_calls": [{"index": call.index, "function": {"arguments": out[call.sent :]}}]})
                 call.sent = len(out)
@@ -390,14 +559,14 @@ class ToolStream:
         """Take up the next call's body: its opening goes out once its name and its arguments' first character are
         written; a body that never opens so goes out whole at its end, or is no call. False: wait for more."""
         index = sum(c is not None for c in self.calls)
-        head = _CALL_HEAD.match(body)
-        if head is not None and len(body) > head.end():
-            self.calls.append(_StreamedCall(index, head.end(), whole=body[head.end()] == '"'))
-            deltas.append({"tool_calls": [ToolCall(head.group(1), "").as_openai(index)]})
+        head = self.format.head(body)
+        if head is not None:
+            self.calls.append(_StreamedCall(index, head.args_at, whole=body[head.args_at] == '"', wrapped=head.wrapped))
+            deltas.append({"tool_calls": [ToolCall(head.name, "").as_openai(index)]})
             return True
         if not closed:
             return False
-        whole = _call(body)
+        whole = self.format.call(body)
         self.calls.append(None if whole is None else _StreamedCall(index, len(body), done=True))
         if whole is not None:
             deltas.append({"tool_calls": [whole.as_openai(index)]})

@@ -1,1 +1,1 @@
-"""Command-line entry points: `preft` (generate, demo)."""
+"""Command-line entry points: `preft` (generate, demo, adapters) and `preft-admin`."""

@@ -24,6 +24,7 @@ from rich.table import Table
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
 from preft.cli.cluster import cluster_app
+from preft.cli.render import err, human_size, usage_error
 from preft.common.errors import InvalidArgument, PreftError
 from preft.common.refs import AdapterRef
 from preft.common.settings import AdminSettings
@@ -46,7 +47,6 @@ for sub, name in (
     app.add_typer(sub, name=name)
 
 out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
 MODES = {"prefill": apb.POSITION_MODE_PREFILL, "all": apb.POSITION_MODE_ALL}
 
 
@@ -88,11 +88,6 @@ def registry(ctx: typer.Context) -> Iterator[RegistryClient]:
         client.close()
 
 
-def usage_error(message: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {message}", highlight=False)
-    return typer.Exit(2)
-
-
 def emit(ctx: typer.Context, message: Any, table: Table | str | None = None) -> None:
     """JSON of the proto message with --json, else the human form."""
     if ctx.obj.as_json:
@@ -109,14 +104,6 @@ def _as_dict(message: Any) -> Any:
 
 def _when(unix_ms: int) -> str:
     return datetime.fromtimestamp(unix_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S") if unix_ms else "-"
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _owner_name(text: str) -> tuple[str, str, int | None]:
@@ -146,7 +133,7 @@ def _tenant_table(tenants: list[pb.Tenant]) -> Table:
             str(t.limits.requests_per_min),
             str(t.limits.tokens_per_min),
             f"{t.adapter_count}/{t.limits.max_adapters}",
-            f"{_size(t.bytes_used)}/{_size(t.limits.max_bytes)}",
+            f"{human_size(t.bytes_used)}/{human_size(t.limits.max_bytes)}",
             _when(t.created_unix_ms),
         )
     return table
@@ -308,7 +295,7 @@ def _adapter_table(adapters: list[pb.Adapter]) -> Table:
             _method(m),
             _mode(m),
             str(m.rank),
-            _size(m.size_bytes),
+            human_size(m.size_bytes),
             aliases,
             ", ".join(a.shared_with),
             _when(m.created_unix_ms),
@@ -328,7 +315,7 @@ def _version_table(versions: list[apb.AdapterManifest]) -> Table:
             str(m.rank),
             targets,
             m.base_model,
-            _size(m.size_bytes),
+            human_size(m.size_bytes),
             _when(m.created_unix_ms),
             m.uploader,
         )
@@ -391,7 +378,7 @@ def adapter_show(ctx: typer.Context, adapter: Annotated[str, typer.Argument(help
         a = r.call("GetAdapter", pb.GetAdapterRequest(tenant=tenant, name=name))
     files = Table("file", "sha256", "size")
     for f in a.latest.files:
-        files.add_row(f.path, f.sha256, _size(f.size_bytes))
+        files.add_row(f.path, f.sha256, human_size(f.size_bytes))
     emit(ctx, a, _adapter_table([a]))
     if not ctx.obj.as_json:
         out.print(_version_table([a.latest]), files, highlight=False)
@@ -495,7 +482,7 @@ def gc(
     emit(
         ctx,
         res,
-        f"{verb} {len(res.deleted_blobs)} blobs ({_size(res.deleted_bytes)}), "
+        f"{verb} {len(res.deleted_blobs)} blobs ({human_size(res.deleted_bytes)}), "
         f"aborted {res.aborted_uploads} uploads, kept {res.kept_blobs} referenced blobs",
     )
 

@@ -1,4 +1,5 @@
-"""`preft`: run PreFT generation offline (`generate`) and a self-contained demo (`demo`)."""
+"""`preft`: run PreFT generation offline (`generate`), a self-contained demo (`demo`), and manage a tenant's adapters
+on a gateway (`adapters`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from preft.cli.tenant import app as adapters_app
 from preft.engine.requests import REQUEST_KEYS, GenerationRequest, GenerationResult, RequestError, read_requests
 from preft.vllm_plugin.modes import PositionMode
 
@@ -19,6 +21,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+app.add_typer(adapters_app, name="adapters")
 err = Console(stderr=True, soft_wrap=True)
 
 ModelOpt = Annotated[Path, typer.Option("--model", help="Model directory (config.json, weights, tokenizer).")]

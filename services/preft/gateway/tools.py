@@ -129,8 +129,25 @@ def _call(body: str) -> ToolCall | None:
     return ToolCall(name, _arguments(arguments)) if isinstance(name, str) else None
 
 
-class JsonBodies:
-    """Formats whose calls are JSON objects, `{"name": ..., "arguments"|"parameters": ...}`."""
+class CallFormat:
+    """How a model writes tool calls: where they start in its answer, where each call's body lies, and the call a
+    body holds. Calls whose body is a JSON object (`{"name": ..., "arguments"|"parameters": ...}`) by default."""
+
+    def start(self, text: str, since: int = 0) -> int | None:
+        """Where the first call starts, looked for from `since` (None: no call)."""
+        raise NotImplementedError
+
+    def held(self, text: str) -> int:
+        """How many characters at the end of `text` may be the start of a call (not to be streamed as content yet)."""
+        raise NotImplementedError
+
+    def bodies(self, text: str) -> list[tuple[int, int | None]]:
+        """Where each call's body lies in `text` (from a call's start): its start and end, None while it is open."""
+        raise NotImplementedError
+
+    def open_tail(self, body: str) -> int:
+        """How many characters at the end of an open body may be its end's marker."""
+        return 0
 
     def head(self, body: str) -> CallHead | None:
         """The body's opening once its name and its arguments' first character are written (None: not yet, or a
@@ -141,6 +158,41 @@ class JsonBodies:
     def call(self, body: str) -> ToolCall | None:
         """The call a complete body holds; None where it is not one."""
         return _call(body)
+
+
+class MarkedCalls(CallFormat):
+    """Calls that start at a marker, after optional content."""
+
+    marker = ""
+
+    def start(self, text: str, since: int = 0) -> int | None:
+        at = text.find(self.marker, since)
+        return None if at < 0 else at
+
+    def held(self, text: str) -> int:
+        return _held_suffix(text, self.marker)
+
+
+class LeadingCalls(CallFormat):
+    """Calls that are the whole answer: it starts with `opener` (or the model's `tag` before it)."""
+
+    tag, opener = "", ""
+
+    def start(self, text: str, since: int = 0) -> int | None:
+        """Where the call starts: only at the answer's beginning (None: no call)."""
+        stripped = text.lstrip()
+        if stripped.startswith(self.opener) or stripped.startswith(self.tag):
+            return len(text) - len(stripped)
+        return None
+
+    def held(self, text: str) -> int:
+        stripped = text.lstrip()
+        return len(text) if self.tag.startswith(stripped) else 0
+
+    def after_tag(self, text: str) -> int:
+        """Where the calls begin: past the leading spaces and the tag."""
+        at = len(text) - len(text.lstrip())
+        return len(text) - len(text[at + len(self.tag) :].lstrip()) if text.startswith(self.tag, at) else at
 
 
 def _without_close(args: str) -> str:
@@ -166,6 +218,13 @@ def _json_values(text: str, at: int, separators: str, stop: str = "") -> list[tu
         at = end
 
 
+def _json_items(text: str, at: int) -> list[tuple[int, int | None]]:
+    """Where each item of the JSON array at `at` lies (after spaces; a bare sequence of values where no `[` opens)."""
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return _json_values(text, at + 1 if text.startswith("[", at) else at, " \t\r\n,", stop="]")
+
+
 def _held_suffix(text: str, marker: str) -> int:
     """How many characters at the end of `text` may be the start of `marker`."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -174,22 +233,12 @@ def _held_suffix(text: str, marker: str) -> int:
     return 0
 
 
-class HermesFormat(JsonBodies):
+class HermesFormat(MarkedCalls):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, after optional content."""
 
     marker, close = "<tool_call>", "</tool_call>"
 
-    def start(self, text: str, since: int = 0) -> int | None:
-        """Where the first call starts, looked for from `since` (None: no call)."""
-        at = text.find(self.marker, since)
-        return None if at < 0 else at
-
-    def held(self, text: str) -> int:
-        """How many characters at the end of `text` may be the start of a call (not to be streamed as content yet)."""
-        return _held_suffix(text, self.marker)
-
     def bodies(self, text: str) -> list[tuple[int, int | None]]:
-        """Where each call's body lies in `text` (from a call's start): its start and end, None while it is open."""
         spans, at = [], text.find(self.marker)
         while at >= 0:
             begin = at + len(self.marker)
@@ -199,42 +248,24 @@ class HermesFormat(JsonBodies):
         return spans
 
     def open_tail(self, body: str) -> int:
-        """How many characters at the end of an open body may be its end's marker."""
         return _held_suffix(body, self.close)
 
 
-class Llama3JsonFormat(JsonBodies):
+class Llama3JsonFormat(LeadingCalls):
     """An answer that is `{"name": ..., "parameters": {...}}` (after an optional <|python_tag|>), several joined by
     `;`."""
 
-    tag = "<|python_tag|>"
-
-    def start(self, text: str, since: int = 0) -> int | None:
-        """Where the call starts: only at the answer's beginning (None: no call)."""
-        stripped = text.lstrip()
-        if stripped.startswith("{") or stripped.startswith(self.tag):
-            return len(text) - len(stripped)
-        return None
-
-    def held(self, text: str) -> int:
-        stripped = text.lstrip()
-        return len(text) if self.tag.startswith(stripped) else 0
+    tag, opener = "<|python_tag|>", "{"
 
     def bodies(self, text: str) -> list[tuple[int, int | None]]:
-        """Where each call's JSON object lies in `text` (from a call's start)."""
-        at = len(text) - len(text.lstrip())
-        return _json_values(text, at + len(self.tag) if text.startswith(self.tag, at) else at, " \t\r\n;")
-
-    def open_tail(self, body: str) -> int:
-        return 0
+        return _json_values(text, self.after_tag(text), " \t\r\n;")
 
 
 class RequiredFormat(Llama3JsonFormat):
     """`required`'s answer: a JSON array of `{"name": ..., "parameters": {...}}` (the engine is held to it)."""
 
     def bodies(self, text: str) -> list[tuple[int, int | None]]:
-        at = len(text) - len(text.lstrip())
-        return _json_values(text, at + 1 if text.startswith("[", at) else at, " \t\r\n,", stop="]")
+        return _json_items(text, 0)
 
     def calls(self, text: str) -> list[ToolCall] | None:
         """A whole answer's calls; None unless every one is well formed (the engine was held to the array)."""
@@ -247,18 +278,11 @@ class RequiredFormat(Llama3JsonFormat):
 _ARGS_HEAD = re.compile(r"\s*([A-Za-z0-9_-]{1,64})\[ARGS\]\s*")
 
 
-class MistralFormat(JsonBodies):
+class MistralFormat(MarkedCalls):
     """`[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}` (Mistral's v3 tokenizer), or
     `[TOOL_CALLS]name[ARGS]{...}` once per call (v11 on), after optional content."""
 
     marker = "[TOOL_CALLS]"
-
-    def start(self, text: str, since: int = 0) -> int | None:
-        at = text.find(self.marker, since)
-        return None if at < 0 else at
-
-    def held(self, text: str) -> int:
-        return _held_suffix(text, self.marker)
 
     def bodies(self, text: str) -> list[tuple[int, int | None]]:
         """Each call's body: an object of the array after a marker, or `name[ARGS]` and the arguments' value."""
@@ -268,8 +292,7 @@ class MistralFormat(JsonBodies):
             at += len(self.marker)
             rest = text[at:].lstrip()
             if rest.startswith("[") or rest.startswith("{"):
-                begin = len(text) - len(rest)
-                values = _json_values(text, begin + 1 if rest[0] == "[" else begin, " \t\r\n,", stop="]")
+                values = _json_items(text, at)
             else:
                 head = _ARGS_HEAD.match(text, at)
                 if head is None:  # (its name still coming, or no call: read as one at the end)
@@ -280,9 +303,6 @@ class MistralFormat(JsonBodies):
                 return spans
             at = text.find(self.marker, values[-1][1])
         return spans
-
-    def open_tail(self, body: str) -> int:
-        return 0
 
     def head(self, body: str) -> CallHead | None:
         named = _ARGS_HEAD.match(body)
@@ -300,27 +320,16 @@ class MistralFormat(JsonBodies):
             return None
 
 
-class PythonicFormat:
+class PythonicFormat(LeadingCalls):
     """An answer that is a Python list of calls with keyword arguments, `[weather(city="Oslo"), time()]` (Llama
     3.2's and 4's pythonic format; Llama 4 wraps it in <|python_start|> ... <|python_end|>). Each call goes out
     whole once written: its arguments are Python literals, not JSON text to stream."""
 
-    tag = "<|python_start|>"
-
-    def start(self, text: str, since: int = 0) -> int | None:
-        stripped = text.lstrip()
-        if stripped.startswith("[") or stripped.startswith(self.tag):
-            return len(text) - len(stripped)
-        return None
-
-    def held(self, text: str) -> int:
-        stripped = text.lstrip()
-        return len(text) if self.tag.startswith(stripped) else 0
+    tag, opener = "<|python_start|>", "["
 
     def bodies(self, text: str) -> list[tuple[int, int | None]]:
         """Each call's text in the list: up to its closing parenthesis (strings and brackets inside skipped)."""
-        at = len(text) - len(text.lstrip())
-        at = len(text) - len(text[at + len(self.tag) :].lstrip()) if text.startswith(self.tag, at) else at
+        at = self.after_tag(text)
         if not text.startswith("[", at):
             return []
         spans: list[tuple[int, int | None]] = []
@@ -335,9 +344,6 @@ class PythonicFormat:
             if end is None:
                 return spans
             at = end
-
-    def open_tail(self, body: str) -> int:
-        return 0
 
     def head(self, body: str) -> CallHead | None:
         return None

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from preft.gateway import redis_client
 from preft.gateway.auth import KeyAuthenticator
+from preft.gateway.background import BackgroundRuns
 from preft.gateway.engine_client import EngineClient
 from preft.gateway.errors import install_error_handlers
 from preft.gateway.generation import GenerationService
@@ -80,6 +81,10 @@ def create_app(
             app.state.response_store = ResponseStore(
                 r, ttl_s=settings.responses_store_ttl_s, timeout_s=settings.redis_timeout_s
             )
+            app.state.background_runs = BackgroundRuns(
+                app.state.response_store, max_runs=settings.responses_background_max
+            )
+            stack.push_async_callback(app.state.background_runs.close)
             app.state.registry = reg
             app.state.tokenizer = tok
             app.state.resolver = resolver

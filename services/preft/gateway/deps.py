@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from preft.common.errors import InvalidArgument
 from preft.gateway.auth import Caller, KeyAuthenticator
+from preft.gateway.background import BackgroundRuns
 from preft.gateway.errors import PayloadTooLarge, validation_message
 from preft.gateway.generation import GenerationService
 from preft.gateway.registry import AsyncRegistry
@@ -50,6 +51,10 @@ async def get_resolver(request: Request) -> AdapterResolver:
 
 async def get_response_store(request: Request) -> ResponseStore:
     return request.app.state.response_store
+
+
+async def get_background_runs(request: Request) -> BackgroundRuns:
+    return request.app.state.background_runs
 
 
 async def get_redis(request: Request) -> aioredis.Redis:
@@ -95,4 +100,5 @@ RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
 CompletionBodyDep = Annotated[CompletionBody, Depends(json_body(CompletionBody))]
 ChatBodyDep = Annotated[ChatBody, Depends(json_body(ChatBody))]
 ResponseStoreDep = Annotated[ResponseStore, Depends(get_response_store)]
+BackgroundRunsDep = Annotated[BackgroundRuns, Depends(get_background_runs)]
 ResponsesBodyDep = Annotated[ResponsesBody, Depends(json_body(ResponsesBody))]

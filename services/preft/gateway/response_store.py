@@ -3,6 +3,10 @@ tenant only, with the conversation it ended (as chat turns) so that `previous_re
 
 Off unless the operator sets a TTL (`GatewaySettings.responses_store_ttl_s`), as in vLLM: a stored response holds the
 prompt's text, which the gateway otherwise never keeps.
+
+A background response (`background: true`) also has a run key while a gateway replica works on it: a lease that
+replica renews, which holds `cancel` once a cancel is asked for (on whichever replica). A stored response still in
+progress whose lease is gone was left by a replica that stopped.
 """
 
 from __future__ import annotations
@@ -47,10 +51,11 @@ class ResponseStore:
     def _missing(self, response_id: str) -> NotFound:
         return NotFound(f"no stored response {response_id!r} (responses are kept {self.ttl_s:g} s)")
 
-    async def save(self, tenant: str, stored: StoredResponse) -> None:
+    async def save(self, tenant: str, stored: StoredResponse, *, only_existing: bool = False) -> None:
+        """Store the response (`only_existing`: update it, unless it was deleted meanwhile)."""
         data = json.dumps(dataclasses.asdict(stored), separators=(",", ":"))
         key = self._key(tenant, stored.response["id"])
-        await guarded(self._redis.set(key, data, px=int(self.ttl_s * 1000)), self._timeout_s)
+        await guarded(self._redis.set(key, data, px=int(self.ttl_s * 1000), xx=only_existing), self._timeout_s)
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse:
         """The tenant's stored response; NotFound for one that expired, was deleted, or is another tenant's."""
@@ -60,6 +65,37 @@ class ResponseStore:
         if data is None:
             raise self._missing(response_id)
         return StoredResponse(**json.loads(data))
+
+    @staticmethod
+    def _run_key(tenant: str, response_id: str) -> str:
+        return f"preft:response-run:{tenant}:{response_id}"
+
+    async def hold(self, tenant: str, response_id: str, lease_s: float) -> None:
+        """Take the run's lease (a background response starts on this replica)."""
+        key = self._run_key(tenant, response_id)
+        await guarded(self._redis.set(key, "running", px=int(lease_s * 1000)), self._timeout_s)
+
+    async def renew(self, runs: list[tuple[str, str]], lease_s: float) -> list[str | None]:
+        """Renew the runs' leases; each one's state: `running`, `cancel` (asked for), or None (its lease was lost)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for tenant, response_id in runs:
+            key = self._run_key(tenant, response_id)
+            pipe.pexpire(key, int(lease_s * 1000))
+            pipe.get(key)
+        replies = await guarded(pipe.execute(), self._timeout_s)
+        return replies[1::2]
+
+    async def running(self, tenant: str, response_id: str) -> bool:
+        """Whether a replica holds the run's lease."""
+        return bool(await guarded(self._redis.exists(self._run_key(tenant, response_id)), self._timeout_s))
+
+    async def ask_cancel(self, tenant: str, response_id: str) -> bool:
+        """Mark the run to be cancelled; False where no replica runs it."""
+        key = self._run_key(tenant, response_id)
+        return bool(await guarded(self._redis.set(key, "cancel", xx=True, keepttl=True), self._timeout_s))
+
+    async def release(self, tenant: str, response_id: str) -> None:
+        await guarded(self._redis.delete(self._run_key(tenant, response_id)), self._timeout_s)
 
     async def delete(self, tenant: str, response_id: str) -> None:
         if not self.enabled or not RESPONSE_ID.match(response_id):

@@ -39,7 +39,7 @@ INCLUDE_NOT_PRODUCED = frozenset(
     }
 )
 # Fields of a Responses request that OpenAI defines and this server does not do: refused when asked for (not null)
-NOT_SUPPORTED = ("conversation", "prompt", "reasoning", "background")
+NOT_SUPPORTED = ("conversation", "prompt", "reasoning")
 # The generation fields a Responses request gives in its own way (or not at all: `n`)
 CHAT_ONLY = frozenset({"model", "max_tokens", "stream", "stream_options", "n", "response_format", "user"})
 # The vLLM and PreFT extensions a Responses request may carry, as on chat (sampling options, `preft_mode`, ...)
@@ -128,6 +128,7 @@ class ResponsesBody(BaseModel):
     user: str | None = None
     store: bool | None = Field(None, description="Keep the response (where the server stores responses); default true")
     previous_response_id: str | None = Field(None, description="A stored response this one continues")
+    background: bool | None = Field(None, description="Answer at once (queued) and run it; poll GET /v1/responses/{id}")
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -304,6 +305,7 @@ class ResponseShape:
         self.head = {
             "id": response_id,
             "object": "response",
+            "background": body.background is True,
             "created_at": int(time.time()),
             "model": body.model,
             "instructions": body.instructions,

@@ -62,6 +62,9 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="How long POST /v1/responses keeps a response for previous_response_id and GET (0: not stored)",
     )
+    responses_background_max: int = Field(
+        256, ge=0, description="Background responses one gateway replica runs at once (more: 503)"
+    )
     registry_upload_timeout_s: float = Field(600.0, gt=0, description="Deadline for an adapter upload to the registry")
 
     key_cache_ttl_s: float = Field(

@@ -84,21 +84,20 @@ async def merged(streams: list[EngineStream]) -> AsyncGenerator[tuple[int, Engin
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def events(
+async def rendered(
     generation: GenerationService,
     job: Job,
     streams: list[EngineStream],
     render: ChunkRenderer,
     *,
     include_usage: bool,
-    done: bool = True,
     on_final: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
-) -> AsyncGenerator[bytes, None]:
-    """The SSE bytes for a job's opened engine streams (one per choice), ending with [DONE] where `done` (the Responses
-    API's stream has none); always closes the streams and finishes the job."""
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The events of a job's opened engine streams (one per choice) as `render` makes them, the usage last (where
+    `include_usage`; `on_final` sees it first); raises what fails; always closes the streams and finishes the job."""
     try:
         for event in render.opening(len(streams)):
-            yield sse(event)
+            yield event
         usages: dict[int, Usage | None] = {}
         async with contextlib.aclosing(merged(streams)) as chunks:
             async for index, chunk in chunks:
@@ -106,7 +105,7 @@ async def events(
                 if chunk.finish_reason == "abort":
                     raise Unavailable("the engine aborted the generation; retry later")
                 for event in render.piece(chunk, index):
-                    yield sse(event)
+                    yield event
                 if chunk.finish_reason is not None:
                     usages[index] = chunk.usage
                     if len(usages) == len(streams):
@@ -121,15 +120,34 @@ async def events(
                 final = render.usage(usage)
                 if on_final is not None:
                     await on_final(final)
-                yield sse(final)
-        if done:
-            yield DONE
-    except Exception as e:
-        yield sse_error(e)
+                yield final
     finally:
         for stream in streams:
             await stream.aclose()
         generation.finish(job)
+
+
+async def events(
+    generation: GenerationService,
+    job: Job,
+    streams: list[EngineStream],
+    render: ChunkRenderer,
+    *,
+    include_usage: bool,
+    done: bool = True,
+    on_final: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+) -> AsyncGenerator[bytes, None]:
+    """The SSE bytes of `rendered`, ending with [DONE] where `done` (the Responses API's stream has none), or with
+    an error event where it fails."""
+    try:
+        body = rendered(generation, job, streams, render, include_usage=include_usage, on_final=on_final)
+        async with contextlib.aclosing(body) as rendered_events:
+            async for event in rendered_events:
+                yield sse(event)
+        if done:
+            yield DONE
+    except Exception as e:
+        yield sse_error(e)
 
 
 class EventStreamResponse(StreamingResponse):

@@ -5,9 +5,11 @@ request reaches the engine as the chat route sends it, the answer comes back as 
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
+import redis
 
 from preft.engine.contract import OutputConstraint
 
@@ -201,7 +203,7 @@ def test_formats_logprobs_and_extensions_reach_the_engine(gateway, make_gateway,
         ({"input": [{"type": "reasoning", "summary": []}]}, "type 'reasoning' are not supported"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "call_id"),
         ({"input": "hi", "previous_response_id": "resp_1"}, "does not store responses"),
-        ({"input": "hi", "background": True}, "background is not supported"),
+        ({"input": "hi", "background": True}, "background: needs a stored response"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
         ({"input": "hi", "include": ["everything"]}, "include: unknown value"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
@@ -274,3 +276,84 @@ def test_stored_responses_continue_conversations(make_gateway, registry, stub, t
 
     with pytest.raises(openai.BadRequestError, match="does not store responses"):
         make_gateway().openai(acme).responses.create(model=BASE, previous_response_id=second.id, input="hi")
+
+
+def _until(read, done, timeout_s: float = 15.0):
+    """`read()` once `done` holds of it (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while not done(value := read()):
+        assert time.monotonic() < deadline, value
+        time.sleep(0.05)
+    return value
+
+
+def test_background_responses_run_and_are_polled(make_gateway, registry, stub, tokenizer, redis_url):
+    """background: answered at once (queued), run by the gateway, read by polling GET; it continues as any stored
+    response; a background response needs storing and no stream; a replica full of runs answers 503 and reserves
+    nothing; one left in progress by a replica that stopped (its lease gone) reads as failed."""
+    key = registry.tenant("acme")
+    gateway = make_gateway(responses_store_ttl_s=60)
+    client = gateway.openai(key)
+    stub.reply = "Hello Bob."
+    queued = client.responses.create(model=BASE, input="I am Bob.", max_output_tokens=20, background=True)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    done = _until(lambda: client.responses.retrieve(queued.id), lambda r: r.status == "completed")
+    assert done.output_text == "Hello Bob." and done.usage.output_tokens == 3 and done.background
+    stub.reply = "You are Bob."
+    sent = len(stub.received)
+    later = client.responses.create(model=BASE, previous_response_id=done.id, input="Who?", background=True)
+    _until(lambda: len(stub.received), lambda n: n > sent)
+    assert "assistant: Hello Bob.\nuser: Who?" in tokenizer.decode(stub.received[-1][1].prompt_token_ids)
+    assert stub.received[-1][1].stream  # (a background run streams from the engine)
+    assert _until(lambda: client.responses.retrieve(later.id), lambda r: r.status == "completed").output_text
+
+    with pytest.raises(openai.BadRequestError, match="not with stream"):
+        client.responses.create(model=BASE, input="hi", background=True, stream=True)
+    with pytest.raises(openai.BadRequestError, match="needs a stored response"):
+        client.responses.create(model=BASE, input="hi", background=True, store=False)
+    full = make_gateway(responses_store_ttl_s=60, responses_background_max=0).openai(key)
+    sent = len(stub.received)
+    with pytest.raises(openai.InternalServerError, match="background responses"):
+        full.responses.create(model=BASE, input="hi", background=True)
+    assert len(stub.received) == sent
+
+    stopped = json.loads(redis.Redis.from_url(redis_url).get(f"preft:response:acme:{done.id}"))
+    stopped["response"] = {**stopped["response"], "status": "in_progress", "id": "resp_" + "0" * 32}
+    redis.Redis.from_url(redis_url).set(f"preft:response:acme:resp_{'0' * 32}", json.dumps(stopped))
+    left = client.responses.retrieve("resp_" + "0" * 32)  # (no replica holds its lease)
+    assert left.status == "failed" and "stopped" in left.error.message
+
+
+def test_background_responses_cancel_on_any_replica(make_gateway, registry, stub):
+    """cancel stops a background run (on its own replica, or through the lease from another one) and answers it
+    cancelled with its output so far; deleting one in progress stops it too; a finished one is answered as it is,
+    and only background responses can be cancelled."""
+    key = registry.tenant("acme")
+    one, other = make_gateway(responses_store_ttl_s=60), make_gateway(responses_store_ttl_s=60)
+    client = one.openai(key)
+    stub.token_delay_s = 0.05  # (200 tokens: 10 s unless stopped)
+    for canceller in (client, other.openai(key)):
+        run = client.responses.create(model=BASE, input="go", max_output_tokens=200, background=True)
+        _until(lambda run=run: client.responses.retrieve(run.id), lambda r: r.status == "in_progress")
+        time.sleep(0.3)
+        started = time.monotonic()
+        cancelled = canceller.responses.cancel(run.id)
+        assert cancelled.status == "cancelled" and time.monotonic() - started < 5, cancelled
+        assert cancelled.output and cancelled.output[0].content[0].text.startswith(" w")  # (what it wrote so far)
+        assert client.responses.retrieve(run.id).status == "cancelled"
+    tokens = len(stub.received)
+    deleted = client.responses.create(model=BASE, input="go", max_output_tokens=200, background=True)
+    _until(lambda: client.responses.retrieve(deleted.id), lambda r: r.status == "in_progress")
+    client.responses.delete(deleted.id)
+    time.sleep(1.5)
+    with pytest.raises(openai.NotFoundError):  # (the run's end does not bring it back)
+        client.responses.retrieve(deleted.id)
+    assert len(stub.received) == tokens + 1
+
+    stub.token_delay_s, stub.reply = 0.0, "Done."
+    finished = client.responses.create(model=BASE, input="go", background=True)
+    _until(lambda: client.responses.retrieve(finished.id), lambda r: r.status == "completed")
+    assert client.responses.cancel(finished.id).status == "completed"
+    plain = client.responses.create(model=BASE, input="go")
+    with pytest.raises(openai.BadRequestError, match="only a background response"):
+        client.responses.cancel(plain.id)

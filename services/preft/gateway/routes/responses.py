@@ -1,10 +1,14 @@
-"""POST /v1/responses: OpenAI's Responses API, answered through the chat path (`preft.gateway.responses`); GET and
-DELETE /v1/responses/{id} for stored responses (`preft.gateway.response_store`)."""
+"""POST /v1/responses: OpenAI's Responses API, answered through the chat path (`preft.gateway.responses`), at once or
+in the background (`preft.gateway.background`); GET and DELETE /v1/responses/{id} for stored responses
+(`preft.gateway.response_store`), POST /v1/responses/{id}/cancel for background ones."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -12,10 +16,18 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
 from preft.common.errors import InvalidArgument, Unavailable
-from preft.gateway.deps import CallerDep, GenerationDep, ResponsesBodyDep, ResponseStoreDep, TokenizerDep
+from preft.gateway.background import IN_PROGRESS, BackgroundRuns, Run, current
+from preft.gateway.deps import (
+    BackgroundRunsDep,
+    CallerDep,
+    GenerationDep,
+    ResponsesBodyDep,
+    ResponseStoreDep,
+    TokenizerDep,
+)
 from preft.gateway.errors import validation_message
 from preft.gateway.observability import started_s
-from preft.gateway.response_store import StoredResponse
+from preft.gateway.response_store import ResponseStore, StoredResponse
 from preft.gateway.responses import (
     ResponseEvents,
     ResponseShape,
@@ -27,7 +39,7 @@ from preft.gateway.responses import (
 )
 from preft.gateway.routes.chat import start_chat
 from preft.gateway.schemas import ChatBody
-from preft.gateway.sse import stream_response
+from preft.gateway.sse import rendered, stream_response
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["responses"])
@@ -41,24 +53,49 @@ async def create_response(
     generation: GenerationDep,
     tokenizer: TokenizerDep,
     store: ResponseStoreDep,
+    runs: BackgroundRunsDep,
 ) -> Response:
     body.refuse_unsupported()
+    keep = store.enabled and body.store is not False
+    if body.background and not keep:
+        raise InvalidArgument("background: needs a stored response (store true, on a server that stores responses)")
+    if body.background and body.stream:
+        raise InvalidArgument("background: not with stream; poll GET /v1/responses/{id} instead")
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         if not store.enabled:
             raise InvalidArgument("previous_response_id: this server does not store responses")
-        history = (await store.get(caller.tenant, body.previous_response_id)).conversation
+        previous = await current(store, caller.tenant, body.previous_response_id)
+        if previous.response["status"] in IN_PROGRESS:
+            raise InvalidArgument("previous_response_id: that response is still in progress")
+        history = previous.conversation
     turns = conversation(body.input, history)  # (what a later response continues)
     try:
         chat = ChatBody.model_validate(body.chat_fields(turns))
     except ValidationError as e:
         raise InvalidArgument(in_responses_terms(validation_message(e.errors(include_input=False)))) from None
+    chat.stream = chat.stream or bool(body.background)  # (a background run streams from the engine)
     response_id = f"resp_{uuid.uuid4().hex}"
     job, plan = await start_chat(caller, chat, generation, tokenizer, response_id)
     call_format = generation.settings.tool_call_format
     headers = {"x-request-id": response_id, **job.admission.headers()}
-    keep = store.enabled and body.store is not False
     shape = ResponseShape(body, response_id, stored=keep)
+    if body.background:
+        render = ResponseEvents(shape, plan, call_format)
+
+        async def answer() -> AsyncIterator[dict[str, Any]]:
+            streams = await generation.open_streams(job, started_s=started_s(request))
+            return rendered(generation, job, streams, render, include_usage=True)
+
+        queued = {**shape.response([], None, None), "status": "queued"}
+        stored = StoredResponse(queued, turns, input_items(body.input))
+        run = Run(caller.tenant, stored, answer, lambda: render.output, lambda: generation.finish(job))
+        try:
+            await runs.start(run)
+        except BaseException:
+            generation.finish(job)
+            raise
+        return JSONResponse(queued, headers=headers)
 
     async def save(response: dict[str, Any]) -> None:
         try:
@@ -84,7 +121,32 @@ async def create_response(
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, caller: CallerDep, store: ResponseStoreDep) -> JSONResponse:
-    return JSONResponse((await store.get(caller.tenant, response_id)).response)
+    return JSONResponse((await current(store, caller.tenant, response_id)).response)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(
+    response_id: str, caller: CallerDep, store: ResponseStoreDep, runs: BackgroundRunsDep
+) -> JSONResponse:
+    """Stop a background response in progress (on whichever replica runs it); the response as it then stands."""
+    stored = await current(store, caller.tenant, response_id)
+    if not stored.response.get("background"):
+        raise InvalidArgument("only a background response can be cancelled")
+    if stored.response["status"] in IN_PROGRESS:
+        if not runs.cancel_here(caller.tenant, response_id):
+            await store.ask_cancel(caller.tenant, response_id)
+        stored = await _ended(store, runs, caller.tenant, response_id)
+    return JSONResponse(stored.response)
+
+
+async def _ended(store: ResponseStore, runs: BackgroundRuns, tenant: str, response_id: str) -> StoredResponse:
+    """The response once its run stored its end (its replica stops it within its lease poll), or as it stands."""
+    deadline = time.monotonic() + 3 * runs.poll_s + 2.0
+    while True:
+        stored = await current(store, tenant, response_id)
+        if stored.response["status"] not in IN_PROGRESS or time.monotonic() > deadline:
+            return stored
+        await asyncio.sleep(0.05)
 
 
 @router.get("/v1/responses/{response_id}/input_items")
@@ -118,6 +180,10 @@ async def list_input_items(
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, caller: CallerDep, store: ResponseStoreDep) -> JSONResponse:
+async def delete_response(
+    response_id: str, caller: CallerDep, store: ResponseStoreDep, runs: BackgroundRunsDep
+) -> JSONResponse:
     await store.delete(caller.tenant, response_id)
+    if not runs.cancel_here(caller.tenant, response_id):  # (a background one in progress stops too)
+        await store.ask_cancel(caller.tenant, response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -85,6 +85,12 @@ def test_completions_chat_and_streaming_in_both_modes(stack, tenants):
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
     follow_up = demo.responses.create(input="and then?", previous_response_id=response.id, **greedy)  # (stored here)
     assert follow_up.usage.input_tokens > response.usage.input_tokens + response.usage.output_tokens
+    queued = demo.responses.create(input="hello world", background=True, **greedy)  # (run by the gateway, polled)
+    deadline = time.monotonic() + 60
+    while (ran := demo.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, ran
+        time.sleep(0.1)
+    assert queued.status == "queued" and (ran.status, ran.output_text) == (response.status, response.output_text)
 
     # logprobs and penalties through every hop: greedy, so each chosen token is its position's most likely
     scored = demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)

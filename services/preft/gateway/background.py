@@ -105,13 +105,13 @@ class BackgroundRuns:
         except asyncio.CancelledError:
             asyncio.current_task().uncancel()  # type: ignore[union-attr]  (stored below, then the task ends)
             status, error = ("failed", STOPPED_ERROR) if self._stopping else ("cancelled", None)
-            response = {**response, "status": status, "error": error, "output": run.output_so_far()}
+            response = {**response, "status": status, "error": error, "output": _cut(run.output_so_far())}
         except Exception as e:  # the run's end is stored whatever failed; the error's message goes with it
             if not isinstance(e, PreftError):
                 log.exception("background response %s failed", run.response_id)
             message = e.message if isinstance(e, PreftError) else "the generation failed"
             error = {"code": "server_error", "message": message}
-            response = {**response, "status": "failed", "error": error, "output": run.output_so_far()}
+            response = {**response, "status": "failed", "error": error, "output": _cut(run.output_so_far())}
         finally:
             run.finish()
         await self._update(run, response)
@@ -147,6 +147,11 @@ class BackgroundRuns:
                 elif state is None and key in self._tasks:  # (lost, as after a Redis restart: taken again)
                     with contextlib.suppress(Unavailable):
                         await self._store.hold(*key, self.lease_s)
+
+
+def _cut(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The output of a run stopped midway: the item being written is incomplete."""
+    return [{**item, "status": "incomplete"} if item["status"] == "in_progress" else item for item in output]
 
 
 async def current(store: ResponseStore, tenant: str, response_id: str) -> StoredResponse:

@@ -307,6 +307,10 @@ def test_background_responses_run_and_are_polled(make_gateway, registry, stub, t
     assert stub.received[-1][1].stream  # (a background run streams from the engine)
     assert _until(lambda: client.responses.retrieve(later.id), lambda r: r.status == "completed").output_text
 
+    stub.fail_next(503, after_chunks=2)  # (the engine fails midway: the run fails with what it wrote)
+    broken = client.responses.create(model=BASE, input="go", background=True)
+    failed = _until(lambda: client.responses.retrieve(broken.id), lambda r: r.status not in ("queued", "in_progress"))
+    assert failed.status == "failed" and "injected failure" in failed.error.message and failed.output
     with pytest.raises(openai.BadRequestError, match="not with stream"):
         client.responses.create(model=BASE, input="hi", background=True, stream=True)
     with pytest.raises(openai.BadRequestError, match="needs a stored response"):

@@ -56,6 +56,7 @@ class BackgroundRuns:
         self.max_runs = max_runs
         self.lease_s, self.poll_s, self.drain_s = lease_s, poll_s, drain_s
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._ending: set[tuple[str, str]] = set()  # (runs storing their end: no longer cancelled)
         self._stopping = False
         self._watcher: asyncio.Task[None] | None = None
 
@@ -77,7 +78,8 @@ class BackgroundRuns:
         task = self._tasks.get((tenant, response_id))
         if task is None:
             return False
-        task.cancel()
+        if (tenant, response_id) not in self._ending:
+            task.cancel()
         return True
 
     async def close(self) -> None:
@@ -114,9 +116,14 @@ class BackgroundRuns:
             response = {**response, "status": "failed", "error": error, "output": _cut(run.output_so_far())}
         finally:
             run.finish()
-        await self._update(run, response)
-        with contextlib.suppress(Unavailable):
-            await self._store.release(run.tenant, run.response_id)
+        key = (run.tenant, run.response_id)
+        self._ending.add(key)
+        try:
+            await self._update(run, response)
+            with contextlib.suppress(Unavailable):
+                await self._store.release(*key)
+        finally:
+            self._ending.discard(key)
 
     async def _update(self, run: Run, response: dict[str, Any]) -> None:
         """Store the response as it now stands (not where it was deleted meanwhile)."""

@@ -11,6 +11,7 @@ send new optional fields over time. Extensions, sent by OpenAI clients through `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import cached_property
 from typing import Any, Literal
@@ -29,7 +30,7 @@ from preft.engine.contract import (
     LogitBias,
     OutputConstraint,
 )
-from preft.gateway.tools import MAX_TOOLS, ToolChoice, ToolPlan, ToolSpec
+from preft.gateway.tools import MAX_TOOLS, FunctionName, FunctionSpec, NamedToolChoice, ToolChoice, ToolPlan, ToolSpec
 from preft.vllm_plugin.modes import PositionMode
 
 MAX_STOP_SEQUENCES = 4
@@ -332,19 +333,28 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = Field(None, description="An assistant turn's calls")
     tool_call_id: str | None = Field(None, description="A tool turn: the call it answers")
+    function_call: FunctionCall | None = Field(None, description="Deprecated: an assistant turn's one call")
 
-    def turn(self) -> dict[str, Any]:
-        """The turn as chat templates take it."""
+    def turn(self, call_id: str = "") -> dict[str, Any]:
+        """The turn as chat templates take it; the deprecated function call and result as a tool call and a tool
+        turn (`call_id`: the id that pairs them)."""
+        if self.role == "function":
+            if not self.name:
+                raise InvalidArgument("messages: a function message needs the function's name")
+            return {"role": "tool", "content": self.text(), "name": self.name, "tool_call_id": call_id}
         turn: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             turn["name"] = self.name  # (templates that know participants' names write it)
-        if self.tool_calls:
-            turn["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        calls = self.tool_calls or []
+        if self.function_call is not None:
+            calls = [*calls, MessageToolCall(id=call_id, function=self.function_call)]
+        if calls:
+            turn["tool_calls"] = [c.for_template() for c in calls]
         if self.tool_call_id is not None:
             turn["tool_call_id"] = self.tool_call_id
         return turn
@@ -369,7 +379,12 @@ class ChatBody(GenerationBody):
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call")
     tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required or a name")
     parallel_tool_calls: bool | None = Field(None, description="False: at most one call per answer")
-    functions: list[Any] | None = None
+    functions: list[FunctionSpec] | None = Field(
+        None, max_length=MAX_TOOLS, description="Deprecated form of tools: one call per answer, as function_call"
+    )
+    function_call: Literal["none", "auto"] | FunctionName | None = Field(
+        None, description="Deprecated form of tool_choice (with functions)"
+    )
     continue_final_message: bool = Field(
         False, description="vLLM extension: the answer continues the last message, an assistant turn (a prefill)"
     )
@@ -377,15 +392,33 @@ class ChatBody(GenerationBody):
     def conversation(self) -> list[dict[str, Any]]:
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise InvalidArgument("continue_final_message: the last message must be the assistant's, to continue")
-        return [m.turn() for m in self.messages]
+        turns, call_id = [], ""
+        for i, message in enumerate(self.messages):
+            call_id = f"call_fn{i}" if message.function_call is not None else call_id  # (a function turn answers it)
+            turns.append(message.turn(call_id))
+        return turns
 
-    def _unsupported(self) -> dict[str, bool]:
-        return {"functions": bool(self.functions)}
+    @property
+    def legacy_functions(self) -> bool:
+        """The deprecated `functions`: the answer's call comes back as `function_call`."""
+        return self.functions is not None
 
     @cached_property
     def tool_plan(self) -> ToolPlan | None:
-        """How this request uses its tools (None: plain chat)."""
-        plan = ToolPlan.of(self.tools, self.tool_choice, parallel=self.parallel_tool_calls is not False)
+        """How this request uses its tools (None: plain chat); the deprecated functions as tools, one call each."""
+        if self.legacy_functions:
+            if self.tools is not None or self.tool_choice is not None:
+                raise InvalidArgument("functions: give tools or the deprecated functions, not both")
+            tools = [ToolSpec(type="function", function=f) for f in self.functions or []]
+            choice = self.function_call
+            if isinstance(choice, FunctionName):
+                choice = NamedToolChoice(type="function", function=choice)
+            plan = ToolPlan.of(tools, choice, parallel=False)
+            plan = None if plan is None else dataclasses.replace(plan, legacy=True)
+        elif self.function_call is not None:
+            raise InvalidArgument("function_call: give functions to choose from")
+        else:
+            plan = ToolPlan.of(self.tools, self.tool_choice, parallel=self.parallel_tool_calls is not False)
         if plan is not None and self.logprobs:
             raise InvalidArgument("logprobs: not available with tools")
         return plan

@@ -398,11 +398,12 @@ REQUIRED = RequiredFormat()
 @dataclass(frozen=True)
 class ToolPlan:
     """How one chat request uses its tools: `auto`, `required` or `named` (one function); `parallel`: more than one
-    call allowed."""
+    call allowed; `legacy`: the deprecated `functions`, whose one call is answered as `function_call`."""
 
     mode: Literal["auto", "required", "named"]
     tools: list[ToolSpec]
     parallel: bool = True
+    legacy: bool = False
 
     @classmethod
     def of(cls, tools: list[ToolSpec] | None, choice: ToolChoice | None, parallel: bool = True) -> ToolPlan | None:

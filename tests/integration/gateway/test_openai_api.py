@@ -321,6 +321,64 @@ def test_tools_auto_required_and_named_whole_and_streamed(make_gateway, registry
     assert out.choices[0].message.content == "Sunny in Oslo."
 
 
+def test_deprecated_functions_answer_as_function_call(make_gateway, registry, stub, tokenizer):
+    """The deprecated `functions` / `function_call`: the functions go to the model as tools, its one call comes back
+    as the message's `function_call` (finish_reason function_call), whole and streamed; a forced function's answer is
+    constrained to its schema; past function calls and `function` results go back into the prompt as tool turns."""
+    client = make_gateway(max_prompt_tokens=450).openai(registry.tenant("acme"))
+    functions = [t["function"] for t in TOOLS]
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    stub.reply = '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    out = client.chat.completions.create(model=BASE, messages=messages, max_tokens=50, functions=functions)
+    assert 'tools: {"name": "weather"' in tokenizer.decode(stub.received[-1][1].prompt_token_ids)
+    choice = out.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert (choice.message.function_call.name, json.loads(choice.message.function_call.arguments)) == (
+        "weather",
+        {"city": "Oslo"},
+    )
+    chunks = list(
+        client.chat.completions.create(model=BASE, messages=messages, max_tokens=50, functions=functions, stream=True)
+    )
+    calls = [c.choices[0].delta.function_call for c in chunks if c.choices and c.choices[0].delta.function_call]
+    assert calls[0].name == "weather" and all(c.name is None for c in calls[1:])
+    assert "".join(c.arguments for c in calls) == '{"city": "Oslo"}'
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "function_call"
+
+    stub.reply = '{"city": "Rome"}'
+    forced = client.chat.completions.create(
+        model=BASE, messages=messages, max_tokens=50, functions=functions, function_call={"name": "weather"}
+    )
+    assert stub.received[-1][1].constraint == OutputConstraint(json=WEATHER)
+    assert forced.choices[0].message.function_call.arguments == stub.reply and forced.choices[0].finish_reason == "stop"
+    stub.reply = "It is sunny."
+    none = client.chat.completions.create(
+        model=BASE, messages=messages, max_tokens=50, functions=functions, function_call="none"
+    )
+    assert none.choices[0].message.content == "It is sunny." and "tools:" not in tokenizer.decode(
+        stub.received[-1][1].prompt_token_ids
+    )
+
+    history = [
+        *messages,
+        {"role": "assistant", "content": None, "function_call": {"name": "weather", "arguments": '{"city": "Oslo"}'}},
+        {"role": "function", "name": "weather", "content": "sunny, 21 C"},
+    ]
+    client.chat.completions.create(model=BASE, messages=history, max_tokens=50, functions=functions)
+    prompt = tokenizer.decode(stub.received[-1][1].prompt_token_ids)
+    assert '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>\ntool: sunny, 21 C' in prompt
+    for bad, says in (
+        ({"functions": functions, "tools": TOOLS}, "not both"),
+        ({"function_call": "auto"}, "give functions"),
+        ({"functions": [{"name": "no spaces"}]}, "functions.0.name"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=says):
+            client.chat.completions.create(model=BASE, messages=messages, max_tokens=5, **bad)
+    nameless = [*messages, {"role": "function", "content": "x"}]
+    with pytest.raises(openai.BadRequestError, match="function's name"):
+        client.chat.completions.create(model=BASE, messages=nameless, max_tokens=5)
+
+
 def test_n_choices_are_samples_of_their_own_whole_and_streamed(gateway, registry, stub):
     """n > 1: one engine request per choice (seeded seed, seed + 1, ...), each answered as its own choice; usage counts
     the prompt once and every choice's tokens."""

@@ -74,6 +74,8 @@ class ChatChunks:
             last, called = stream.end()
             deltas += last
             finish = finish_reason(self.plan, finish, called)
+        if self.plan.legacy:
+            deltas = [as_function_call(delta) for delta in deltas]
         events = [self._event(index, delta, None) for delta in deltas]
         return events + ([self._event(index, {}, finish)] if finish is not None else [])
 
@@ -82,9 +84,21 @@ class ChatChunks:
 
 
 def finish_reason(plan: ToolPlan, engine_finish: str, called: bool) -> str:
-    """The answer's finish reason: tool_calls where it ended by itself having made calls (`auto`, `required`); a named
-    function's answer ends with stop, as OpenAI's."""
-    return "tool_calls" if called and engine_finish == "stop" and plan.mode != "named" else engine_finish
+    """The answer's finish reason: tool_calls (function_call, for the deprecated functions) where it ended by itself
+    having made calls (`auto`, `required`); a named function's answer ends with stop, as OpenAI's."""
+    if called and engine_finish == "stop" and plan.mode != "named":
+        return "function_call" if plan.legacy else "tool_calls"
+    return engine_finish
+
+
+def as_function_call(delta: dict[str, Any]) -> dict[str, Any]:
+    """A streamed delta's call as the deprecated `function_call` (the name with the call's first delta)."""
+    if "tool_calls" not in delta:
+        return delta
+    (call,) = delta["tool_calls"]  # (one call at most: the plan is not parallel)
+    function = call["function"]
+    piece = {"name": function["name"], "arguments": function["arguments"]} if "id" in call else function
+    return {**{k: v for k, v in delta.items() if k != "tool_calls"}, "function_call": piece}
 
 
 def _message(out: EngineResponse, plan: ToolPlan | None, call_format: ToolCallFormat) -> tuple[dict[str, Any], str]:
@@ -93,7 +107,9 @@ def _message(out: EngineResponse, plan: ToolPlan | None, call_format: ToolCallFo
         return {"role": "assistant", "content": out.text}, out.finish_reason
     content, calls = plan.read(out.text, call_format)
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
+    if calls and plan.legacy:
+        message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+    elif calls:
         message["tool_calls"] = [call.as_openai() for call in calls]
     return message, finish_reason(plan, out.finish_reason, bool(calls))
 

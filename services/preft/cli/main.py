@@ -170,6 +170,8 @@ curl -N {url}/v1/chat/completions -H "Authorization: Bearer {key}" -H "Content-T
 # a tenant uploads its own adapter (here the demo LoRA again, as "my-lora"), then serves it by name
 curl {url}/v1/adapters -H "Authorization: Bearer {key}" -F name=my-lora -F alias=prod \\
   -F files=@{lora}/adapter_config.json -F files=@{lora}/adapter_model.safetensors
+# the same from the command line (also list, show, alias, share, delete)
+PREFT_BASE_URL={url} PREFT_API_KEY={key} preft adapters upload my-lora {lora}
 
 python - <<'PY'
 from openai import OpenAI

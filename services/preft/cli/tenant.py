@@ -15,7 +15,7 @@ from urllib.parse import quote
 import httpx
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from preft.cli.render import err, human_size, usage_error
 
@@ -82,17 +82,15 @@ def emit(ctx: typer.Context, body: dict[str, Any], table: Table | str) -> None:
 
 
 def _adapters_table(adapters: list[dict[str, Any]]) -> Table:
-    table = Table("adapter", "owner", "versions", "latest", "method", "rank", "mode", "aliases", "size")
+    table = Table("latest", "method", "mode", "aliases", "size")
+    table.columns.insert(0, Column("adapter", no_wrap=True))  # (names whole; the other columns wrap)
     for a in adapters:
         latest = a["latest"]
         aliases = ", ".join(f"{k}→v{v}" for k, v in a["aliases"].items()) or "-"
         table.add_row(
-            a["id"],
-            a["owner"],
-            str(a["version_count"]),
-            f"v{latest['version']}",
-            latest["method"],
-            str(latest["rank"]),
+            a["id"],  # (a shared one as owner/name)
+            f"v{latest['version']} of {a['version_count']}",
+            f"{latest['method']} r{latest['rank']}",
             latest["default_mode"],
             aliases,
             human_size(latest["size_bytes"]),
@@ -101,15 +99,13 @@ def _adapters_table(adapters: list[dict[str, Any]]) -> Table:
 
 
 def _versions_table(versions: list[dict[str, Any]]) -> Table:
-    table = Table("version", "digest", "method", "rank", "mode", "base model", "size", "uploader")
+    table = Table("version", "digest", "method", "mode", "size", "uploader")
     for v in versions:
         table.add_row(
             f"v{v['version']}",
             v["digest"][:12],
-            v["method"],
-            str(v["rank"]),
+            f"{v['method']} r{v['rank']}",
             v["default_mode"],
-            v["base_model"],
             human_size(v["size_bytes"]),
             v["uploader"],
         )
@@ -164,7 +160,7 @@ def show(ctx: typer.Context, name: Annotated[str, typer.Argument(help="One of yo
         body = answer(client.get(_path(name)))
     shared = ", ".join(body.get("shared_with", [])) or "nobody"
     versions = _versions_table(body["versions"])
-    versions.title = f"{body['id']} (shared with {shared})"
+    versions.title = f"{body['id']} on {body['latest']['base_model']} (shared with {shared})"
     emit(ctx, body, versions)
 
 

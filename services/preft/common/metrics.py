@@ -48,3 +48,7 @@ GATEWAY_OVERHEAD = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
 )
 ENGINE_RETRIES = Counter("preft_gateway_engine_retries_total", "Requests retried on another replica", ["reason"])
+BACKGROUND_RUNNING = Gauge("preft_gateway_background_responses", "Background responses this replica runs")
+BACKGROUND_ENDED = Counter(
+    "preft_gateway_background_responses_ended_total", "Background responses ended, by how", ["status"]
+)

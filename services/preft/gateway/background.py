@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from preft.common.errors import PreftError, Unavailable
+from preft.common.metrics import BACKGROUND_ENDED, BACKGROUND_RUNNING
 from preft.gateway.response_store import ResponseStore, StoredResponse
 from preft.gateway.responses import output_turns
 
@@ -69,9 +70,14 @@ class BackgroundRuns:
         await self._store.hold(run.tenant, run.response_id, self.lease_s)
         key = (run.tenant, run.response_id)
         self._tasks[key] = asyncio.create_task(self._run(run), name=f"preft-background-{run.response_id}")
-        self._tasks[key].add_done_callback(lambda _: self._tasks.pop(key, None))
+        self._tasks[key].add_done_callback(lambda _: self._forget(key))
+        BACKGROUND_RUNNING.set(len(self._tasks))
         if self._watcher is None:
             self._watcher = asyncio.create_task(self._watch(), name="preft-background-leases")
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        self._tasks.pop(key, None)
+        BACKGROUND_RUNNING.set(len(self._tasks))
 
     def cancel_here(self, tenant: str, response_id: str) -> bool:
         """Cancel the run where this replica has it; False where it has not."""
@@ -118,6 +124,7 @@ class BackgroundRuns:
             run.finish()
         key = (run.tenant, run.response_id)
         self._ending.add(key)
+        BACKGROUND_ENDED.labels(status=response["status"]).inc()
         try:
             await self._update(run, response)
             with contextlib.suppress(Unavailable):

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from preft.common.errors import PreftError, Unavailable
@@ -101,13 +101,15 @@ class BackgroundRuns:
             await asyncio.gather(self._watcher, return_exceptions=True)
 
     async def _run(self, run: Run) -> None:
-        response = run.stored.response
+        response, kept = run.stored.response, _KeptEvents(self._store, run) if run.stored.events else None
         try:
             events = await run.answer()
             response = {**response, "status": "in_progress"}
             await self._update(run, response)
             async with contextlib.aclosing(events) as answer:
                 async for event in answer:
+                    if kept is not None:
+                        await kept.add(event)
                     if event["type"] in ("response.completed", "response.incomplete"):
                         response = event["response"]
         except asyncio.CancelledError:
@@ -126,6 +128,8 @@ class BackgroundRuns:
         self._ending.add(key)
         BACKGROUND_ENDED.labels(status=response["status"]).inc()
         try:
+            if kept is not None and response["status"] == "failed":  # (a cancelled stream just ends)
+                await kept.add({"type": "response.failed", "sequence_number": kept.next, "response": response})
             await self._update(run, response)
             with contextlib.suppress(Unavailable):
                 await self._store.release(*key)
@@ -163,9 +167,52 @@ class BackgroundRuns:
                         await self._store.hold(*key, self.lease_s)
 
 
+class _KeptEvents:
+    """A background run's stream events, kept in Redis as they come (for streams that read them, from any event);
+    a Redis outage stops the keeping, not the run."""
+
+    def __init__(self, store: ResponseStore, run: Run) -> None:
+        self._store, self._run, self.next, self._on = store, run, 0, True
+
+    async def add(self, event: dict[str, Any]) -> None:
+        self.next = event["sequence_number"] + 1
+        if not self._on:
+            return
+        try:
+            await self._store.add_events(self._run.tenant, self._run.response_id, [event])
+        except Unavailable as e:
+            self._on = False
+            log.warning("background response %s: its events no longer kept: %s", self._run.response_id, e.message)
+
+
 def _cut(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The output of a run stopped midway: the item being written is incomplete."""
     return [{**item, "status": "incomplete"} if item["status"] == "in_progress" else item for item in output]
+
+
+ENDING_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+async def replay(
+    store: ResponseStore, tenant: str, response_id: str, after: int, poll_s: float = 0.05
+) -> AsyncGenerator[dict[str, Any], None]:
+    """A background response's kept stream events numbered after `after`, then those still to come as they come, to
+    its end (a cancelled run's, or a stopped replica's, ends without an ending event)."""
+    entry, ended = "0", False
+    while True:
+        events = await store.events_after(tenant, response_id, entry)
+        entry = events[-1][0] if events else entry
+        for _, event in events:
+            if event["sequence_number"] > after:
+                yield event
+            if event["type"] in ENDING_EVENTS:
+                return
+        if events:
+            continue
+        if ended:
+            return
+        ended = (await current(store, tenant, response_id)).response["status"] not in IN_PROGRESS
+        await asyncio.sleep(0 if ended else poll_s)  # (once its run has ended, one more read: events kept meanwhile)
 
 
 async def current(store: ResponseStore, tenant: str, response_id: str) -> StoredResponse:

@@ -6,7 +6,8 @@ prompt's text, which the gateway otherwise never keeps.
 
 A background response (`background: true`) also has a run key while a gateway replica works on it: a lease that
 replica renews, which holds `cancel` once a cancel is asked for (on whichever replica). A stored response still in
-progress whose lease is gone was left by a replica that stopped.
+progress whose lease is gone was left by a replica that stopped. One created with `stream: true` keeps its stream's
+events too (a Redis stream, `ttl_s` as the response), so a client can stream it again from any event.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class StoredResponse:
     response: dict[str, Any]  # as it was answered
     conversation: list[dict[str, Any]]  # the chat turns it ended: earlier ones, its input, its output (no instructions)
     input_items: list[dict[str, Any]]  # its own input, as Responses items with ids
+    events: bool = False  # its stream's events are kept (a background response created with stream: true)
 
 
 class ResponseStore:
@@ -97,8 +99,28 @@ class ResponseStore:
     async def release(self, tenant: str, response_id: str) -> None:
         await guarded(self._redis.delete(self._run_key(tenant, response_id)), self._timeout_s)
 
+    @staticmethod
+    def _events_key(tenant: str, response_id: str) -> str:
+        return f"preft:response-events:{tenant}:{response_id}"
+
+    async def add_events(self, tenant: str, response_id: str, events: list[dict[str, Any]]) -> None:
+        """Keep a background response's stream events, in order."""
+        key = self._events_key(tenant, response_id)
+        pipe = self._redis.pipeline(transaction=False)
+        for event in events:
+            pipe.xadd(key, {"e": json.dumps(event, separators=(",", ":"))})
+        pipe.pexpire(key, int(self.ttl_s * 1000))
+        await guarded(pipe.execute(), self._timeout_s)
+
+    async def events_after(self, tenant: str, response_id: str, after: str, count: int = 256) -> list[tuple[str, dict]]:
+        """The kept events after the stream entry `after` ("0": from the first), with their entry ids."""
+        key = self._events_key(tenant, response_id)
+        entries = await guarded(self._redis.xrange(key, min=f"({after}", count=count), self._timeout_s)
+        return [(entry_id, json.loads(fields["e"])) for entry_id, fields in entries]
+
     async def delete(self, tenant: str, response_id: str) -> None:
         if not self.enabled or not RESPONSE_ID.match(response_id):
             raise self._missing(response_id)
-        if not await guarded(self._redis.delete(self._key(tenant, response_id)), self._timeout_s):
+        keys = (self._key(tenant, response_id), self._events_key(tenant, response_id))
+        if not await guarded(self._redis.delete(*keys), self._timeout_s):
             raise self._missing(response_id)

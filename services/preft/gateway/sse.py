@@ -139,10 +139,17 @@ async def events(
 ) -> AsyncGenerator[bytes, None]:
     """The SSE bytes of `rendered`, ending with [DONE] where `done` (the Responses API's stream has none), or with
     an error event where it fails."""
+    body = rendered(generation, job, streams, render, include_usage=include_usage, on_final=on_final)
+    async with contextlib.aclosing(as_sse(body, done=done)) as sse_bytes:
+        async for piece in sse_bytes:
+            yield piece
+
+
+async def as_sse(body: AsyncGenerator[dict[str, Any], None], *, done: bool) -> AsyncGenerator[bytes, None]:
+    """Events as SSE bytes, ending with [DONE] where `done`, or with an error event where `body` fails."""
     try:
-        body = rendered(generation, job, streams, render, include_usage=include_usage, on_final=on_final)
-        async with contextlib.aclosing(body) as rendered_events:
-            async for event in rendered_events:
+        async with contextlib.aclosing(body) as each:
+            async for event in each:
                 yield sse(event)
         if done:
             yield DONE

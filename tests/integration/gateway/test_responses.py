@@ -289,8 +289,9 @@ def _until(read, done, timeout_s: float = 15.0):
 
 def test_background_responses_run_and_are_polled(make_gateway, registry, stub, tokenizer, redis_url):
     """background: answered at once (queued), run by the gateway, read by polling GET; it continues as any stored
-    response; a background response needs storing and no stream; a replica full of runs answers 503 and reserves
-    nothing; one left in progress by a replica that stopped (its lease gone) reads as failed."""
+    response; a background response needs storing (and only one created streaming streams again); a replica full
+    of runs answers 503 and reserves nothing; one left in progress by a replica that stopped (its lease gone) reads
+    as failed."""
     key = registry.tenant("acme")
     gateway = make_gateway(responses_store_ttl_s=60)
     client = gateway.openai(key)
@@ -311,8 +312,8 @@ def test_background_responses_run_and_are_polled(make_gateway, registry, stub, t
     broken = client.responses.create(model=BASE, input="go", background=True)
     failed = _until(lambda: client.responses.retrieve(broken.id), lambda r: r.status not in ("queued", "in_progress"))
     assert failed.status == "failed" and "injected failure" in failed.error.message and failed.output
-    with pytest.raises(openai.BadRequestError, match="not with stream"):
-        client.responses.create(model=BASE, input="hi", background=True, stream=True)
+    with pytest.raises(openai.BadRequestError, match="only a background response created with stream"):
+        client.responses.retrieve(done.id, stream=True)
     with pytest.raises(openai.BadRequestError, match="needs a stored response"):
         client.responses.create(model=BASE, input="hi", background=True, store=False)
     full = make_gateway(responses_store_ttl_s=60, responses_background_max=0).openai(key)
@@ -366,3 +367,35 @@ def test_background_responses_cancel_on_any_replica(make_gateway, registry, stub
     assert 'preft_gateway_background_responses_ended_total{status="cancelled"}' in metrics
     assert 'preft_gateway_background_responses_ended_total{status="completed"}' in metrics
     assert "\npreft_gateway_background_responses 0.0" in metrics
+
+
+def test_background_streams_are_kept_and_streamed_again(make_gateway, registry, stub):
+    """background with stream: the events of a streamed response, kept as the run makes them; a client gone midway
+    leaves the run going; GET with stream streams them again from any event and follows a run still going."""
+    client = make_gateway(responses_store_ttl_s=60).openai(registry.tenant("acme"))
+    stub.reply = "Hello there, Bob."
+    events = list(client.responses.create(model=BASE, input="hi", background=True, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and final.output_text == "Hello there, Bob." and final.background
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text == client.responses.retrieve(final.id).output_text
+    again = list(client.responses.retrieve(final.id, stream=True, starting_after=3))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events[4:]]
+
+    stub.reply, stub.token_delay_s = None, 0.05  # (40 tokens: 2 s)
+    stream = client.responses.create(model=BASE, input="go", max_output_tokens=40, background=True, stream=True)
+    first = [next(stream) for _ in range(4)]
+    stream.close()  # (its client gone: the run goes on)
+    response_id = first[0].response.id
+    followed = list(client.responses.retrieve(response_id, stream=True, starting_after=1))  # (while it runs)
+    assert [e.sequence_number for e in followed][:2] == [2, 3] and followed[-1].type == "response.incomplete"
+    whole = followed[-1].response
+    assert "".join(e.delta for e in followed if e.type == "response.output_text.delta") == whole.output_text
+    assert whole.usage.output_tokens == 40 and client.responses.retrieve(response_id).status == "incomplete"
+
+    stub.token_delay_s = 0.0
+    stub.fail_next(503, after_chunks=2)  # (a run failing midway ends its stream with response.failed)
+    failed = list(client.responses.create(model=BASE, input="go", max_output_tokens=8, background=True, stream=True))
+    assert failed[-1].type == "response.failed" and "injected failure" in failed[-1].response.error.message
+    assert failed[-1].response.status == "failed" and failed[-1].sequence_number == failed[-2].sequence_number + 1

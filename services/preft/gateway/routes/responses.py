@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
 from preft.common.errors import InvalidArgument, Unavailable
-from preft.gateway.background import IN_PROGRESS, BackgroundRuns, Run, current
+from preft.gateway.background import IN_PROGRESS, BackgroundRuns, Run, current, replay
 from preft.gateway.deps import (
     BackgroundRunsDep,
     CallerDep,
@@ -39,7 +39,7 @@ from preft.gateway.responses import (
 )
 from preft.gateway.routes.chat import start_chat
 from preft.gateway.schemas import ChatBody
-from preft.gateway.sse import rendered, stream_response
+from preft.gateway.sse import EventStreamResponse, as_sse, rendered, stream_response
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["responses"])
@@ -59,8 +59,6 @@ async def create_response(
     keep = store.enabled and body.store is not False
     if body.background and not keep:
         raise InvalidArgument("background: needs a stored response (store true, on a server that stores responses)")
-    if body.background and body.stream:
-        raise InvalidArgument("background: not with stream; poll GET /v1/responses/{id} instead")
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         if not store.enabled:
@@ -88,13 +86,15 @@ async def create_response(
             return rendered(generation, job, streams, render, include_usage=True)
 
         queued = {**shape.response([], None, None), "status": "queued"}
-        stored = StoredResponse(queued, turns, input_items(body.input))
+        stored = StoredResponse(queued, turns, input_items(body.input), events=bool(body.stream))
         run = Run(caller.tenant, stored, answer, lambda: render.output, lambda: generation.finish(job))
         try:
             await runs.start(run)
         except BaseException:
             generation.finish(job)
             raise
+        if body.stream:  # (the run's kept events: the run goes on if this stream's client goes)
+            return _events(replay(store, caller.tenant, response_id, -1), headers)
         return JSONResponse(queued, headers=headers)
 
     async def save(response: dict[str, Any]) -> None:
@@ -120,8 +120,28 @@ async def create_response(
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, caller: CallerDep, store: ResponseStoreDep) -> JSONResponse:
-    return JSONResponse((await current(store, caller.tenant, response_id)).response)
+async def retrieve_response(
+    response_id: str,
+    caller: CallerDep,
+    store: ResponseStoreDep,
+    stream: bool = False,
+    starting_after: Annotated[int, Query(ge=-1)] = -1,
+) -> Response:
+    """A stored response; with stream, a background one created streaming is streamed again from the event after
+    `starting_after`, and on as its run goes."""
+    stored = await current(store, caller.tenant, response_id)
+    if not stream:
+        return JSONResponse(stored.response)
+    if not stored.events:
+        raise InvalidArgument("stream: only a background response created with stream true can be streamed again")
+    return _events(replay(store, caller.tenant, response_id, starting_after), {"x-request-id": response_id})
+
+
+def _events(events: AsyncGenerator[dict[str, Any], None], headers: dict[str, str]) -> EventStreamResponse:
+    async def nothing_to_close() -> None:
+        return None
+
+    return EventStreamResponse(as_sse(events, done=False), on_close=nothing_to_close, headers=headers)
 
 
 @router.post("/v1/responses/{response_id}/cancel")

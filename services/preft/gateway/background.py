@@ -6,7 +6,8 @@ response `queued`. The task then streams the answer from the engine as a streame
 it runs the task holds the response's run lease in Redis (renewed every `poll_s`); a cancel asked on any replica
 marks the lease and the owning replica stops the run within `poll_s`. A stored response still in progress whose
 lease is gone reads as failed (its replica stopped). Stopping the gateway lets runs finish for `drain_s`, then fails
-the rest.
+the rest. A run created with `stream: true` keeps its events in Redis as it makes them; `replay` streams them (to
+that request's client, and again to GET ?stream=true from any event), following the run to its end.
 """
 
 from __future__ import annotations

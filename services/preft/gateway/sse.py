@@ -127,24 +127,6 @@ async def rendered(
         generation.finish(job)
 
 
-async def events(
-    generation: GenerationService,
-    job: Job,
-    streams: list[EngineStream],
-    render: ChunkRenderer,
-    *,
-    include_usage: bool,
-    done: bool = True,
-    on_final: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
-) -> AsyncGenerator[bytes, None]:
-    """The SSE bytes of `rendered`, ending with [DONE] where `done` (the Responses API's stream has none), or with
-    an error event where it fails."""
-    body = rendered(generation, job, streams, render, include_usage=include_usage, on_final=on_final)
-    async with contextlib.aclosing(as_sse(body, done=done)) as sse_bytes:
-        async for piece in sse_bytes:
-            yield piece
-
-
 async def as_sse(body: AsyncGenerator[dict[str, Any], None], *, done: bool) -> AsyncGenerator[bytes, None]:
     """Events as SSE bytes, ending with [DONE] where `done`, or with an error event where `body` fails."""
     try:
@@ -185,8 +167,10 @@ def stream_response(
     done: bool = True,
     on_final: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> EventStreamResponse:
-    """The SSE response of a job's streams; `on_final` sees the last event (with the usage) before it goes out."""
-    body = events(generation, job, streams, render, include_usage=include_usage, done=done, on_final=on_final)
+    """The SSE response of a job's streams, ending with [DONE] where `done` (the Responses API's stream has none);
+    `on_final` sees the last event (with the usage) before it goes out."""
+    events = rendered(generation, job, streams, render, include_usage=include_usage, on_final=on_final)
+    body = as_sse(events, done=done)
 
     async def close() -> None:
         # Normally the generator has finished the job already; this covers a client gone before or mid-stream.

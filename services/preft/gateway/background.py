@@ -80,7 +80,13 @@ class BackgroundRuns:
         self._tasks.pop(key, None)
         BACKGROUND_RUNNING.set(len(self._tasks))
 
-    def cancel_here(self, tenant: str, response_id: str) -> bool:
+    async def cancel(self, tenant: str, response_id: str) -> None:
+        """Stop the run: here where this replica has it, else through its lease (its replica stops it within
+        `poll_s`); nothing where no replica runs it."""
+        if not self._cancel_here(tenant, response_id):
+            await self._store.ask_cancel(tenant, response_id)
+
+    def _cancel_here(self, tenant: str, response_id: str) -> bool:
         """Cancel the run where this replica has it; False where it has not."""
         task = self._tasks.get((tenant, response_id))
         if task is None:
@@ -162,7 +168,7 @@ class BackgroundRuns:
                 continue
             for key, state in zip(keys, states, strict=True):
                 if state == "cancel":
-                    self.cancel_here(*key)
+                    self._cancel_here(*key)
                 elif state is None and key in self._tasks:  # (lost, as after a Redis restart: taken again)
                     with contextlib.suppress(Unavailable):
                         await self._store.hold(*key, self.lease_s)
@@ -212,7 +218,7 @@ async def replay(
             continue
         if ended:
             return
-        ended = (await current(store, tenant, response_id)).response["status"] not in IN_PROGRESS
+        ended = not await store.running(tenant, response_id)  # (a run stores its end, then lets go of its lease)
         await asyncio.sleep(0 if ended else poll_s)  # (once its run has ended, one more read: events kept meanwhile)
 
 

@@ -153,8 +153,7 @@ async def cancel_response(
     if not stored.response.get("background"):
         raise InvalidArgument("only a background response can be cancelled")
     if stored.response["status"] in IN_PROGRESS:
-        if not runs.cancel_here(caller.tenant, response_id):
-            await store.ask_cancel(caller.tenant, response_id)
+        await runs.cancel(caller.tenant, response_id)
         stored = await _ended(store, runs, caller.tenant, response_id)
     return JSONResponse(stored.response)
 
@@ -204,6 +203,5 @@ async def delete_response(
     response_id: str, caller: CallerDep, store: ResponseStoreDep, runs: BackgroundRunsDep
 ) -> JSONResponse:
     await store.delete(caller.tenant, response_id)
-    if not runs.cancel_here(caller.tenant, response_id):  # (a background one in progress stops too)
-        await store.ask_cancel(caller.tenant, response_id)
+    await runs.cancel(caller.tenant, response_id)  # (a background one in progress stops too)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from preft.gateway import redis_client
 from preft.gateway.auth import KeyAuthenticator
 from preft.gateway.background import BackgroundRuns
+from preft.gateway.conversation_store import ConversationStore
 from preft.gateway.engine_client import EngineClient
 from preft.gateway.errors import install_error_handlers
 from preft.gateway.generation import GenerationService
@@ -24,7 +25,17 @@ from preft.gateway.observability import RequestMetricsMiddleware
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.resolution import AdapterResolver
 from preft.gateway.response_store import ResponseStore
-from preft.gateway.routes import adapters, chat, completions, health, metrics, models, responses, tokenize
+from preft.gateway.routes import (
+    adapters,
+    chat,
+    completions,
+    conversations,
+    health,
+    metrics,
+    models,
+    responses,
+    tokenize,
+)
 from preft.gateway.settings import GatewaySettings
 from preft.gateway.tokenization import PromptTokenizer
 from preft.gateway.usage import UsageRecorder
@@ -81,6 +92,12 @@ def create_app(
             app.state.response_store = ResponseStore(
                 r, ttl_s=settings.responses_store_ttl_s, timeout_s=settings.redis_timeout_s
             )
+            app.state.conversation_store = ConversationStore(
+                r,
+                ttl_s=settings.responses_store_ttl_s,
+                timeout_s=settings.redis_timeout_s,
+                max_items=settings.conversations_max_items,
+            )
             app.state.background_runs = BackgroundRuns(
                 app.state.response_store, max_runs=settings.responses_background_max
             )
@@ -111,7 +128,7 @@ def create_app(
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware)  # outermost: also counts the 500s of the error middleware
-    for module in (completions, chat, responses, tokenize, models, adapters, health, metrics):
+    for module in (completions, chat, responses, conversations, tokenize, models, adapters, health, metrics):
         app.include_router(module.router)
     return app
 

@@ -42,6 +42,7 @@ class Run:
     answer: Answer
     output_so_far: Callable[[], list[dict[str, Any]]]
     finish: Callable[[], None]  # gives back what the request reserved (idempotent)
+    ended: Callable[[dict[str, Any]], Awaitable[None]] | None = None  # sees the response once it is stored at its end
 
     @property
     def response_id(self) -> str:
@@ -138,6 +139,8 @@ class BackgroundRuns:
             if kept is not None and response["status"] == "failed":  # (a cancelled stream just ends)
                 await kept.add({"type": "response.failed", "sequence_number": kept.next, "response": response})
             await self._update(run, response)
+            if run.ended is not None:
+                await run.ended(response)
             with contextlib.suppress(Unavailable):
                 await self._store.release(*key)
         finally:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from preft.common.errors import InvalidArgument
 from preft.gateway.auth import Caller, KeyAuthenticator
 from preft.gateway.background import BackgroundRuns
+from preft.gateway.conversation_store import ConversationStore
 from preft.gateway.errors import PayloadTooLarge, validation_message
 from preft.gateway.generation import GenerationService
 from preft.gateway.registry import AsyncRegistry
@@ -55,6 +56,10 @@ async def get_response_store(request: Request) -> ResponseStore:
 
 async def get_background_runs(request: Request) -> BackgroundRuns:
     return request.app.state.background_runs
+
+
+async def get_conversation_store(request: Request) -> ConversationStore:
+    return request.app.state.conversation_store
 
 
 async def get_redis(request: Request) -> aioredis.Redis:
@@ -101,4 +106,5 @@ CompletionBodyDep = Annotated[CompletionBody, Depends(json_body(CompletionBody))
 ChatBodyDep = Annotated[ChatBody, Depends(json_body(ChatBody))]
 ResponseStoreDep = Annotated[ResponseStore, Depends(get_response_store)]
 BackgroundRunsDep = Annotated[BackgroundRuns, Depends(get_background_runs)]
+ConversationStoreDep = Annotated[ConversationStore, Depends(get_conversation_store)]
 ResponsesBodyDep = Annotated[ResponsesBody, Depends(json_body(ResponsesBody))]

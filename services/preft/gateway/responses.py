@@ -5,8 +5,9 @@ the Responses stream's events.
 
 Responses are stored where the operator turned that on (`preft.gateway.response_store`: then `store`, true unless
 the request says false, keeps the response for `GET /v1/responses/{id}` and `previous_response_id`); otherwise a
-conversation goes in `input` whole, with its past function calls and their outputs as items. `conversation` and
-`background` are not available.
+conversation goes in `input` whole, with its past function calls and their outputs as items. There too,
+`conversation` continues a stored conversation (`preft.gateway.conversation_store`) and adds the response's input and
+output to it, and `background` runs a response on the gateway (`preft.gateway.background`).
 """
 
 from __future__ import annotations
@@ -39,11 +40,26 @@ INCLUDE_NOT_PRODUCED = frozenset(
     }
 )
 # Fields of a Responses request that OpenAI defines and this server does not do: refused when asked for (not null)
-NOT_SUPPORTED = ("conversation", "prompt", "reasoning")
+NOT_SUPPORTED = ("prompt", "reasoning")
 # The generation fields a Responses request gives in its own way (or not at all: `n`)
 CHAT_ONLY = frozenset({"model", "max_tokens", "stream", "stream_options", "n", "response_format", "user"})
 # The vLLM and PreFT extensions a Responses request may carry, as on chat (sampling options, `preft_mode`, ...)
 EXTENSIONS = (frozenset(GenerationBody.model_fields) - CHAT_ONLY) | frozenset(VLLM_FIELDS_NOT_SUPPORTED)
+
+
+# `metadata` of a response or a conversation: up to 16 pairs of short strings
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=16, description="Up to 16 pairs (keys up to 64 characters, values up to 512)"),
+]
+
+
+class ConversationRef(BaseModel):
+    """`conversation: {"id": ...}` (or the id alone)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
 
 
 class FunctionTool(BaseModel):
@@ -122,12 +138,13 @@ class ResponsesBody(BaseModel):
     truncation: Literal["auto", "disabled"] | None = Field(
         None, description="auto: the input's last tokens, as many as the server accepts (disabled: refused if longer)"
     )
-    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
-        None, max_length=16, description="Up to 16 pairs, echoed in the response"
-    )
+    metadata: Metadata | None = None
     user: str | None = None
     store: bool | None = Field(None, description="Keep the response (where the server stores responses); default true")
     previous_response_id: str | None = Field(None, description="A stored response this one continues")
+    conversation: str | ConversationRef | None = Field(
+        None, description="A conversation this one continues; its input and output are added to it"
+    )
     background: bool | None = Field(None, description="Answer at once (queued) and run it; poll GET /v1/responses/{id}")
 
     def refuse_unsupported(self) -> None:
@@ -135,9 +152,13 @@ class ResponsesBody(BaseModel):
         for name in NOT_SUPPORTED:
             if extra.get(name) not in (None, False):
                 raise InvalidArgument(f"{name} is not supported by this server")
-        for item in self.include or []:
-            if item != LOGPROBS_INCLUDE and item not in INCLUDE_NOT_PRODUCED:
-                raise InvalidArgument(f"include: unknown value {item!r}")
+        check_include(self.include)
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise InvalidArgument("conversation and previous_response_id cannot both be given")
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
 
     @property
     def logprobs(self) -> bool:
@@ -170,6 +191,13 @@ class ResponsesBody(BaseModel):
             "user": self.user,
         }
         return extensions | {k: v for k, v in fields.items() if v is not None}
+
+
+def check_include(include: list[str] | None) -> None:
+    """`include`'s values: logprobs, or items this server never produces (nothing to add); others are a 400."""
+    for item in include or []:
+        if item != LOGPROBS_INCLUDE and item not in INCLUDE_NOT_PRODUCED:
+            raise InvalidArgument(f"include: unknown value {item!r}")
 
 
 # chat field paths in validation messages → the Responses request's own
@@ -215,19 +243,21 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
 def conversation(
     input: str | list[dict[str, Any]],
     history: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    *,
+    field: str = "input",
 ) -> list[dict[str, Any]]:
     """The chat turns of a Responses input after the `history` it continues: each item (messages; function calls,
     consecutive ones as one assistant turn; their outputs as tool turns). No instructions: a later response that
-    continues these turns does not carry them."""
+    continues these turns does not carry them. `field` names the items in a refusal's message."""
     messages = [dict(turn) for turn in history]
     if isinstance(input, str):
         if not input:
-            raise InvalidArgument("input: the input is empty")
+            raise InvalidArgument(f"{field}: the input is empty")
         return [*messages, {"role": "user", "content": input}]
     if not input:
-        raise InvalidArgument("input: the input is empty")
+        raise InvalidArgument(f"{field}: the input is empty")
     for i, item in enumerate(input):
-        where, kind = f"input.{i}", item.get("type", "message")
+        where, kind = f"{field}.{i}", item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -253,20 +283,33 @@ def conversation(
     return messages
 
 
-def input_items(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A (checked) Responses input as its items, each with an id (`GET /v1/responses/{id}/input_items`)."""
+def input_items(input: str | list[dict[str, Any]], *, new_ids: bool = False) -> list[dict[str, Any]]:
+    """A (checked) Responses input as its items, each with an id (`GET /v1/responses/{id}/input_items`): its own,
+    or a new one (always, where `new_ids`: items added to a conversation)."""
     items = []
     for item in [{"role": "user", "content": input}] if isinstance(input, str) else input:
         kind = item.get("type", "message")
+        given = None if new_ids else item.get("id")
         if kind == "message":
             content = item["content"]
             if isinstance(content, str):
                 content = [{"type": "output_text" if item["role"] == "assistant" else "input_text", "text": content}]
             message = {"type": "message", "role": item["role"], "content": content, "status": "completed"}
-            items.append({"id": item.get("id") or _id("msg"), **message})
+            items.append({"id": given or _id("msg"), **message})
         else:
-            items.append({**item, "id": item.get("id") or _id("fc" if kind == "function_call" else "fco")})
+            items.append({**item, "id": given or _id("fc" if kind == "function_call" else "fco")})
     return items
+
+
+def item_list(items: list[dict[str, Any]], *, has_more: bool) -> dict[str, Any]:
+    """A page of items, as the API lists them."""
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": has_more,
+    }
 
 
 def output_turns(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -313,6 +356,7 @@ class ResponseShape:
             "metadata": body.metadata or {},
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
+            "conversation": None if body.conversation_id is None else {"id": body.conversation_id},
             "store": stored,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": {"type": "text"}}

@@ -60,7 +60,11 @@ class GatewaySettings(BaseSettings):
     responses_store_ttl_s: float = Field(
         0.0,
         ge=0,
-        description="How long POST /v1/responses keeps a response for previous_response_id and GET (0: not stored)",
+        description="How long POST /v1/responses keeps a response for previous_response_id and GET, and a "
+        "conversation after its last change (0: neither is stored)",
+    )
+    conversations_max_items: int = Field(
+        4096, ge=1, description="Items one conversation holds (adding past it: 400; a response's output may pass it)"
     )
     responses_background_max: int = Field(
         256, ge=0, description="Background responses one gateway replica runs at once (more: 503)"

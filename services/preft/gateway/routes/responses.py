@@ -1,5 +1,6 @@
 """POST /v1/responses: OpenAI's Responses API, answered through the chat path (`preft.gateway.responses`), at once or
-in the background (`preft.gateway.background`); GET and DELETE /v1/responses/{id} for stored responses
+in the background (`preft.gateway.background`), continuing a stored response or a conversation
+(`preft.gateway.conversation_store`); GET and DELETE /v1/responses/{id} for stored responses
 (`preft.gateway.response_store`), POST /v1/responses/{id}/cancel for background ones."""
 
 from __future__ import annotations
@@ -8,18 +9,20 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
-from preft.common.errors import InvalidArgument, Unavailable
+from preft.common.errors import InvalidArgument, NotFound, Unavailable
 from preft.gateway.background import IN_PROGRESS, BackgroundRuns, Run, current, replay
+from preft.gateway.conversation_store import ConversationStore
 from preft.gateway.deps import (
     BackgroundRunsDep,
     CallerDep,
+    ConversationStoreDep,
     GenerationDep,
     ResponsesBodyDep,
     ResponseStoreDep,
@@ -34,6 +37,7 @@ from preft.gateway.responses import (
     conversation,
     in_responses_terms,
     input_items,
+    item_list,
     output_items,
     output_turns,
 )
@@ -54,6 +58,7 @@ async def create_response(
     tokenizer: TokenizerDep,
     store: ResponseStoreDep,
     runs: BackgroundRunsDep,
+    conversations: ConversationStoreDep,
 ) -> Response:
     body.refuse_unsupported()
     keep = store.enabled and body.store is not False
@@ -67,7 +72,13 @@ async def create_response(
         if previous.response["status"] in IN_PROGRESS:
             raise InvalidArgument("previous_response_id: that response is still in progress")
         history = previous.conversation
+    held: list[dict[str, Any]] | None = None  # (the conversation's items, where it continues one)
+    if body.conversation_id is not None:
+        held = await _held_items(conversations, caller.tenant, body.conversation_id)
+        history = conversation(held, field="conversation") if held else []
     turns = conversation(body.input, history)  # (what a later response continues)
+    items = input_items(body.input, new_ids=held is not None)
+    extend = None if held is None else _extender(conversations, caller.tenant, body.conversation_id, held, items)
     try:
         chat = ChatBody.model_validate(body.chat_fields(turns))
     except ValidationError as e:
@@ -86,8 +97,8 @@ async def create_response(
             return rendered(generation, job, streams, render, include_usage=True)
 
         queued = {**shape.response([], None, None), "status": "queued"}
-        stored = StoredResponse(queued, turns, input_items(body.input), events=bool(body.stream))
-        run = Run(caller.tenant, stored, answer, lambda: render.output, lambda: generation.finish(job))
+        stored = StoredResponse(queued, turns, items, events=bool(body.stream))
+        run = Run(caller.tenant, stored, answer, lambda: render.output, lambda: generation.finish(job), extend)
         try:
             await runs.start(run)
         except BaseException:
@@ -97,26 +108,64 @@ async def create_response(
             return _events(replay(store, caller.tenant, response_id, -1), headers)
         return JSONResponse(queued, headers=headers)
 
-    async def save(response: dict[str, Any]) -> None:
-        try:
-            stored = StoredResponse(response, turns + output_turns(response["output"]), input_items(body.input))
-            await store.save(caller.tenant, stored)
-        except Unavailable as e:
-            log.warning("response %s not stored: %s", response["id"], e.message)
-            response["store"] = False
+    async def ended(response: dict[str, Any]) -> None:
+        """The answered response stored (where kept) and added to its conversation (where it continues one)."""
+        if keep:
+            try:
+                stored = StoredResponse(response, turns + output_turns(response["output"]), items)
+                await store.save(caller.tenant, stored)
+            except Unavailable as e:
+                log.warning("response %s not stored: %s", response["id"], e.message)
+                response["store"] = False
+        if extend is not None:
+            await extend(response)
 
     if body.stream:
         streams = await generation.open_streams(job, started_s=started_s(request))
         render = ResponseEvents(shape, plan, call_format)
-        on_final = (lambda event: save(event["response"])) if keep else None
         return stream_response(
-            generation, job, streams, render, include_usage=True, headers=headers, done=False, on_final=on_final
+            generation,
+            job,
+            streams,
+            render,
+            include_usage=True,
+            headers=headers,
+            done=False,
+            on_final=lambda event: ended(event["response"]),
         )
     (out,) = await generation.complete(job, started_s=started_s(request))
     answer = shape.response(output_items(out, plan, call_format), out.finish_reason, out.usage)
-    if keep:
-        await save(answer)
+    await ended(answer)
     return JSONResponse(answer, headers=headers)
+
+
+async def _held_items(conversations: ConversationStore, tenant: str, conversation_id: str) -> list[dict[str, Any]]:
+    """The items of the conversation a response continues."""
+    if not conversations.enabled:
+        raise InvalidArgument("conversation: this server does not store conversations")
+    return await conversations.items(tenant, conversation_id)
+
+
+def _extender(
+    conversations: ConversationStore,
+    tenant: str,
+    conversation_id: str,
+    held: list[dict[str, Any]],
+    items: list[dict[str, Any]],
+) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    """What adds a finished response's input `items` and output to its conversation (a 400 now where the
+    conversation has no room for them and a message)."""
+    conversations.check_room(len(held) + len(items) + 1)
+
+    async def extend(response: dict[str, Any]) -> None:
+        if response["status"] not in ("completed", "incomplete"):
+            return
+        try:  # (the output may hold a message and calls: let it pass the limit by those)
+            await conversations.add_items(tenant, conversation_id, items + response["output"], limited=False)
+        except (Unavailable, NotFound) as e:
+            log.warning("response %s not added to %s: %s", response["id"], conversation_id, e.message)
+
+    return extend
 
 
 @router.get("/v1/responses/{response_id}")
@@ -186,16 +235,7 @@ async def list_input_items(
         if after not in ids:
             raise InvalidArgument(f"after: {after!r} is not an input item of this response")
         start = ids.index(after) + 1
-    page = items[start : start + limit]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": start + limit < len(items),
-        }
-    )
+    return JSONResponse(item_list(items[start : start + limit], has_more=start + limit < len(items)))
 
 
 @router.delete("/v1/responses/{response_id}")

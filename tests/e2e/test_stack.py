@@ -91,6 +91,12 @@ def test_completions_chat_and_streaming_in_both_modes(stack, tenants):
         assert time.monotonic() < deadline, ran
         time.sleep(0.1)
     assert queued.status == "queued" and (ran.status, ran.output_text) == (response.status, response.output_text)
+    chat = demo.conversations.create()  # (the same conversation kept as items: the same prompt and answer)
+    in_chat = demo.responses.create(input="hello world", conversation=chat.id, **greedy)
+    assert in_chat.output_text == response.output_text
+    again = demo.responses.create(input="and then?", conversation=chat.id, **greedy)
+    assert (again.usage.input_tokens, again.output_text) == (follow_up.usage.input_tokens, follow_up.output_text)
+    assert len(demo.conversations.items.list(chat.id).data) == 4
 
     # logprobs and penalties through every hop: greedy, so each chosen token is its position's most likely
     scored = demo.completions.create(model="demo-lora", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)

@@ -46,6 +46,20 @@ VALID = {
         "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}},
         "metadata": {"k": "v"},
     },
+    "/v1/conversations": {
+        "items": [
+            {"role": "user", "content": "hi"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        ],
+        "metadata": {"k": "v"},
+    },
+    "/v1/conversations/{conv}/items": {
+        "items": [
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]},
+            {"role": "developer", "content": "be brief"},
+        ]
+    },
 }
 ODD_VALUES: list[Any] = [
     None, True, -1, 0, 2**70, 1e308, -0.5, "", "x" * 300, "\u0000", [], [None], {}, {"a": {"b": []}}, [1, "a", {}],
@@ -86,10 +100,11 @@ def _mutated(body: dict[str, Any], rng: random.Random) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("path", sorted(VALID))
-def test_mutated_bodies_get_an_answer_or_a_4xx(gateway, registry, stub, path):
-    http = gateway.http(registry.tenant("acme"))
+def test_mutated_bodies_get_an_answer_or_a_4xx(make_gateway, registry, stub, path):
+    http = make_gateway(responses_store_ttl_s=60).http(registry.tenant("acme"))
     rng = random.Random(f"{path}-7")
-    route = path.split("#")[0]  # (after #: which body of the route)
+    conversation = http.post("/v1/conversations", json={}).json()["id"]
+    route = path.split("#")[0].format(conv=conversation)  # (after #: which body of the route)
     statuses: dict[int, int] = {}
     for _ in range(150):
         body = _mutated(VALID[path], rng)

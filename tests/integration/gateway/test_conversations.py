@@ -48,7 +48,7 @@ def test_conversations_keep_page_and_delete_items(make_gateway, registry):
         ("function_call", "call_1", "time"),
         ("function_call_output", "call_1", "noon"),
     ]
-    newest = client.conversations.items.list(conv.id, limit=3)
+    newest = client.conversations.items.list(conv.id, limit=3, include=["message.output_text.logprobs"])
     assert [i.id for i in newest.data] == [i.id for i in everything[::-1][:3]] and newest.has_more
     assert client.conversations.items.retrieve(everything[2].id, conversation_id=conv.id).call_id == "call_1"
     assert client.conversations.items.delete(everything[2].id, conversation_id=conv.id).id == conv.id
@@ -130,6 +130,7 @@ def test_responses_continue_conversations(make_gateway, registry, stub, tokenize
         ("{conv}/items", {"items": [{"role": "user", "content": [{"type": "input_image"}]}]}, "only text"),
         ("{conv}/items", {"items": [{"role": "user", "content": "x"}] * 3}, "at most 4"),
         ("{conv}/items?include=everything", {"items": [{"role": "user", "content": "x"}]}, "include"),
+        ("{conv}/items?include[]=everything", {"items": [{"role": "user", "content": "x"}]}, "include"),
     ],
 )
 def test_bad_conversation_requests_are_400_and_change_nothing(make_gateway, registry, redis_url, path, body, says):

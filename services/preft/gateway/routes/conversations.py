@@ -19,7 +19,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
@@ -49,6 +49,15 @@ class NewItems(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_ITEMS_A_CALL)
+
+
+async def _included(request: Request) -> None:
+    """`include` (as `include=` or, as the `openai` client sends it, `include[]=`): checked as a response's; the
+    items are kept whole, so there is nothing more to add."""
+    check_include(request.query_params.getlist("include") + request.query_params.getlist("include[]"))
+
+
+Included = Depends(_included)
 
 
 def _checked_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -101,9 +110,8 @@ async def add_items(
     caller: CallerDep,
     conversations: ConversationStoreDep,
     body: Annotated[NewItems, Depends(json_body(NewItems))],
-    include: Annotated[list[str] | None, Query()] = None,
+    _: None = Included,
 ) -> JSONResponse:
-    check_include(include)
     items = _checked_items(body.items)
     await conversations.add_items(caller.tenant, conversation_id, items)
     return JSONResponse(item_list(items, has_more=False))
@@ -117,10 +125,9 @@ async def list_items(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
-    include: Annotated[list[str] | None, Query()] = None,
+    _: None = Included,
 ) -> JSONResponse:
     """A page of the conversation's items (newest first unless order=asc; `after`: an item id)."""
-    check_include(include)
     await conversations.get(caller.tenant, conversation_id)  # (a 404 for a missing one, not an empty page)
     page = await conversations.page(caller.tenant, conversation_id, after=after, limit=limit, order=order)
     return JSONResponse(item_list(page.items, has_more=page.has_more))
@@ -132,9 +139,8 @@ async def retrieve_item(
     item_id: str,
     caller: CallerDep,
     conversations: ConversationStoreDep,
-    include: Annotated[list[str] | None, Query()] = None,
+    _: None = Included,
 ) -> JSONResponse:
-    check_include(include)
     return JSONResponse(await conversations.item(caller.tenant, conversation_id, item_id))
 
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from preft.common.errors import InvalidArgument
 from preft.engine.contract import EngineChunk, EngineResponse, JsonSchema, Usage
 from preft.gateway.logprobs import chat_logprobs
+from preft.gateway.reasoning import Thinking
 from preft.gateway.schemas import VLLM_FIELDS_NOT_SUPPORTED, GenerationBody
 from preft.gateway.tools import MAX_TOOLS, ToolCall, ToolCallFormat, ToolPlan, ToolStream
 
@@ -274,6 +275,8 @@ def conversation(
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":  # (an earlier answer's thinking: chat templates leave it out of later turns)
+            continue
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else _text(output, where)
@@ -297,7 +300,8 @@ def input_items(input: str | list[dict[str, Any]], *, new_ids: bool = False) -> 
             message = {"type": "message", "role": item["role"], "content": content, "status": "completed"}
             items.append({"id": given or _id("msg"), **message})
         else:
-            items.append({**item, "id": given or _id("fc" if kind == "function_call" else "fco")})
+            prefix = {"function_call": "fc", "reasoning": "rs"}.get(kind, "fco")
+            items.append({**item, "id": given or _id(prefix)})
     return items
 
 
@@ -389,6 +393,11 @@ def message_item(text: str, logprobs: list[dict[str, Any]], status: str = "compl
     return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant", "content": [part]}
 
 
+def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": _id("rs"), "summary": [], "content": content, "status": status}
+
+
 def call_item(call: ToolCall, call_id: str | None = None, status: str = "completed") -> dict[str, Any]:
     return {
         "type": "function_call",
@@ -400,11 +409,15 @@ def call_item(call: ToolCall, call_id: str | None = None, status: str = "complet
     }
 
 
-def output_items(out: EngineResponse, plan: ToolPlan | None, call_format: ToolCallFormat) -> list[dict[str, Any]]:
-    """A whole answer's output: its text as a message (where it has any), then its calls."""
-    content, calls = (out.text, []) if plan is None else plan.read(out.text, call_format)
+def output_items(
+    out: EngineResponse, plan: ToolPlan | None, call_format: ToolCallFormat, thinking: Thinking | None
+) -> list[dict[str, Any]]:
+    """A whole answer's output: its thinking (where the model thinks and it did), its text as a message (where it
+    has any), then its calls."""
+    reasoning, text = ("", out.text) if thinking is None else thinking.split(out.text)
+    content, calls = (text, []) if plan is None else plan.read(text, call_format)
     logprobs = chat_logprobs(out.logprobs)["content"] if out.logprobs is not None else []
-    items = [message_item(content, logprobs)] if content else []
+    items = ([reasoning_item(reasoning)] if reasoning else []) + ([message_item(content, logprobs)] if content else [])
     return items + [call_item(call) for call in calls]
 
 
@@ -412,9 +425,12 @@ class ResponseEvents:
     """The Responses stream's events for one answer (a `ChunkRenderer`): the response created and in progress, each
     output item added, its text or arguments in deltas and done, then the response completed (or incomplete)."""
 
-    def __init__(self, shape: ResponseShape, plan: ToolPlan | None, call_format: ToolCallFormat) -> None:
+    def __init__(
+        self, shape: ResponseShape, plan: ToolPlan | None, call_format: ToolCallFormat, thinking: Thinking | None
+    ) -> None:
         self.shape = shape
         self.tools = None if plan is None else ToolStream(plan, call_format)
+        self.splitter = None if thinking is None else thinking.splitter()
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # the items so far (the last one may be open)
         self.open: int | None = None  # the index of the item being written
@@ -430,14 +446,21 @@ class ResponseEvents:
         return [self._event("created", response=response), self._event("in_progress", response=response)]
 
     def piece(self, chunk: EngineChunk, index: int) -> list[dict[str, Any]]:
+        text, events = chunk.text, []
+        if self.splitter is not None:
+            reasoning, text = self.splitter.feed(text)
+            if chunk.finish_reason is not None:
+                more_reasoning, more_text = self.splitter.end()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+            if reasoning:
+                events += self._reasoning(reasoning)
         if self.tools is None:
-            deltas = [{"content": chunk.text}] if chunk.text or chunk.logprobs else []
+            deltas = [{"content": text}] if text or (chunk.logprobs and not self._thinking) else []
         else:
-            deltas = self.tools.feed(chunk.text)
+            deltas = self.tools.feed(text)
             if chunk.finish_reason is not None:
                 deltas += self.tools.end()[0]
         logprobs = chat_logprobs(chunk.logprobs)["content"] if chunk.logprobs else []
-        events = []
         for delta in deltas:
             if delta.get("content") or ("content" in delta and logprobs):
                 events += self._text(delta["content"], logprobs)
@@ -461,6 +484,18 @@ class ResponseEvents:
         part["text"] += text
         part["logprobs"] += logprobs
         return [*events, self._event("output_text.delta", **self._at(), content_index=0, delta=text, logprobs=logprobs)]
+
+    @property
+    def _thinking(self) -> bool:
+        return self.splitter is not None and self.splitter.thinking
+
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self.open is None or self.output[self.open]["type"] != "reasoning":
+            events += self._close()
+            events += self._add(reasoning_item("", status="in_progress"))
+        self.output[self.open]["content"][0]["text"] += text  # type: ignore[index]
+        return [*events, self._event("reasoning_text.delta", **self._at(), content_index=0, delta=text)]
 
     def _call(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         events = []
@@ -498,6 +533,9 @@ class ResponseEvents:
                 )
             )
             events.append(self._event("content_part.done", **self._at(), content_index=0, part=part))
+        elif item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            events.append(self._event("reasoning_text.done", **self._at(), content_index=0, text=text))
         else:
             done = {"name": item["name"], "arguments": item["arguments"]}
             events.append(self._event("function_call_arguments.done", **self._at(), **done))

@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from preft.common.settings import DEV_TOKEN, RedisSettings
+from preft.gateway.reasoning import ReasoningFormat
 from preft.gateway.tools import ToolCallFormat
 
 
@@ -52,6 +53,11 @@ class GatewaySettings(BaseSettings):
         "hermes",
         description="How the base model writes tool calls: hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.1), mistral "
         "or pythonic (Llama 3.2, Llama 4)",
+    )
+    reasoning_format: ReasoningFormat = Field(
+        "none",
+        description="How the base model thinks before it answers: none, or think (<think>…</think>: Qwen3, QwQ, "
+        "DeepSeek-R1), told apart as the answer's reasoning",
     )
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body (larger: 413)")
     max_adapter_upload_bytes: int = Field(

@@ -120,7 +120,7 @@ def test_responses_continue_conversations(make_gateway, registry, stub, tokenize
     ("path", "body", "says"),
     [
         ("/v1/conversations", {"items": [{"role": "wizard", "content": "x"}]}, "items.0: role"),
-        ("/v1/conversations", {"items": [{"type": "reasoning", "summary": []}]}, "not supported"),
+        ("/v1/conversations", {"items": [{"type": "web_search_call", "id": "ws_1"}]}, "not supported"),
         ("/v1/conversations", {"items": [{"role": "user", "content": "x"}] * 21}, "items"),
         ("/v1/conversations", {"metadata": {"k": "v" * 513}}, "metadata"),
         ("/v1/conversations", {"title": "x"}, "title"),

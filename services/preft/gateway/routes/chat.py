@@ -17,12 +17,15 @@ from preft.gateway.deps import CallerDep, ChatBodyDep, GenerationDep, TokenizerD
 from preft.gateway.generation import GenerationService, Job, total_usage
 from preft.gateway.logprobs import chat_logprobs
 from preft.gateway.observability import started_s
+from preft.gateway.reasoning import Thinking, ThinkSplitter
 from preft.gateway.schemas import ChatBody
 from preft.gateway.sse import stream_response, usage_dict
 from preft.gateway.tokenization import PromptTokenizer
 from preft.gateway.tools import ToolCallFormat, ToolPlan, ToolStream
 
 router = APIRouter(tags=["chat"])
+
+PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens whose text says whether the template opened the thinking
 
 
 class ChatChunks:
@@ -36,11 +39,13 @@ class ChatChunks:
         include_usage: bool,
         plan: ToolPlan | None = None,
         call_format: ToolCallFormat = "hermes",
+        thinking: Thinking | None = None,
     ) -> None:
         self.head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
         self.include_usage = include_usage
-        self.plan, self.call_format = plan, call_format
+        self.plan, self.call_format, self.thinking = plan, call_format, thinking
         self.tool_streams: dict[int, ToolStream] = {}
+        self.splitters: dict[int, ThinkSplitter] = {}
 
     def _event(
         self, index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None
@@ -55,21 +60,26 @@ class ChatChunks:
         return [self._event(i, {"role": "assistant", "content": ""}, None) for i in range(choices)]
 
     def piece(self, chunk: EngineChunk, index: int) -> list[dict[str, Any]]:
+        logprobs = None if chunk.logprobs is None else chat_logprobs(chunk.logprobs)
+        text, events = chunk.text, []
+        if self.thinking is not None:
+            splitter = self.splitters.setdefault(index, self.thinking.splitter())
+            reasoning, text = _split_piece(splitter, text, chunk.finish_reason is not None)
+            if reasoning or (logprobs and splitter.thinking):
+                events.append(self._event(index, {"reasoning": reasoning}, None, logprobs))
+                logprobs = None
         if self.plan is not None:
-            return self._tool_piece(chunk, index)
-        events = []
-        if chunk.text or chunk.logprobs:
-            logprobs = None if chunk.logprobs is None else chat_logprobs(chunk.logprobs)
-            events.append(self._event(index, {"content": chunk.text}, None, logprobs))
+            return events + self._tool_piece(text, chunk.finish_reason, index)
+        if text or logprobs:
+            events.append(self._event(index, {"content": text}, None, logprobs))
         if chunk.finish_reason is not None:
             events.append(self._event(index, {}, chunk.finish_reason))
         return events
 
-    def _tool_piece(self, chunk: EngineChunk, index: int) -> list[dict[str, Any]]:
+    def _tool_piece(self, text: str, finish: str | None, index: int) -> list[dict[str, Any]]:
         assert self.plan is not None
         stream = self.tool_streams.setdefault(index, ToolStream(self.plan, self.call_format))
-        deltas = stream.feed(chunk.text)
-        finish = chunk.finish_reason
+        deltas = stream.feed(text)
         if finish is not None:
             last, called = stream.end()
             deltas += last
@@ -101,12 +111,25 @@ def as_function_call(delta: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in delta.items() if k != "tool_calls"}, "function_call": piece}
 
 
-def _message(out: EngineResponse, plan: ToolPlan | None, call_format: ToolCallFormat) -> tuple[dict[str, Any], str]:
-    """A whole answer's message and finish reason."""
+def _split_piece(splitter: ThinkSplitter, text: str, last: bool) -> tuple[str, str]:
+    """A streamed piece's (thinking, content); the last piece also lets out what the splitter held back."""
+    reasoning, content = splitter.feed(text)
+    if last:
+        more_reasoning, more_content = splitter.end()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    return reasoning, content
+
+
+def _message(
+    out: EngineResponse, plan: ToolPlan | None, call_format: ToolCallFormat, thinking: Thinking | None
+) -> tuple[dict[str, Any], str]:
+    """A whole answer's message (its thinking apart, where the model thinks) and finish reason."""
+    reasoning, text = (None, out.text) if thinking is None else thinking.split(out.text)
+    thought = {} if thinking is None else {"reasoning": reasoning or None}
     if plan is None:
-        return {"role": "assistant", "content": out.text}, out.finish_reason
-    content, calls = plan.read(out.text, call_format)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+        return {"role": "assistant", "content": text, **thought}, out.finish_reason
+    content, calls = plan.read(text, call_format)
+    message: dict[str, Any] = {"role": "assistant", "content": content, **thought}
     if calls and plan.legacy:
         message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
     elif calls:
@@ -116,8 +139,9 @@ def _message(out: EngineResponse, plan: ToolPlan | None, call_format: ToolCallFo
 
 async def start_chat(
     caller: Caller, body: ChatBody, generation: GenerationService, tokenizer: PromptTokenizer, request_id: str
-) -> tuple[Job, ToolPlan | None]:
-    """A chat request's conversation rendered with the chat template (and the tools, in auto mode), then admitted."""
+) -> tuple[Job, ToolPlan | None, Thinking | None]:
+    """A chat request's conversation rendered with the chat template (and the tools, in auto mode), then admitted;
+    with its tool plan and, where the model thinks, how its answers begin."""
     body.refuse_unsupported()
     plan = body.tool_plan
     if plan is not None and plan.mode == "auto" and not tokenizer.takes_tools:
@@ -130,10 +154,13 @@ async def start_chat(
         body.skip_special_tokens = False  # (as vLLM: a call's marker may be a special token, and must reach the reader)
     prompt_ids = await tokenizer.encode_chat(body.conversation(), tools, continue_final=body.continue_final_message)
     prompt_ids = body.truncated(prompt_ids, generation.settings.max_prompt_tokens)
+    thinking = None
+    if generation.settings.reasoning_format == "think":
+        thinking = Thinking.of_prompt(tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
     job = await generation.admit(
         caller, body, [prompt_ids], max_tokens=body.token_limit, request_id=request_id, vocab_size=tokenizer.vocab_size
     )
-    return job, plan
+    return job, plan, thinking
 
 
 @router.post("/v1/chat/completions")
@@ -141,17 +168,17 @@ async def create_chat_completion(
     request: Request, caller: CallerDep, body: ChatBodyDep, generation: GenerationDep, tokenizer: TokenizerDep
 ) -> Response:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    job, plan = await start_chat(caller, body, generation, tokenizer, request_id)
+    job, plan, thinking = await start_chat(caller, body, generation, tokenizer, request_id)
     call_format = generation.settings.tool_call_format
     headers = {"x-request-id": request_id, **job.admission.headers()}
     if body.stream:
         streams = await generation.open_streams(job, started_s=started_s(request))
-        render = ChatChunks(request_id, body.model, body.include_usage, plan, call_format)
+        render = ChatChunks(request_id, body.model, body.include_usage, plan, call_format, thinking)
         return stream_response(generation, job, streams, render, include_usage=body.include_usage, headers=headers)
     outs = await generation.complete(job, started_s=started_s(request))
     choices = []
     for i, out in enumerate(outs):
-        message, finish = _message(out, plan, call_format)
+        message, finish = _message(out, plan, call_format, thinking)
         logprobs = None if out.logprobs is None else chat_logprobs(out.logprobs)
         choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
     answer = {

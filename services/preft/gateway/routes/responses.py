@@ -85,12 +85,12 @@ async def create_response(
         raise InvalidArgument(in_responses_terms(validation_message(e.errors(include_input=False)))) from None
     chat.stream = chat.stream or bool(body.background)  # (a background run streams from the engine)
     response_id = f"resp_{uuid.uuid4().hex}"
-    job, plan = await start_chat(caller, chat, generation, tokenizer, response_id)
+    job, plan, thinking = await start_chat(caller, chat, generation, tokenizer, response_id)
     call_format = generation.settings.tool_call_format
     headers = {"x-request-id": response_id, **job.admission.headers()}
     shape = ResponseShape(body, response_id, stored=keep)
     if body.background:
-        render = ResponseEvents(shape, plan, call_format)
+        render = ResponseEvents(shape, plan, call_format, thinking)
 
         async def answer() -> AsyncIterator[dict[str, Any]]:
             streams = await generation.open_streams(job, started_s=started_s(request))
@@ -122,7 +122,7 @@ async def create_response(
 
     if body.stream:
         streams = await generation.open_streams(job, started_s=started_s(request))
-        render = ResponseEvents(shape, plan, call_format)
+        render = ResponseEvents(shape, plan, call_format, thinking)
         return stream_response(
             generation,
             job,
@@ -134,7 +134,7 @@ async def create_response(
             on_final=lambda event: ended(event["response"]),
         )
     (out,) = await generation.complete(job, started_s=started_s(request))
-    answer = shape.response(output_items(out, plan, call_format), out.finish_reason, out.usage)
+    answer = shape.response(output_items(out, plan, call_format, thinking), out.finish_reason, out.usage)
     await ended(answer)
     return JSONResponse(answer, headers=headers)
 

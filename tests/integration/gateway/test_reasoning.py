@@ -1,0 +1,72 @@
+"""A thinking model's answers (`PREFT_GATEWAY__REASONING_FORMAT=think`) with the official `openai` client (real
+gateway, Redis and registry; the stub engine): the thinking comes apart from the answer on chat (`reasoning`) and on
+the Responses API (a `reasoning` item), whole and streamed alike, tool calls read from the answer alone; a later
+turn leaves the thinking out."""
+
+from __future__ import annotations
+
+import json
+
+from .conftest import BASE
+from .test_responses import TOOLS
+
+THOUGHT = "<think>The user is Bob; be brief.</think>\n\nHello Bob."
+
+
+def test_chat_answers_carry_their_thinking_apart(make_gateway, registry, stub, tokenizer):
+    client = make_gateway(reasoning_format="think", max_prompt_tokens=450).openai(registry.tenant("acme"))
+    messages = [{"role": "user", "content": "I am Bob."}]
+    stub.reply = THOUGHT
+    message = client.chat.completions.create(model=BASE, messages=messages, max_tokens=50).choices[0].message
+    assert (message.reasoning, message.content) == ("The user is Bob; be brief.", "\n\nHello Bob.")
+    chunks = list(client.chat.completions.create(model=BASE, messages=messages, max_tokens=50, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
+    assert "".join(d.content or "" for d in deltas) == message.content
+    assert not any(getattr(d, "reasoning", None) and d.content for d in deltas)  # (the tag splits them, in order)
+
+    stub.reply = '<think>Weather: ask the tool.</think><tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}'
+    stub.reply += "</tool_call>"
+    tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
+    out = client.chat.completions.create(model=BASE, messages=messages, max_tokens=80, tools=tools).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.reasoning == "Weather: ask the tool."
+    assert json.loads(out.message.tool_calls[0].function.arguments) == {"city": "Oslo"} and not out.message.content
+    stream = client.chat.completions.create(model=BASE, messages=messages, max_tokens=80, tools=tools, stream=True)
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == "Weather: ask the tool."
+    assert "".join(t.function.arguments for d in deltas for t in d.tool_calls or []) == '{"city": "Oslo"}'
+
+    stub.reply = "No thinking."  # (an answer that does not open with <think> is all content)
+    plain = client.chat.completions.create(model=BASE, messages=messages, max_tokens=50).choices[0].message
+    assert (plain.reasoning, plain.content) == (None, "No thinking.")
+    answered = {"role": "assistant", "content": "Hello Bob.", "reasoning": "x"}
+    later = [*messages, answered, {"role": "user", "content": "?"}]
+    client.chat.completions.create(model=BASE, messages=later, max_tokens=5)
+    assert "assistant: Hello Bob.\nuser: ?" in tokenizer.decode(stub.received[-1][1].prompt_token_ids)
+
+
+def test_responses_put_the_thinking_in_a_reasoning_item(make_gateway, registry, stub, tokenizer):
+    client = make_gateway(reasoning_format="think", responses_store_ttl_s=60).openai(registry.tenant("acme"))
+    stub.reply = THOUGHT
+    whole = client.responses.create(model=BASE, input="I am Bob.", max_output_tokens=50)
+    reasoning, message = whole.output
+    assert message.type == "message" and reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert reasoning.content[0].text == "The user is Bob; be brief." and whole.output_text == "\n\nHello Bob."
+    with client.responses.stream(model=BASE, input="I am Bob.", max_output_tokens=50) as stream:
+        events = list(stream)
+        streamed = stream.get_final_response()
+    assert [(i.type, i.status) for i in streamed.output] == [("reasoning", "completed"), ("message", "completed")]
+    assert streamed.output[0].content[0].text == reasoning.content[0].text and streamed.output_text == whole.output_text
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == reasoning.content[0].text
+    (done,) = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert done.text == reasoning.content[0].text and done.item_id == streamed.output[0].id
+
+    stub.reply = "Yes."  # (a later turn: the earlier thinking is left out of the prompt, from the store or the input)
+    client.responses.create(model=BASE, previous_response_id=whole.id, input="Sure?", max_output_tokens=5)
+    assert "assistant: \n\nHello Bob.\nuser: Sure?" in tokenizer.decode(stub.received[-1][1].prompt_token_ids)
+    again = [{"role": "user", "content": "I am Bob."}, *[i.model_dump() for i in whole.output]]
+    client.responses.create(model=BASE, input=[*again, {"role": "user", "content": "Sure?"}], max_output_tokens=5)
+    prompt = tokenizer.decode(stub.received[-1][1].prompt_token_ids)
+    assert "assistant: \n\nHello Bob.\nuser: Sure?" in prompt and "be brief" not in prompt

@@ -1,0 +1,53 @@
+"""The thinking of `<think>` models told apart from the answer, whole and in pieces of any size alike."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from preft.gateway.reasoning import Thinking
+
+
+@pytest.mark.parametrize(
+    ("opened", "text", "split"),
+    [
+        (False, "<think>Two and two.</think>\n\nFour.", ("Two and two.", "\n\nFour.")),
+        (False, "\n <think>a</think>b", ("a", "b")),
+        (False, "Four.", ("", "Four.")),
+        (False, " Four <think>x</think>", ("", " Four <think>x</think>")),  # (thinking only at the start)
+        (False, "<think>cut short", ("cut short", "")),
+        (False, "<thi", ("", "<thi")),
+        (False, "  ", ("", "  ")),
+        (False, "", ("", "")),
+        (True, "Two and two.</think>Four.", ("Two and two.", "Four.")),  # (the prompt opened it)
+        (True, "cut short </thi", ("cut short </thi", "")),
+        (True, "</think></think>", ("", "</think>")),
+    ],
+)
+def test_whole_answers_split_at_the_closing_tag(opened, text, split):
+    assert Thinking(opened).split(text) == split
+
+
+def test_pieces_of_any_size_split_as_the_whole_answer():
+    rng = random.Random(5)
+    words = ["<think>", "</think>", "<", "</", "</th", "<thi", "think>", "a", " ", "\n", "b c", ">"]
+    for _ in range(3000):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(0, 12)))
+        opened = rng.random() < 0.3
+        splitter = Thinking(opened).splitter()
+        reasoning, content, at = "", "", 0
+        while at < len(text):
+            size = rng.randint(1, 5)
+            r, c = splitter.feed(text[at : at + size])
+            reasoning, content, at = reasoning + r, content + c, at + size
+        r, c = splitter.end()
+        assert (reasoning + r, content + c) == Thinking(opened).split(text), text
+
+
+@pytest.mark.parametrize(
+    ("tail", "opened"),
+    [("<|im_start|>assistant\n<think>\n", True), ("<|Assistant|><think>", True), ("<|im_start|>assistant\n", False)],
+)
+def test_a_template_that_starts_the_answer_thinking(tail, opened):
+    assert Thinking.of_prompt(tail).opened is opened

@@ -69,7 +69,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
     )
     # turns as "role: content" lines (a newline after a block tag would be trimmed: written as an expression); with
     # tools, a system line listing them, and assistant calls as Qwen2.5 writes them (hermes: <tool_call>{"name": ...,
-    # "arguments": ...}</tool_call>)
+    # "arguments": ...}</tool_call>); the answer opened with <think> where enable_thinking is given true (as templates
+    # of thinking models do: the tests' reasoning models)
     fast.chat_template = (
         "{% if tools %}system: tools:{% for t in tools %} {{ t['function'] | tojson }}{% endfor %}"
         "{{ '\\n' }}{% endif %}"
@@ -77,7 +78,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
         "{% for c in m['tool_calls'] %}<tool_call>{{ {'name': c['function']['name'], "
         "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}"
         "{% else %}{{ m['content'] }}{% endif %}{{ '\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}assistant:{% endif %}"
+        "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and enable_thinking %}<think>"
+        "{% endif %}{% endif %}"
     )
     fast.save_pretrained(str(out_dir))
 

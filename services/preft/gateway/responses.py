@@ -45,7 +45,7 @@ NOT_SUPPORTED = ("prompt", "reasoning")
 # The generation fields a Responses request gives in its own way (or not at all: `n`)
 CHAT_ONLY = frozenset({"model", "max_tokens", "stream", "stream_options", "n", "response_format", "user"})
 # The vLLM and PreFT extensions a Responses request may carry, as on chat (sampling options, `preft_mode`, ...)
-EXTENSIONS = (frozenset(GenerationBody.model_fields) - CHAT_ONLY) | frozenset(VLLM_FIELDS_NOT_SUPPORTED)
+EXTENSIONS = (frozenset(GenerationBody.model_fields) - CHAT_ONLY) | {"chat_template_kwargs", *VLLM_FIELDS_NOT_SUPPORTED}
 
 
 # `metadata` of a response or a conversation: up to 16 pairs of short strings

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from functools import cached_property
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from preft.common.errors import InvalidArgument
 from preft.engine.contract import (
@@ -367,6 +367,30 @@ class ChatMessage(BaseModel):
         return "\n".join(p.text for p in self.content if p.text is not None)
 
 
+# apply_chat_template's own arguments and the template's given variables: not for chat_template_kwargs to set
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
+def _no_reserved_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)} cannot be set through chat_template_kwargs")
+    return kwargs
+
+
+TemplateKwargs = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=64)], Any],
+    Field(max_length=32),
+    AfterValidator(_no_reserved_kwargs),
+]
+
+
 class ChatBody(GenerationBody):
     """POST /v1/chat/completions."""
 
@@ -387,6 +411,9 @@ class ChatBody(GenerationBody):
     )
     continue_final_message: bool = Field(
         False, description="vLLM extension: the answer continues the last message, an assistant turn (a prefill)"
+    )
+    chat_template_kwargs: TemplateKwargs | None = Field(
+        None, description="vLLM extension: variables for the chat template (e.g. Qwen3's enable_thinking)"
     )
 
     def conversation(self) -> list[dict[str, Any]]:

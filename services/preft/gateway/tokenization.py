@@ -52,11 +52,16 @@ class PromptTokenizer:
         return self._tok.decode(token_ids, skip_special_tokens=False)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *, continue_final: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        continue_final: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text for a conversation, ending where the assistant's answer starts (`continue_final`: inside
         the last message, an assistant turn the answer continues); `tools` shown to the model where the template
-        takes them."""
+        takes them; `template_kwargs`: more of the template's variables."""
         if not self.has_chat_template:
             raise InvalidArgument("this base model has no chat template; use /v1/completions with a prompt")
         from jinja2 import TemplateError
@@ -68,13 +73,19 @@ class PromptTokenizer:
                 tokenize=False,
                 add_generation_prompt=not continue_final,
                 continue_final_message=continue_final,
+                **(template_kwargs or {}),
             )
         except TemplateError as e:
             raise InvalidArgument(f"the conversation does not fit the model's chat template: {e}") from None
 
     async def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *, continue_final: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        continue_final: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         # The template writes any special tokens itself.
-        text = self.render_chat(messages, tools, continue_final=continue_final)
+        text = self.render_chat(messages, tools, continue_final=continue_final, template_kwargs=template_kwargs)
         return await self.encode(text, add_special_tokens=False)

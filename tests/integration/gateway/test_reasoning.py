@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 
+import openai
+import pytest
+
 from .conftest import BASE
 from .test_responses import TOOLS
 
@@ -44,6 +47,29 @@ def test_chat_answers_carry_their_thinking_apart(make_gateway, registry, stub, t
     later = [*messages, answered, {"role": "user", "content": "?"}]
     client.chat.completions.create(model=BASE, messages=later, max_tokens=5)
     assert "assistant: Hello Bob.\nuser: ?" in tokenizer.decode(stub.received[-1][1].prompt_token_ids)
+
+
+def test_templates_that_open_the_thinking(make_gateway, registry, stub, tokenizer):
+    """chat_template_kwargs reach the chat template (here enable_thinking, which opens the answer with <think>, as
+    DeepSeek-R1's template does): the answer thinks until </think> without opening it; the template's own arguments
+    cannot be set that way."""
+    gateway, key = make_gateway(reasoning_format="think", responses_store_ttl_s=60), registry.tenant("acme")
+    client = gateway.openai(key)
+    stub.reply = "Short question.</think>Hi."
+    think = {"chat_template_kwargs": {"enable_thinking": True}}
+    messages = [{"role": "user", "content": "hi"}]
+    message = client.chat.completions.create(model=BASE, messages=messages, max_tokens=20, extra_body=think)
+    assert tokenizer.decode(stub.received[-1][1].prompt_token_ids) == "user: hi\nassistant:<think>"
+    assert (message.choices[0].message.reasoning, message.choices[0].message.content) == ("Short question.", "Hi.")
+    answer = client.responses.create(model=BASE, input="hi", max_output_tokens=20, extra_body=think)
+    assert [i.type for i in answer.output] == ["reasoning", "message"] and answer.output_text == "Hi."
+    counted = gateway.http(key).post("/tokenize", json={"model": BASE, "messages": messages, **think})
+    assert counted.json()["tokens"] == stub.received[-1][1].prompt_token_ids
+    for bad in ({"tokenize": True}, {"add_generation_prompt": False}, {"not a name": 1}):
+        with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+            client.chat.completions.create(
+                model=BASE, messages=messages, max_tokens=2, extra_body={"chat_template_kwargs": bad}
+            )
 
 
 def test_responses_put_the_thinking_in_a_reasoning_item(make_gateway, registry, stub, tokenizer):

@@ -152,7 +152,12 @@ async def start_chat(
     tools = plan.template_tools() if plan is not None else None
     if plan is not None and plan.mode == "auto":
         body.skip_special_tokens = False  # (as vLLM: a call's marker may be a special token, and must reach the reader)
-    prompt_ids = await tokenizer.encode_chat(body.conversation(), tools, continue_final=body.continue_final_message)
+    prompt_ids = await tokenizer.encode_chat(
+        body.conversation(),
+        tools,
+        continue_final=body.continue_final_message,
+        template_kwargs=body.chat_template_kwargs,
+    )
     prompt_ids = body.truncated(prompt_ids, generation.settings.max_prompt_tokens)
     thinking = None
     if generation.settings.reasoning_format == "think":

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from preft.common.errors import InvalidArgument
 from preft.gateway.deps import CallerDep, ResolverDep, SettingsDep, TokenizerDep, json_body
 from preft.gateway.resolution import AdapterResolver
-from preft.gateway.schemas import ChatMessage
+from preft.gateway.schemas import ChatMessage, TemplateKwargs
 from preft.gateway.settings import GatewaySettings
 from preft.gateway.tools import MAX_TOOLS, ToolSpec
 
@@ -32,6 +32,7 @@ class TokenizeBody(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    chat_template_kwargs: TemplateKwargs | None = None
     add_special_tokens: bool = Field(True, description="A prompt: with the tokenizer's special tokens (BOS)")
 
 
@@ -63,7 +64,8 @@ async def tokenize(
         tokens = await tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        tokens = await tokenizer.encode_chat([m.turn() for m in body.messages or []], tools)
+        turns = [m.turn() for m in body.messages or []]
+        tokens = await tokenizer.encode_chat(turns, tools, template_kwargs=body.chat_template_kwargs)
     return JSONResponse({"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens})
 
 

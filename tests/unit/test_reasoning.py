@@ -39,10 +39,11 @@ def test_pieces_of_any_size_split_as_the_whole_answer():
         reasoning, content, at = "", "", 0
         while at < len(text):
             size = rng.randint(1, 5)
-            r, c = splitter.feed(text[at : at + size])
+            r, c = splitter.feed(text[at : at + size], last=at + size >= len(text))
             reasoning, content, at = reasoning + r, content + c, at + size
-        r, c = splitter.end()
-        assert (reasoning + r, content + c) == Thinking(opened).split(text), text
+        if not text:
+            reasoning, content = splitter.feed("", last=True)
+        assert (reasoning, content) == Thinking(opened).split(text), text
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,11 @@ Every dependency is `async def`: FastAPI runs plain functions in a thread pool, 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Annotated, TypeVar
+from dataclasses import dataclass
+from typing import Annotated, Literal, TypeVar
 
 import redis.asyncio as aioredis
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from pydantic import BaseModel, ValidationError
 
 from preft.common.errors import InvalidArgument
@@ -22,7 +23,7 @@ from preft.gateway.generation import GenerationService
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.resolution import AdapterResolver
 from preft.gateway.response_store import ResponseStore
-from preft.gateway.responses import ResponsesBody
+from preft.gateway.responses import ResponsesBody, check_include
 from preft.gateway.schemas import ChatBody, CompletionBody
 from preft.gateway.settings import GatewaySettings
 from preft.gateway.tokenization import PromptTokenizer
@@ -95,6 +96,21 @@ def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
     return read
 
 
+@dataclass
+class ItemPaging:
+    """A page of a list of items: `limit` of them after the item `after`, newest first unless order=asc."""
+
+    after: str | None = None
+    limit: Annotated[int, Query(ge=1, le=100)] = 20
+    order: Literal["asc", "desc"] = "desc"
+
+
+async def check_included(request: Request) -> None:
+    """`include` (as `include=` or, as the `openai` client sends it, `include[]=`) of a route listing Responses items:
+    checked as a response's; the items are kept whole, so there is nothing more to add."""
+    check_include(request.query_params.getlist("include") + request.query_params.getlist("include[]"))
+
+
 SettingsDep = Annotated[GatewaySettings, Depends(get_settings)]
 CallerDep = Annotated[Caller, Depends(get_caller)]
 GenerationDep = Annotated[GenerationService, Depends(get_generation)]
@@ -108,3 +124,5 @@ ResponseStoreDep = Annotated[ResponseStore, Depends(get_response_store)]
 BackgroundRunsDep = Annotated[BackgroundRuns, Depends(get_background_runs)]
 ConversationStoreDep = Annotated[ConversationStore, Depends(get_conversation_store)]
 ResponsesBodyDep = Annotated[ResponsesBody, Depends(json_body(ResponsesBody))]
+ItemPagingDep = Annotated[ItemPaging, Depends()]
+IncludeChecked = Depends(check_included)

@@ -34,21 +34,27 @@ class Thinking:
 
     def split(self, text: str) -> tuple[str, str]:
         """A whole answer's (thinking, content)."""
-        splitter = self.splitter()
-        reasoning, content = splitter.feed(text)
-        rest_reasoning, rest_content = splitter.end()
-        return reasoning + rest_reasoning, content + rest_content
+        return self.splitter().feed(text, last=True)
 
 
 class ThinkSplitter:
     """Splits an answer given in pieces into (thinking, content) pieces: text that may still turn out to be a tag
-    (`<thi` at the start, `</th` while thinking) waits for the next piece, or for `end`."""
+    (`<thi` at the start, `</th` while thinking) waits for the next piece, or for the last."""
 
     def __init__(self, opened: bool) -> None:
         self._state: Literal["start", "thinking", "content"] = "thinking" if opened else "start"
         self._held = ""
 
-    def feed(self, text: str) -> tuple[str, str]:
+    def feed(self, text: str, *, last: bool = False) -> tuple[str, str]:
+        """The next piece's (thinking, content); the `last` piece also lets out what was held back: thinking cut
+        short, or an answer that was only whitespace or a tag's start."""
+        reasoning, content = self._feed(text)
+        if last:
+            rest_reasoning, rest_content = self._end()
+            reasoning, content = reasoning + rest_reasoning, content + rest_content
+        return reasoning, content
+
+    def _feed(self, text: str) -> tuple[str, str]:
         held = self._held + text
         self._held = ""
         if self._state == "start":
@@ -70,8 +76,7 @@ class ThinkSplitter:
         self._held = held[len(held) - keep :] if keep else ""
         return held[: len(held) - keep], ""
 
-    def end(self) -> tuple[str, str]:
-        """What was held back: thinking cut short, or an answer that was only whitespace or a tag's start."""
+    def _end(self) -> tuple[str, str]:
         held, self._held = self._held, ""
         return (held, "") if self._state == "thinking" else ("", held)
 

@@ -423,7 +423,8 @@ def output_items(
 
 class ResponseEvents:
     """The Responses stream's events for one answer (a `ChunkRenderer`): the response created and in progress, each
-    output item added, its text or arguments in deltas and done, then the response completed (or incomplete)."""
+    output item added (a thinking model's reasoning first), its text, thinking or arguments in deltas and done, then
+    the response completed (or incomplete)."""
 
     def __init__(
         self, shape: ResponseShape, plan: ToolPlan | None, call_format: ToolCallFormat, thinking: Thinking | None
@@ -448,10 +449,7 @@ class ResponseEvents:
     def piece(self, chunk: EngineChunk, index: int) -> list[dict[str, Any]]:
         text, events = chunk.text, []
         if self.splitter is not None:
-            reasoning, text = self.splitter.feed(text)
-            if chunk.finish_reason is not None:
-                more_reasoning, more_text = self.splitter.end()
-                reasoning, text = reasoning + more_reasoning, text + more_text
+            reasoning, text = self.splitter.feed(text, last=chunk.finish_reason is not None)
             if reasoning:
                 events += self._reasoning(reasoning)
         if self.tools is None:

@@ -260,6 +260,8 @@ def test_stored_responses_continue_conversations(make_gateway, registry, stub, t
     with pytest.raises(openai.BadRequestError, match="after"):
         client.responses.input_items.list(items, after="msg_nope")
     assert gateway.http(acme).get(f"/v1/responses/{items}/input_items?limit=0").status_code == 400
+    assert gateway.http(acme).get(f"/v1/responses/{items}/input_items?include[]=x").status_code == 400
+    assert len(client.responses.input_items.list(items, include=["message.output_text.logprobs"]).data) == 3
 
     with pytest.raises(openai.NotFoundError):
         gateway.openai(beta).responses.retrieve(first.id)

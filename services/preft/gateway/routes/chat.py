@@ -64,7 +64,7 @@ class ChatChunks:
         text, events = chunk.text, []
         if self.thinking is not None:
             splitter = self.splitters.setdefault(index, self.thinking.splitter())
-            reasoning, text = _split_piece(splitter, text, chunk.finish_reason is not None)
+            reasoning, text = splitter.feed(text, last=chunk.finish_reason is not None)
             if reasoning or (logprobs and splitter.thinking):
                 events.append(self._event(index, {"reasoning": reasoning}, None, logprobs))
                 logprobs = None
@@ -109,15 +109,6 @@ def as_function_call(delta: dict[str, Any]) -> dict[str, Any]:
     function = call["function"]
     piece = {"name": function["name"], "arguments": function["arguments"]} if "id" in call else function
     return {**{k: v for k, v in delta.items() if k != "tool_calls"}, "function_call": piece}
-
-
-def _split_piece(splitter: ThinkSplitter, text: str, last: bool) -> tuple[str, str]:
-    """A streamed piece's (thinking, content); the last piece also lets out what the splitter held back."""
-    reasoning, content = splitter.feed(text)
-    if last:
-        more_reasoning, more_content = splitter.end()
-        reasoning, content = reasoning + more_reasoning, content + more_content
-    return reasoning, content
 
 
 def _message(

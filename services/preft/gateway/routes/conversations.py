@@ -17,15 +17,15 @@ input is, each given a new id.
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
 from preft.common.errors import InvalidArgument
-from preft.gateway.deps import CallerDep, ConversationStoreDep, json_body
-from preft.gateway.responses import Metadata, check_include, conversation, input_items, item_list
+from preft.gateway.deps import CallerDep, ConversationStoreDep, IncludeChecked, ItemPagingDep, json_body
+from preft.gateway.responses import Metadata, conversation, input_items, item_list
 
 router = APIRouter(tags=["conversations"])
 
@@ -49,15 +49,6 @@ class NewItems(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_ITEMS_A_CALL)
-
-
-async def _included(request: Request) -> None:
-    """`include` (as `include=` or, as the `openai` client sends it, `include[]=`): checked as a response's; the
-    items are kept whole, so there is nothing more to add."""
-    check_include(request.query_params.getlist("include") + request.query_params.getlist("include[]"))
-
-
-Included = Depends(_included)
 
 
 def _checked_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -110,7 +101,7 @@ async def add_items(
     caller: CallerDep,
     conversations: ConversationStoreDep,
     body: Annotated[NewItems, Depends(json_body(NewItems))],
-    _: None = Included,
+    _: None = IncludeChecked,
 ) -> JSONResponse:
     items = _checked_items(body.items)
     await conversations.add_items(caller.tenant, conversation_id, items)
@@ -122,14 +113,14 @@ async def list_items(
     conversation_id: str,
     caller: CallerDep,
     conversations: ConversationStoreDep,
-    after: str | None = None,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    order: Literal["asc", "desc"] = "desc",
-    _: None = Included,
+    paging: ItemPagingDep,
+    _: None = IncludeChecked,
 ) -> JSONResponse:
     """A page of the conversation's items (newest first unless order=asc; `after`: an item id)."""
     await conversations.get(caller.tenant, conversation_id)  # (a 404 for a missing one, not an empty page)
-    page = await conversations.page(caller.tenant, conversation_id, after=after, limit=limit, order=order)
+    page = await conversations.page(
+        caller.tenant, conversation_id, after=paging.after, limit=paging.limit, order=paging.order
+    )
     return JSONResponse(item_list(page.items, has_more=page.has_more))
 
 
@@ -139,7 +130,7 @@ async def retrieve_item(
     item_id: str,
     caller: CallerDep,
     conversations: ConversationStoreDep,
-    _: None = Included,
+    _: None = IncludeChecked,
 ) -> JSONResponse:
     return JSONResponse(await conversations.item(caller.tenant, conversation_id, item_id))
 

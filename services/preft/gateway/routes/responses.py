@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
@@ -24,6 +24,8 @@ from preft.gateway.deps import (
     CallerDep,
     ConversationStoreDep,
     GenerationDep,
+    IncludeChecked,
+    ItemPagingDep,
     ResponsesBodyDep,
     ResponseStoreDep,
     TokenizerDep,
@@ -222,20 +224,20 @@ async def list_input_items(
     response_id: str,
     caller: CallerDep,
     store: ResponseStoreDep,
-    after: str | None = None,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    order: Literal["asc", "desc"] = "desc",
+    paging: ItemPagingDep,
+    _: None = IncludeChecked,
 ) -> JSONResponse:
     """A stored response's input items, a page at a time (newest first unless order=asc; `after`: an item id)."""
     items = (await store.get(caller.tenant, response_id)).input_items
-    items = items if order == "asc" else items[::-1]
+    items = items if paging.order == "asc" else items[::-1]
     start = 0
-    if after is not None:
+    if paging.after is not None:
         ids = [item["id"] for item in items]
-        if after not in ids:
-            raise InvalidArgument(f"after: {after!r} is not an input item of this response")
-        start = ids.index(after) + 1
-    return JSONResponse(item_list(items[start : start + limit], has_more=start + limit < len(items)))
+        if paging.after not in ids:
+            raise InvalidArgument(f"after: {paging.after!r} is not an input item of this response")
+        start = ids.index(paging.after) + 1
+    end = start + paging.limit
+    return JSONResponse(item_list(items[start:end], has_more=end < len(items)))
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -33,16 +33,25 @@ def test_redis_down_is_503_within_a_second_and_recovers_by_itself(tmp_path, s3_b
         model_dir=tiny_models["model"],
         tokenizer=tokenizer,
         key_cache_ttl_s=30.0,
+        responses_store_ttl_s=60.0,
     )
     try:
         key = registry.tenant("acme")
         http = gateway.http(key)
         assert http.post("/v1/completions", json=BODY).status_code == 200  # the key is cached from here on
+        conversation = http.post("/v1/conversations", json={"items": [{"role": "user", "content": "hi"}]}).json()
+        items = f"/v1/conversations/{conversation['id']}/items"
 
         redis.stop()
-        for client in (http, gateway.http("preft_unknown_key")):  # cached key (limits fail), uncached (auth fails)
+        calls = [
+            (http, "POST", "/v1/completions", BODY),  # (a cached key: the limits fail)
+            (gateway.http("preft_unknown_key"), "POST", "/v1/completions", BODY),  # (an uncached key: auth fails)
+            (http, "GET", items, None),  # (the conversations)
+            (http, "POST", items, {"items": [{"role": "user", "content": "lost?"}]}),
+        ]
+        for client, method, path, body in calls:
             start = time.monotonic()
-            answer = client.post("/v1/completions", json=BODY)
+            answer = client.request(method, path, json=body)
             assert time.monotonic() - start < 1.0
             assert answer.status_code == 503
             error = error_of(answer)
@@ -57,6 +66,9 @@ def test_redis_down_is_503_within_a_second_and_recovers_by_itself(tmp_path, s3_b
             assert answer.status_code == 503 and time.monotonic() - start < 5.0
             time.sleep(0.05)
         assert http.get("/readyz").status_code == 200
+        kept = http.get(items).json()["data"]  # (the conversation as it was: the refused add left nothing)
+        assert [i["content"][0]["text"] for i in kept] == ["hi"]
+        assert http.post(items, json={"items": [{"role": "user", "content": "back"}]}).status_code == 200  # (Lua)
     finally:
         stop_gateway(gateway)
         registry.client.close()

@@ -52,3 +52,26 @@ def test_pieces_of_any_size_split_as_the_whole_answer():
 )
 def test_a_template_that_starts_the_answer_thinking(tail, opened):
     assert Thinking.of_prompt(tail).opened is opened
+
+
+def test_thinking_tokens_are_counted_alike_whole_and_token_by_token():
+    """A whole answer counts its tokens up to the one that completes </think> (all while cut short, none without
+    thinking); fed a token at a time, the splitter counts the same."""
+    rng = random.Random(8)
+    vocab = ["<think>", "</think>", "<", "</", "th", "ink>", "think>", "a", " ", "\n", "bc"]
+
+    def decode(ids: list[int]) -> str:
+        return "".join(vocab[i] for i in ids)
+
+    assert Thinking(False).tokens([0, 7, 1, 10], decode) == 3
+    assert Thinking(False).tokens([0, 7, 3, 4, 5, 10], decode) == 5  # ("</" "th" "ink>": the third completes it)
+    assert Thinking(True).tokens([7, 8, 1, 10], decode) == 3
+    assert Thinking(False).tokens([0, 7, 7], decode) == 3  # (cut short)
+    assert Thinking(False).tokens([10, 0, 1], decode) == 0
+    for _ in range(2000):
+        ids = [rng.randrange(len(vocab)) for _ in range(rng.randint(0, 10))]
+        thinking = Thinking(rng.random() < 0.3)
+        splitter = thinking.splitter()
+        for at, token in enumerate(ids):
+            splitter.feed(vocab[token], last=at == len(ids) - 1, tokens=1)
+        assert splitter.tokens == thinking.tokens(ids, decode), [vocab[i] for i in ids]

@@ -10,6 +10,7 @@ before the answer's; tool calls are read from the content only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,6 +37,25 @@ class Thinking:
         """A whole answer's (thinking, content)."""
         return self.splitter().feed(text, last=True)
 
+    def tokens(self, token_ids: list[int], decode: Callable[[list[int]], str]) -> int:
+        """How many of a whole answer's tokens are its thinking: those up to the one that completes `</think>`
+        (found by decoding ever longer prefixes, a binary search), all of them where the thinking was cut short,
+        none where the answer did not think."""
+        splitter = self.splitter()
+        splitter.feed(decode(token_ids), last=True)
+        if not splitter.thought:
+            return 0
+        if splitter.thinking:
+            return len(token_ids)
+        low, high = 1, len(token_ids)  # (the shortest prefix whose text holds the tag)
+        while low < high:
+            middle = (low + high) // 2
+            if CLOSE in decode(token_ids[:middle]):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
 
 class ThinkSplitter:
     """Splits an answer given in pieces into (thinking, content) pieces: text that may still turn out to be a tag
@@ -44,14 +64,25 @@ class ThinkSplitter:
     def __init__(self, opened: bool) -> None:
         self._state: Literal["start", "thinking", "content"] = "thinking" if opened else "start"
         self._held = ""
+        self.thought = opened  # (the answer has thought: it opened with <think>, or the prompt did)
+        self.tokens = 0  # the thinking's tokens so far (a piece that closes it counts whole)
+        self._undecided = 0  # tokens of the pieces before the answer showed whether it thinks
 
-    def feed(self, text: str, *, last: bool = False) -> tuple[str, str]:
-        """The next piece's (thinking, content); the `last` piece also lets out what was held back: thinking cut
-        short, or an answer that was only whitespace or a tag's start."""
+    def feed(self, text: str, *, last: bool = False, tokens: int = 0) -> tuple[str, str]:
+        """The next piece's (thinking, content), `tokens` its token count; the `last` piece also lets out what was
+        held back: thinking cut short, or an answer that was only whitespace or a tag's start."""
+        before = self._state
         reasoning, content = self._feed(text)
         if last:
             rest_reasoning, rest_content = self._end()
             reasoning, content = reasoning + rest_reasoning, content + rest_content
+        if before == "thinking":
+            self.tokens += tokens
+        elif before == "start":
+            self._undecided += tokens
+            if self._state != "start":
+                self.tokens += self._undecided if self.thought else 0
+                self._undecided = 0
         return reasoning, content
 
     def _feed(self, text: str) -> tuple[str, str]:
@@ -60,7 +91,7 @@ class ThinkSplitter:
         if self._state == "start":
             stripped = held.lstrip()
             if stripped.startswith(OPEN):
-                self._state, held = "thinking", stripped[len(OPEN) :]
+                self._state, held, self.thought = "thinking", stripped[len(OPEN) :], True
             elif OPEN.startswith(stripped):  # (whitespace, or a part of the tag: wait)
                 self._held = held
                 return "", ""

@@ -333,12 +333,12 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def usage_of(usage: Usage) -> dict[str, Any]:
+def usage_of(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
@@ -374,8 +374,15 @@ class ResponseShape:
             "user": body.user,
         }
 
-    def response(self, output: list[dict[str, Any]], finish_reason: str | None, usage: Usage | None) -> dict[str, Any]:
-        """The response: in progress (no finish reason yet), completed, or incomplete (cut at max_output_tokens)."""
+    def response(
+        self,
+        output: list[dict[str, Any]],
+        finish_reason: str | None,
+        usage: Usage | None,
+        reasoning_tokens: int = 0,
+    ) -> dict[str, Any]:
+        """The response: in progress (no finish reason yet), completed, or incomplete (cut at max_output_tokens);
+        `reasoning_tokens`: how many of its output tokens were thinking."""
         status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
@@ -384,7 +391,7 @@ class ResponseShape:
             "error": None,
             "incomplete_details": incomplete,
             "output": output,
-            "usage": None if usage is None else usage_of(usage),
+            "usage": None if usage is None else usage_of(usage, reasoning_tokens),
         }
 
 
@@ -449,7 +456,8 @@ class ResponseEvents:
     def piece(self, chunk: EngineChunk, index: int) -> list[dict[str, Any]]:
         text, events = chunk.text, []
         if self.splitter is not None:
-            reasoning, text = self.splitter.feed(text, last=chunk.finish_reason is not None)
+            last = chunk.finish_reason is not None
+            reasoning, text = self.splitter.feed(text, last=last, tokens=len(chunk.token_ids))
             if reasoning:
                 events += self._reasoning(reasoning)
         if self.tools is None:
@@ -543,5 +551,6 @@ class ResponseEvents:
         return events
 
     def usage(self, usage: Usage) -> dict[str, Any]:
-        response = self.shape.response(self.output, self.finish_reason, usage)
+        thought = 0 if self.splitter is None else self.splitter.tokens
+        response = self.shape.response(self.output, self.finish_reason, usage, thought)
         return self._event("incomplete" if response["status"] == "incomplete" else "completed", response=response)

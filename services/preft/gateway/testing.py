@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
@@ -60,6 +61,9 @@ class StubEngine:
     vocab_size: int = 384
     record: bool = True
     reply: str | None = None  # answer this text (in REPLY_PIECE-character tokens, then "stop"), not ` w<id>` tokens
+    # where set (a Hugging Face tokenizer), `reply` comes as its tokens instead: their ids, each one's text the piece
+    # it adds, as a real engine's would
+    tokenizer: Any = None
     received: list[tuple[str, EngineRequest]] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
 
@@ -80,6 +84,8 @@ class StubEngine:
     def tokens(self, req: EngineRequest) -> list[int]:
         start = (sum(req.prompt_token_ids) + (req.seed or 0)) % self.vocab_size
         n = req.max_tokens if self.reply is None else min(req.max_tokens, len(self._reply_pieces()))
+        if self.reply is not None and self.tokenizer is not None:
+            return self.tokenizer.encode(self.reply, add_special_tokens=False)[:n]
         return [(start + 7 * i) % self.vocab_size for i in range(n)]
 
     def texts(self, ids: list[int]) -> list[str]:
@@ -91,7 +97,14 @@ class StubEngine:
 
     def _reply_pieces(self) -> list[str]:
         reply = self.reply or ""
-        return [reply[i : i + REPLY_PIECE] for i in range(0, len(reply), REPLY_PIECE)]
+        if self.tokenizer is None:
+            return [reply[i : i + REPLY_PIECE] for i in range(0, len(reply), REPLY_PIECE)]
+        ids, pieces, before = self.tokenizer.encode(reply, add_special_tokens=False), [], ""
+        for n in range(1, len(ids) + 1):
+            text = self.tokenizer.decode(ids[:n])
+            pieces.append(text[len(before) :])
+            before = text
+        return pieces
 
     def logprobs(self, req: EngineRequest, ids: list[int]) -> list[TokenLogprob] | None:
         """The fake logprobs of `ids` (None where the request asked for none)."""

@@ -16,18 +16,36 @@ from .test_responses import TOOLS
 THOUGHT = "<think>The user is Bob; be brief.</think>\n\nHello Bob."
 
 
-def test_chat_answers_carry_their_thinking_apart(make_gateway, registry, stub, tokenizer):
+@pytest.fixture
+def hf_tokenizer(tiny_models):
+    """The tiny model's tokenizer, for the stub to answer in its tokens (the thinking's tokens are counted)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_models["model"]))
+
+
+def test_chat_answers_carry_their_thinking_apart(make_gateway, registry, stub, tokenizer, hf_tokenizer):
     client = make_gateway(reasoning_format="think", max_prompt_tokens=450).openai(registry.tenant("acme"))
     messages = [{"role": "user", "content": "I am Bob."}]
-    stub.reply = THOUGHT
-    message = client.chat.completions.create(model=BASE, messages=messages, max_tokens=50).choices[0].message
+    stub.reply, stub.tokenizer = THOUGHT, hf_tokenizer
+    ids = hf_tokenizer.encode(THOUGHT, add_special_tokens=False)
+    thinking = next(n for n in range(len(ids) + 1) if "</think>" in hf_tokenizer.decode(ids[:n]))
+    answer = client.chat.completions.create(model=BASE, messages=messages, max_tokens=50)
+    message = answer.choices[0].message
     assert (message.reasoning, message.content) == ("The user is Bob; be brief.", "\n\nHello Bob.")
-    chunks = list(client.chat.completions.create(model=BASE, messages=messages, max_tokens=50, stream=True))
+    assert answer.usage.completion_tokens_details.reasoning_tokens == thinking < answer.usage.completion_tokens
+    chunks = list(
+        client.chat.completions.create(
+            model=BASE, messages=messages, max_tokens=50, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thinking
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
     assert "".join(d.content or "" for d in deltas) == message.content
     assert not any(getattr(d, "reasoning", None) and d.content for d in deltas)  # (the tag splits them, in order)
 
+    stub.tokenizer = None  # (from here in 4-character pieces again)
     stub.reply = '<think>Weather: ask the tool.</think><tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}'
     stub.reply += "</tool_call>"
     tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
@@ -43,6 +61,8 @@ def test_chat_answers_carry_their_thinking_apart(make_gateway, registry, stub, t
     stub.reply = "No thinking."  # (an answer that does not open with <think> is all content)
     plain = client.chat.completions.create(model=BASE, messages=messages, max_tokens=50).choices[0].message
     assert (plain.reasoning, plain.content) == (None, "No thinking.")
+    assert client.chat.completions.create(model=BASE, messages=messages, max_tokens=50).usage.completion_tokens_details
+    assert plain_usage(client, messages) == 0
     answered = {"role": "assistant", "content": "Hello Bob.", "reasoning": "x"}
     later = [*messages, answered, {"role": "user", "content": "?"}]
     client.chat.completions.create(model=BASE, messages=later, max_tokens=5)
@@ -72,13 +92,14 @@ def test_templates_that_open_the_thinking(make_gateway, registry, stub, tokenize
             )
 
 
-def test_responses_put_the_thinking_in_a_reasoning_item(make_gateway, registry, stub, tokenizer):
+def test_responses_put_the_thinking_in_a_reasoning_item(make_gateway, registry, stub, tokenizer, hf_tokenizer):
     client = make_gateway(reasoning_format="think", responses_store_ttl_s=60).openai(registry.tenant("acme"))
-    stub.reply = THOUGHT
+    stub.reply, stub.tokenizer = THOUGHT, hf_tokenizer
     whole = client.responses.create(model=BASE, input="I am Bob.", max_output_tokens=50)
     reasoning, message = whole.output
     assert message.type == "message" and reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
     assert reasoning.content[0].text == "The user is Bob; be brief." and whole.output_text == "\n\nHello Bob."
+    assert whole.usage.output_tokens_details.reasoning_tokens > 0
     with client.responses.stream(model=BASE, input="I am Bob.", max_output_tokens=50) as stream:
         events = list(stream)
         streamed = stream.get_final_response()
@@ -86,6 +107,7 @@ def test_responses_put_the_thinking_in_a_reasoning_item(make_gateway, registry, 
     assert streamed.output[0].content[0].text == reasoning.content[0].text and streamed.output_text == whole.output_text
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
     assert "".join(deltas) == reasoning.content[0].text
+    assert streamed.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens_details.reasoning_tokens
     (done,) = [e for e in events if e.type == "response.reasoning_text.done"]
     assert done.text == reasoning.content[0].text and done.item_id == streamed.output[0].id
 
@@ -96,3 +118,9 @@ def test_responses_put_the_thinking_in_a_reasoning_item(make_gateway, registry, 
     client.responses.create(model=BASE, input=[*again, {"role": "user", "content": "Sure?"}], max_output_tokens=5)
     prompt = tokenizer.decode(stub.received[-1][1].prompt_token_ids)
     assert "assistant: \n\nHello Bob.\nuser: Sure?" in prompt and "be brief" not in prompt
+
+
+def plain_usage(client, messages) -> int:
+    """The reasoning tokens counted in an answer that did not think."""
+    answer = client.chat.completions.create(model=BASE, messages=messages, max_tokens=50)
+    return answer.usage.completion_tokens_details.reasoning_tokens

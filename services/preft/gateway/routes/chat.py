@@ -64,7 +64,8 @@ class ChatChunks:
         text, events = chunk.text, []
         if self.thinking is not None:
             splitter = self.splitters.setdefault(index, self.thinking.splitter())
-            reasoning, text = splitter.feed(text, last=chunk.finish_reason is not None)
+            last = chunk.finish_reason is not None
+            reasoning, text = splitter.feed(text, last=last, tokens=len(chunk.token_ids))
             if reasoning or (logprobs and splitter.thinking):
                 events.append(self._event(index, {"reasoning": reasoning}, None, logprobs))
                 logprobs = None
@@ -90,7 +91,15 @@ class ChatChunks:
         return events + ([self._event(index, {}, finish)] if finish is not None else [])
 
     def usage(self, usage: Usage) -> dict[str, Any]:
-        return {**self.head, "choices": [], "usage": usage_dict(usage)}
+        thought = None if self.thinking is None else sum(s.tokens for s in self.splitters.values())
+        return {**self.head, "choices": [], "usage": chat_usage(usage, thought)}
+
+
+def chat_usage(usage: Usage, reasoning_tokens: int | None) -> dict[str, Any]:
+    """A chat answer's usage; where the model thinks, with how many of its tokens were thinking."""
+    if reasoning_tokens is None:
+        return usage_dict(usage)
+    return {**usage_dict(usage), "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
 
 def finish_reason(plan: ToolPlan, engine_finish: str, called: bool) -> str:
@@ -183,6 +192,9 @@ async def create_chat_completion(
         "created": int(time.time()),
         "model": body.model,
         "choices": choices,
-        "usage": usage_dict(total_usage([out.usage for out in outs])),
+        "usage": chat_usage(
+            total_usage([out.usage for out in outs]),
+            None if thinking is None else sum(thinking.tokens(out.token_ids, tokenizer.decode) for out in outs),
+        ),
     }
     return JSONResponse(answer, headers=headers)

@@ -136,7 +136,8 @@ async def create_response(
             on_final=lambda event: ended(event["response"]),
         )
     (out,) = await generation.complete(job, started_s=started_s(request))
-    answer = shape.response(output_items(out, plan, call_format, thinking), out.finish_reason, out.usage)
+    thought = 0 if thinking is None else thinking.tokens(out.token_ids, tokenizer.decode)
+    answer = shape.response(output_items(out, plan, call_format, thinking), out.finish_reason, out.usage, thought)
     await ended(answer)
     return JSONResponse(answer, headers=headers)
 

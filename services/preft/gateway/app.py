@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from preft.gateway import redis_client
 from preft.gateway.auth import KeyAuthenticator
 from preft.gateway.background import BackgroundRuns
-from preft.gateway.conversation_store import ConversationStore
+from preft.gateway.conversation_store import ConversationLimits, ConversationStore
 from preft.gateway.engine_client import EngineClient
 from preft.gateway.errors import install_error_handlers
 from preft.gateway.generation import GenerationService
@@ -96,7 +96,11 @@ def create_app(
                 r,
                 ttl_s=settings.responses_store_ttl_s,
                 timeout_s=settings.redis_timeout_s,
-                max_items=settings.conversations_max_items,
+                limits=ConversationLimits(
+                    items=settings.conversations_max_items,
+                    bytes=settings.conversations_max_bytes,
+                    per_tenant=settings.conversations_max_per_tenant,
+                ),
             )
             app.state.background_runs = BackgroundRuns(
                 app.state.response_store, max_runs=settings.responses_background_max

@@ -3,9 +3,11 @@ given `conversation` continues and then extends with its input and output.
 
 Kept where the server stores responses (`GatewaySettings.responses_store_ttl_s`), each conversation expiring that
 long after its last change. Keys per conversation: `preft:conversation:<tenant>:<id>` (a hash: created_at,
-metadata, the items' sequence), `...-order:...` (the item ids by sequence) and `...-items:...` (id → item JSON).
-Changes that must see the conversation whole (adding items, deleting one) run as Lua scripts: atomic, and a
-refused change leaves the conversation as it was.
+metadata, the items' sequence and their bytes), `...-order:...` (the item ids by sequence) and `...-items:...` (id →
+item JSON); per tenant, `preft:conversations:<tenant>` (its conversations, each scored with when it expires). Every
+change runs as one Lua script (deleting, as one transaction): atomic, and a refused change leaves the conversation as
+it was. Limits: the items and their bytes a conversation holds (a 400 past them), the conversations a tenant holds
+(a 429).
 """
 
 from __future__ import annotations
@@ -18,40 +20,78 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 
-from preft.common.errors import InvalidArgument, NotFound
+from preft.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from preft.gateway.redis_client import guarded
 
 CONVERSATION_ID = re.compile(r"^conv_[0-9a-f]{32}$")
 
-# KEYS: conversation, order, items. ARGV: ttl ms, most items (0: no limit), then item id and JSON pairs.
-# Returns the number of items after, or -1 (no such conversation), or -2 - the items held (past the limit: nothing
-# added).
-_ADD = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local n = (#ARGV - 2) / 2
-local held = redis.call('ZCARD', KEYS[2])
-local most = tonumber(ARGV[2])
-if most > 0 and held + n > most then return -2 - held end
-local seq = redis.call('HINCRBY', KEYS[1], 'seq', n)
-for i = 1, n do
-  redis.call('ZADD', KEYS[2], seq - n + i, ARGV[1 + 2 * i])
-  redis.call('HSET', KEYS[3], ARGV[1 + 2 * i], ARGV[2 + 2 * i])
+# Each script: KEYS the conversation's three keys and the tenant's index; ARGV[1] now (ms), ARGV[2] the TTL (ms),
+# ARGV[3] the conversation's id. Each change renews the conversation's keys and its entry in the index.
+_RENEW = """
+local function renew()
+  for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+  redis.call('ZADD', KEYS[4], tonumber(ARGV[1]) + tonumber(ARGV[2]), ARGV[3])
+  redis.call('PEXPIRE', KEYS[4], ARGV[2])
 end
-for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ARGV[1]) end
-return held + n
+local function add(first, seq)
+  for i = first, #ARGV, 2 do
+    seq = seq + 1
+    redis.call('ZADD', KEYS[2], seq, ARGV[i])
+    redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
+  end
+end
 """
-# KEYS: conversation, order, items. ARGV: ttl ms, metadata JSON or "" (left as it is), item id to delete or "".
+# ARGV[4..]: the tenant's most conversations, created_at, metadata JSON, bytes, then item id and JSON pairs.
+# Returns -1 (created) or the conversations the tenant holds (refused: as many as it may).
+_CREATE = (
+    _RENEW
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[1])
+local held = redis.call('ZCARD', KEYS[4])
+if held >= tonumber(ARGV[4]) then return held end
+redis.call('HSET', KEYS[1], 'created_at', ARGV[5], 'metadata', ARGV[6], 'bytes', ARGV[7], 'seq', (#ARGV - 7) / 2)
+add(8, 0)
+renew()
+return -1
+"""
+)
+# ARGV[4..]: most items and most bytes (0: no limit), then item id and JSON pairs.
+# Returns {0, items after}, {1} (no such conversation), {2, items held} or {3, bytes held} (past a limit: nothing
+# added).
+_ADD = (
+    _RENEW
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
+local n, size = (#ARGV - 5) / 2, 0
+for i = 7, #ARGV, 2 do size = size + #ARGV[i] end
+local held = redis.call('ZCARD', KEYS[2])
+local bytes = tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0')
+if tonumber(ARGV[4]) > 0 and held + n > tonumber(ARGV[4]) then return {2, held} end
+if tonumber(ARGV[5]) > 0 and bytes + size > tonumber(ARGV[5]) then return {3, bytes} end
+local seq = redis.call('HINCRBY', KEYS[1], 'seq', n) - n
+redis.call('HINCRBY', KEYS[1], 'bytes', size)
+add(6, seq)
+renew()
+return {0, held + n}
+"""
+)
+# ARGV[4..]: metadata JSON or "" (left as it is), an item id to delete or "".
 # Returns the conversation's hash fields, or false (no such conversation), or -1 (no such item: nothing changed).
-_CHANGE = """
+_CHANGE = (
+    _RENEW
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-if ARGV[3] ~= '' then
-  if redis.call('ZREM', KEYS[2], ARGV[3]) == 0 then return -1 end
-  redis.call('HDEL', KEYS[3], ARGV[3])
+if ARGV[5] ~= '' then
+  local size = redis.call('HSTRLEN', KEYS[3], ARGV[5])
+  if redis.call('ZREM', KEYS[2], ARGV[5]) == 0 then return -1 end
+  redis.call('HDEL', KEYS[3], ARGV[5])
+  redis.call('HINCRBY', KEYS[1], 'bytes', -size)
 end
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'metadata', ARGV[2]) end
-for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ARGV[1]) end
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'metadata', ARGV[4]) end
+renew()
 return redis.call('HGETALL', KEYS[1])
 """
+)
 
 
 @dataclass(frozen=True)
@@ -74,14 +114,22 @@ class ItemPage:
     has_more: bool
 
 
+@dataclass(frozen=True)
+class ConversationLimits:
+    items: int  # items one conversation holds
+    bytes: int  # bytes of items (their JSON) one conversation holds
+    per_tenant: int  # conversations one tenant holds
+
+
 class ConversationStore:
     """Owns the conversations' Redis keys; each read or change of another tenant's conversation is a NotFound."""
 
-    def __init__(self, redis: aioredis.Redis, *, ttl_s: float, timeout_s: float, max_items: int) -> None:
+    def __init__(self, redis: aioredis.Redis, *, ttl_s: float, timeout_s: float, limits: ConversationLimits) -> None:
         self._redis = redis
         self.ttl_s = ttl_s
-        self.max_items = max_items
+        self.limits = limits
         self._timeout_s = timeout_s
+        self._create = redis.register_script(_CREATE)
         self._add = redis.register_script(_ADD)
         self._change = redis.register_script(_CHANGE)
 
@@ -89,55 +137,59 @@ class ConversationStore:
     def enabled(self) -> bool:
         return self.ttl_s > 0
 
-    @property
-    def _ttl_ms(self) -> int:
-        return int(self.ttl_s * 1000)
-
     @staticmethod
     def _keys(tenant: str, conversation_id: str) -> list[str]:
         return [
             f"preft:conversation:{tenant}:{conversation_id}",
             f"preft:conversation-order:{tenant}:{conversation_id}",
             f"preft:conversation-items:{tenant}:{conversation_id}",
+            f"preft:conversations:{tenant}",
         ]
+
+    def _script_args(self, conversation_id: str) -> list[Any]:
+        return [int(time.time() * 1000), int(self.ttl_s * 1000), conversation_id]
 
     def _missing(self, conversation_id: str) -> NotFound:
         return NotFound(f"no conversation {conversation_id!r} (conversations are kept {self.ttl_s:g} s after a change)")
 
-    def _checked(self, conversation_id: str) -> str:
+    def _checked(self, tenant: str, conversation_id: str) -> list[str]:
+        """The conversation's keys (NotFound for an id this store never gives)."""
         if not self.enabled or not CONVERSATION_ID.match(conversation_id):
             raise self._missing(conversation_id)
-        return conversation_id
+        return self._keys(tenant, conversation_id)
+
+    def check_room(self, items: int, size: int) -> None:
+        """InvalidArgument where a conversation of `items` items of `size` bytes would be too large."""
+        if items > self.limits.items:
+            raise InvalidArgument(
+                f"conversation: it would hold {items} items; a conversation holds at most {self.limits.items}"
+            )
+        if size > self.limits.bytes:
+            raise InvalidArgument(
+                f"conversation: its items would take {size} bytes; a conversation holds at most {self.limits.bytes}"
+            )
 
     async def create(
         self, tenant: str, conversation_id: str, metadata: dict[str, str], items: list[dict[str, Any]]
     ) -> Conversation:
-        """A new conversation holding `items` (each with its id)."""
+        """A new conversation holding `items` (each with its id); ResourceExhausted where the tenant holds as many
+        as it may."""
         conversation = Conversation(conversation_id, int(time.time()), metadata)
-        self.check_room(len(items))
-        head, order, stored = self._keys(tenant, conversation_id)
-        pipe = self._redis.pipeline(transaction=True)
-        fields = {"created_at": conversation.created_at, "metadata": json.dumps(metadata), "seq": len(items)}
-        pipe.hset(head, mapping=fields)
-        if items:
-            pipe.zadd(order, {item["id"]: seq for seq, item in enumerate(items, 1)})
-            pipe.hset(stored, mapping={item["id"]: _json(item) for item in items})
-        for key in (head, order, stored):
-            pipe.pexpire(key, self._ttl_ms)
-        await guarded(pipe.execute(), self._timeout_s)
+        stored = [(item["id"], item_json(item)) for item in items]
+        size = sum(len(data.encode()) for _, data in stored)
+        self.check_room(len(items), size)
+        args = [*self._script_args(conversation_id), self.limits.per_tenant, conversation.created_at]
+        args += [json.dumps(metadata), size, *(part for pair in stored for part in pair)]
+        held = await guarded(self._create(keys=self._keys(tenant, conversation_id), args=args), self._timeout_s)
+        if held != -1:
+            raise ResourceExhausted(
+                f"this tenant holds {held} conversations, as many as it may; delete some or let them expire"
+            )
         return conversation
 
-    def check_room(self, items: int) -> None:
-        """InvalidArgument where a conversation of `items` items would be too long."""
-        if items > self.max_items:
-            raise InvalidArgument(
-                f"conversation: it would hold {items} items; a conversation holds at most {self.max_items}"
-            )
-
     async def get(self, tenant: str, conversation_id: str) -> Conversation:
-        fields = await guarded(
-            self._redis.hgetall(self._keys(tenant, self._checked(conversation_id))[0]), self._timeout_s
-        )
+        head = self._checked(tenant, conversation_id)[0]
+        fields = await guarded(self._redis.hgetall(head), self._timeout_s)
         if not fields:
             raise self._missing(conversation_id)
         return Conversation.from_fields(conversation_id, fields)
@@ -151,8 +203,9 @@ class ConversationStore:
         return await self._changed(tenant, conversation_id, "", item_id)
 
     async def _changed(self, tenant: str, conversation_id: str, metadata: str, item_id: str) -> Conversation:
-        keys = self._keys(tenant, self._checked(conversation_id))
-        reply = await guarded(self._change(keys=keys, args=[self._ttl_ms, metadata, item_id]), self._timeout_s)
+        keys = self._checked(tenant, conversation_id)
+        args = [*self._script_args(conversation_id), metadata, item_id]
+        reply = await guarded(self._change(keys=keys, args=args), self._timeout_s)
         if reply is None:
             raise self._missing(conversation_id)
         if reply == -1:
@@ -160,23 +213,29 @@ class ConversationStore:
         return Conversation.from_fields(conversation_id, dict(zip(reply[::2], reply[1::2], strict=True)))
 
     async def delete(self, tenant: str, conversation_id: str) -> None:
-        keys = self._keys(tenant, self._checked(conversation_id))
-        if not await guarded(self._redis.delete(*keys), self._timeout_s):
+        *own, index = self._checked(tenant, conversation_id)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(*own)
+        pipe.zrem(index, conversation_id)
+        deleted, _ = await guarded(pipe.execute(), self._timeout_s)
+        if not deleted:
             raise self._missing(conversation_id)
 
     async def add_items(
         self, tenant: str, conversation_id: str, items: list[dict[str, Any]], *, limited: bool = True
     ) -> None:
-        """Append `items` (each with its id); `limited`: refused (nothing added) past `max_items`."""
-        keys = self._keys(tenant, self._checked(conversation_id))
-        args: list[Any] = [self._ttl_ms, self.max_items if limited else 0]
+        """Append `items` (each with its id); `limited`: refused (nothing added) past the conversation's limits."""
+        keys = self._checked(tenant, conversation_id)
+        args = [*self._script_args(conversation_id), *((self.limits.items, self.limits.bytes) if limited else (0, 0))]
         for item in items:
-            args += [item["id"], _json(item)]
-        held = await guarded(self._add(keys=keys, args=args), self._timeout_s)
-        if held == -1:
+            args += [item["id"], item_json(item)]
+        reply = await guarded(self._add(keys=keys, args=args), self._timeout_s)
+        if reply[0] == 1:
             raise self._missing(conversation_id)
-        if held <= -2:
-            self.check_room(-held - 2 + len(items))
+        if reply[0] == 2:
+            self.check_room(reply[1] + len(items), 0)
+        if reply[0] == 3:
+            self.check_room(0, reply[1] + sum(len(item_json(item).encode()) for item in items))
 
     async def items(self, tenant: str, conversation_id: str) -> list[dict[str, Any]]:
         """Every item, oldest first (NotFound where the conversation is not)."""
@@ -193,7 +252,7 @@ class ConversationStore:
         order: Literal["asc", "desc"],
     ) -> ItemPage:
         """Up to `limit` items (None: all) in `order`, after the item `after`."""
-        _, order_key, items_key = self._keys(tenant, self._checked(conversation_id))
+        _, order_key, items_key, _ = self._checked(tenant, conversation_id)
         start = 0
         if after is not None:
             rank = self._redis.zrank if order == "asc" else self._redis.zrevrank
@@ -209,7 +268,7 @@ class ConversationStore:
         return ItemPage([json.loads(item) for item in stored if item is not None], more)
 
     async def item(self, tenant: str, conversation_id: str, item_id: str) -> dict[str, Any]:
-        items_key = self._keys(tenant, self._checked(conversation_id))[2]
+        items_key = self._checked(tenant, conversation_id)[2]
         stored = await guarded(self._redis.hget(items_key, item_id), self._timeout_s)
         if stored is None:
             await self.get(tenant, conversation_id)  # (NotFound for the conversation first)
@@ -217,5 +276,6 @@ class ConversationStore:
         return json.loads(stored)
 
 
-def _json(item: dict[str, Any]) -> str:
+def item_json(item: dict[str, Any]) -> str:
+    """An item as it is kept (its size counts against the conversation's bytes)."""
     return json.dumps(item, separators=(",", ":"))

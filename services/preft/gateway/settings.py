@@ -72,6 +72,12 @@ class GatewaySettings(BaseSettings):
     conversations_max_items: int = Field(
         4096, ge=1, description="Items one conversation holds (adding past it: 400; a response's output may pass it)"
     )
+    conversations_max_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Bytes of items (as JSON) one conversation holds (past it: 400, as items)"
+    )
+    conversations_max_per_tenant: int = Field(
+        10_000, ge=1, description="Conversations one tenant holds at once (another: 429 until some expire or go)"
+    )
     responses_background_max: int = Field(
         256, ge=0, description="Background responses one gateway replica runs at once (more: 503)"
     )

@@ -129,13 +129,15 @@ def test_responses_continue_conversations(make_gateway, registry, stub, tokenize
         ("{conv}/items", {"items": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "call_id"),
         ("{conv}/items", {"items": [{"role": "user", "content": [{"type": "input_image"}]}]}, "only text"),
         ("{conv}/items", {"items": [{"role": "user", "content": "x"}] * 3}, "at most 4"),
+        ("{conv}/items", {"items": [{"role": "user", "content": "x" * 900}]}, "at most 1024"),  # (bytes)
+        ("/v1/conversations", {"items": [{"role": "user", "content": "x" * 1100}]}, "at most 1024"),
         ("{conv}/items?include=everything", {"items": [{"role": "user", "content": "x"}]}, "include"),
         ("{conv}/items?include[]=everything", {"items": [{"role": "user", "content": "x"}]}, "include"),
     ],
 )
 def test_bad_conversation_requests_are_400_and_change_nothing(make_gateway, registry, redis_url, path, body, says):
     key = registry.tenant("acme")
-    gateway = make_gateway(responses_store_ttl_s=60, conversations_max_items=4)
+    gateway = make_gateway(responses_store_ttl_s=60, conversations_max_items=4, conversations_max_bytes=1024)
     http = gateway.http(key)
     conv = http.post("/v1/conversations", json={"items": FIRST, "metadata": {"a": "b"}}).json()
     items = http.get(f"/v1/conversations/{conv['id']}/items").json()["data"]
@@ -170,3 +172,24 @@ def test_responses_refuse_conversations_they_cannot_continue(make_gateway, regis
         unstored.conversations.create()
     with pytest.raises(openai.NotFoundError):
         unstored.conversations.retrieve(conv.id)
+
+
+def test_a_tenant_holds_so_many_conversations_of_so_many_bytes(make_gateway, registry):
+    """Past the conversations a tenant may hold, another is a 429 (another tenant's are its own); deleting one makes
+    room. A conversation's bytes count its items as kept: deleting an item gives its bytes back."""
+    gateway = make_gateway(responses_store_ttl_s=60, conversations_max_per_tenant=2, conversations_max_bytes=1024)
+    client, other = gateway.openai(registry.tenant("acme")), gateway.openai(registry.tenant("beta"))
+    first, _ = client.conversations.create(), client.conversations.create()
+    with pytest.raises(openai.RateLimitError, match="holds 2 conversations"):
+        client.conversations.create()
+    assert other.conversations.create().id
+    client.conversations.delete(first.id)
+    third = client.conversations.create()
+    big = {"role": "user", "content": "x" * 350}  # (~460 bytes as kept: two fit, three do not)
+    added = client.conversations.items.create(third.id, items=[big]).data[0]
+    client.conversations.items.create(third.id, items=[big])
+    with pytest.raises(openai.BadRequestError, match="at most 1024"):
+        client.conversations.items.create(third.id, items=[big])
+    client.conversations.items.delete(added.id, conversation_id=third.id)
+    assert client.conversations.items.create(third.id, items=[big]).data
+    assert len(client.conversations.items.list(third.id).data) == 2

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from preft.common.errors import InvalidArgument, NotFound, Unavailable
 from preft.gateway.background import IN_PROGRESS, BackgroundRuns, Run, current, replay
-from preft.gateway.conversation_store import ConversationStore
+from preft.gateway.conversation_store import ConversationStore, item_json
 from preft.gateway.deps import (
     BackgroundRunsDep,
     CallerDep,
@@ -158,7 +158,8 @@ def _extender(
 ) -> Callable[[dict[str, Any]], Awaitable[None]]:
     """What adds a finished response's input `items` and output to its conversation (a 400 now where the
     conversation has no room for them and a message)."""
-    conversations.check_room(len(held) + len(items) + 1)
+    size = sum(len(item_json(item).encode()) for item in held + items)
+    conversations.check_room(len(held) + len(items) + 1, size)
 
     async def extend(response: dict[str, Any]) -> None:
         if response["status"] not in ("completed", "incomplete"):

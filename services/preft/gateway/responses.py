@@ -154,6 +154,8 @@ class ResponsesBody(BaseModel):
             if extra.get(name) not in (None, False):
                 raise InvalidArgument(f"{name} is not supported by this server")
         check_include(self.include)
+        if self.tools and self.logprobs:  # (an output_text's logprobs would have to leave out the calls' tokens)
+            raise InvalidArgument("logprobs (include, top_logprobs): not available with tools")
         if self.conversation is not None and self.previous_response_id is not None:
             raise InvalidArgument("conversation and previous_response_id cannot both be given")
 

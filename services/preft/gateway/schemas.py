@@ -446,8 +446,6 @@ class ChatBody(GenerationBody):
             raise InvalidArgument("function_call: give functions to choose from")
         else:
             plan = ToolPlan.of(self.tools, self.tool_choice, parallel=self.parallel_tool_calls is not False)
-        if plan is not None and self.logprobs:
-            raise InvalidArgument("logprobs: not available with tools")
         return plan
 
     def constraint(self) -> OutputConstraint | None:

@@ -76,7 +76,7 @@ BAD_BODIES = [
     (CHAT, b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}', "give t"),
     (CHAT, CHAT_TOOLS + b', "tool_choice": {"type": "function", "function": {"name": "g"}}}', "no tool is named 'g'"),
     (CHAT, CHAT_TOOLS + b', "tool_choice": "sometimes"}', "tool_choice"),
-    (CHAT, CHAT_TOOLS + b', "logprobs": true}', "logprobs: not available with tools"),
+    (CHAT, CHAT_TOOLS + b', "top_logprobs": 2}', "set logprobs to true"),
     (
         CHAT,
         b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "continue_final_message": true}',

@@ -248,6 +248,22 @@ TOOLS = [
 ]
 
 
+def test_tools_with_logprobs_give_every_generated_tokens(make_gateway, registry, stub):
+    """logprobs with tools (as vLLM's): one per generated token, a call's tokens too, whole and streamed alike (a
+    streamed piece the tool reader holds back carries its logprobs in an empty delta)."""
+    client = make_gateway(max_prompt_tokens=450).openai(registry.tenant("acme"))
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    stub.reply = 'Let me look.\n<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    asked = {"model": BASE, "messages": messages, "max_tokens": 50, "tools": TOOLS, "logprobs": True, "top_logprobs": 2}
+    out = client.chat.completions.create(**asked)
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.tool_calls
+    whole = out.choices[0].logprobs.content
+    assert len(whole) == out.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in whole)
+    chunks = list(client.chat.completions.create(**asked, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in whole]
+
+
 def test_tools_auto_required_and_named_whole_and_streamed(make_gateway, registry, stub, tokenizer):
     """auto: the tools reach the model through the chat template and calls in the model's format (hermes here) come
     back as tool_calls, content before them and each call's arguments streamed as they come; required and named: the

@@ -70,14 +70,17 @@ class ChatChunks:
                 events.append(self._event(index, {"reasoning": reasoning}, None, logprobs))
                 logprobs = None
         if self.plan is not None:
-            return events + self._tool_piece(text, chunk.finish_reason, index)
+            return events + self._tool_piece(text, chunk.finish_reason, index, logprobs)
         if text or logprobs:
             events.append(self._event(index, {"content": text}, None, logprobs))
         if chunk.finish_reason is not None:
             events.append(self._event(index, {}, chunk.finish_reason))
         return events
 
-    def _tool_piece(self, text: str, finish: str | None, index: int) -> list[dict[str, Any]]:
+    def _tool_piece(self, text: str, finish: str | None, index: int, logprobs: Any) -> list[dict[str, Any]]:
+        """What the choice's ToolStream lets out of the piece: content, calls' deltas, then the finish; the
+        piece's token logprobs (where asked for) go with its first event, an empty delta where it lets out
+        nothing yet (every generated token's, as on plain answers)."""
         assert self.plan is not None
         stream = self.tool_streams.setdefault(index, ToolStream(self.plan, self.call_format))
         deltas = stream.feed(text)
@@ -87,7 +90,9 @@ class ChatChunks:
             finish = finish_reason(self.plan, finish, called)
         if self.plan.legacy:
             deltas = [as_function_call(delta) for delta in deltas]
-        events = [self._event(index, delta, None) for delta in deltas]
+        if logprobs and not deltas:
+            deltas = [{}]
+        events = [self._event(index, delta, None, logprobs if i == 0 else None) for i, delta in enumerate(deltas)]
         return events + ([self._event(index, {}, finish)] if finish is not None else [])
 
     def usage(self, usage: Usage) -> dict[str, Any]:

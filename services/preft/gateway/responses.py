@@ -24,7 +24,7 @@ from preft.common.errors import InvalidArgument
 from preft.engine.contract import EngineChunk, EngineResponse, JsonSchema, Usage
 from preft.gateway.logprobs import chat_logprobs
 from preft.gateway.reasoning import Thinking
-from preft.gateway.schemas import VLLM_FIELDS_NOT_SUPPORTED, GenerationBody
+from preft.gateway.schemas import VLLM_FIELDS_NOT_SUPPORTED, GenerationBody, ReasoningEffort
 from preft.gateway.tools import MAX_TOOLS, ToolCall, ToolCallFormat, ToolPlan, ToolStream
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -41,7 +41,7 @@ INCLUDE_NOT_PRODUCED = frozenset(
     }
 )
 # Fields of a Responses request that OpenAI defines and this server does not do: refused when asked for (not null)
-NOT_SUPPORTED = ("prompt", "reasoning")
+NOT_SUPPORTED = ("prompt",)
 # The generation fields a Responses request gives in its own way (or not at all: `n`)
 CHAT_ONLY = frozenset({"model", "max_tokens", "stream", "stream_options", "n", "response_format", "user"})
 # The vLLM and PreFT extensions a Responses request may carry, as on chat (sampling options, `preft_mode`, ...)
@@ -61,6 +61,16 @@ class ConversationRef(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     id: str
+
+
+class ReasoningConfig(BaseModel):
+    """`reasoning`: a thinking model's effort, given to its chat template as chat's reasoning_effort is (no summary
+    is made: `summary` is accepted and left out)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class FunctionTool(BaseModel):
@@ -147,6 +157,7 @@ class ResponsesBody(BaseModel):
         None, description="A conversation this one continues; its input and output are added to it"
     )
     background: bool | None = Field(None, description="Answer at once (queued) and run it; poll GET /v1/responses/{id}")
+    reasoning: ReasoningConfig | None = None
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -192,6 +203,7 @@ class ResponsesBody(BaseModel):
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs if self.logprobs else None,
             "user": self.user,
+            "reasoning_effort": self.reasoning.effort if self.reasoning else None,
         }
         return extensions | {k: v for k, v in fields.items() if v is not None}
 
@@ -362,6 +374,7 @@ class ResponseShape:
             "metadata": body.metadata or {},
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
+            "reasoning": None if body.reasoning is None else {"effort": body.reasoning.effort, "summary": None},
             "conversation": None if body.conversation_id is None else {"id": body.conversation_id},
             "store": stored,
             "temperature": 1.0 if body.temperature is None else body.temperature,

@@ -367,6 +367,7 @@ class ChatMessage(BaseModel):
         return "\n".join(p.text for p in self.content if p.text is not None)
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # (vLLM's values)
 # apply_chat_template's own arguments and the template's given variables: not for chat_template_kwargs to set
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
@@ -415,6 +416,17 @@ class ChatBody(GenerationBody):
     chat_template_kwargs: TemplateKwargs | None = Field(
         None, description="vLLM extension: variables for the chat template (e.g. Qwen3's enable_thinking)"
     )
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="A thinking model's effort: the template's reasoning_effort, and enable_thinking unless none"
+    )
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables: `chat_template_kwargs`, and with `reasoning_effort` (as vLLM gives it) that
+        effort and `enable_thinking` (false for none), unless chat_template_kwargs set them."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        effort = {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none"}
+        return effort | (self.chat_template_kwargs or {})
 
     def conversation(self) -> list[dict[str, Any]]:
         if self.continue_final_message and self.messages[-1].role != "assistant":

@@ -92,6 +92,31 @@ def test_templates_that_open_the_thinking(make_gateway, registry, stub, tokenize
             )
 
 
+def test_reasoning_effort_reaches_the_template(make_gateway, registry, stub, tokenizer):
+    """reasoning_effort (chat) and reasoning.effort (Responses) go to the chat template as vLLM gives them: the effort,
+    and enable_thinking unless the effort is none (here the tiny template opens the thinking under it); a
+    chat_template_kwargs' own enable_thinking wins."""
+    client = make_gateway(reasoning_format="think", responses_store_ttl_s=60).openai(registry.tenant("acme"))
+    messages = [{"role": "user", "content": "hi"}]
+    stub.reply = "Short.</think>Hi."
+
+    def prompt() -> str:
+        return tokenizer.decode(stub.received[-1][1].prompt_token_ids)
+
+    answer = client.chat.completions.create(model=BASE, messages=messages, max_tokens=20, reasoning_effort="high")
+    assert prompt().endswith("assistant:<think>") and answer.choices[0].message.reasoning == "Short."
+    client.chat.completions.create(model=BASE, messages=messages, max_tokens=20, reasoning_effort="none")
+    assert prompt().endswith("assistant:")
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    client.chat.completions.create(model=BASE, messages=messages, max_tokens=20, reasoning_effort="low", extra_body=off)
+    assert prompt().endswith("assistant:")
+    response = client.responses.create(model=BASE, input="hi", max_output_tokens=20, reasoning={"effort": "medium"})
+    assert prompt().endswith("assistant:<think>") and response.reasoning.effort == "medium"
+    assert [i.type for i in response.output] == ["reasoning", "message"]
+    with pytest.raises(openai.BadRequestError, match="reasoning"):
+        client.responses.create(model=BASE, input="hi", reasoning={"effort": "enormous"})
+
+
 def test_responses_put_the_thinking_in_a_reasoning_item(make_gateway, registry, stub, tokenizer, hf_tokenizer):
     client = make_gateway(reasoning_format="think", responses_store_ttl_s=60).openai(registry.tenant("acme"))
     stub.reply, stub.tokenizer = THOUGHT, hf_tokenizer

@@ -161,7 +161,7 @@ async def start_chat(
         body.conversation(),
         tools,
         continue_final=body.continue_final_message,
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=body.template_kwargs(),
     )
     prompt_ids = body.truncated(prompt_ids, generation.settings.max_prompt_tokens)
     thinking = None

@@ -56,8 +56,7 @@ return -1
 """
 )
 # ARGV[4..]: most items and most bytes (0: no limit), then item id and JSON pairs.
-# Returns {0, items after}, {1} (no such conversation), {2, items held} or {3, bytes held} (past a limit: nothing
-# added).
+# Returns {0} (added), {1} (no such conversation) or {2, items held, bytes held} (past a limit: nothing added).
 _ADD = (
     _RENEW
     + """
@@ -65,14 +64,16 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return {1} end
 local n, size = (#ARGV - 5) / 2, 0
 for i = 7, #ARGV, 2 do size = size + #ARGV[i] end
 local held = redis.call('ZCARD', KEYS[2])
-local bytes = tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0')
-if tonumber(ARGV[4]) > 0 and held + n > tonumber(ARGV[4]) then return {2, held} end
-if tonumber(ARGV[5]) > 0 and bytes + size > tonumber(ARGV[5]) then return {3, bytes} end
+local bytes = tonumber(redis.call('HGET', KEYS[1], 'bytes'))
+local most_items, most_bytes = tonumber(ARGV[4]), tonumber(ARGV[5])
+if (most_items > 0 and held + n > most_items) or (most_bytes > 0 and bytes + size > most_bytes) then
+  return {2, held, bytes}
+end
 local seq = redis.call('HINCRBY', KEYS[1], 'seq', n) - n
 redis.call('HINCRBY', KEYS[1], 'bytes', size)
 add(6, seq)
 renew()
-return {0, held + n}
+return {0}
 """
 )
 # ARGV[4..]: metadata JSON or "" (left as it is), an item id to delete or "".
@@ -99,13 +100,14 @@ class Conversation:
     id: str
     created_at: int
     metadata: dict[str, str]
+    size: int = 0  # the bytes its items take as kept (`item_json`)
 
     def as_object(self) -> dict[str, Any]:
         return {"id": self.id, "object": "conversation", "created_at": self.created_at, "metadata": self.metadata}
 
     @classmethod
     def from_fields(cls, conversation_id: str, fields: dict[str, str]) -> Conversation:
-        return cls(conversation_id, int(fields["created_at"]), json.loads(fields["metadata"]))
+        return cls(conversation_id, int(fields["created_at"]), json.loads(fields["metadata"]), int(fields["bytes"]))
 
 
 @dataclass(frozen=True)
@@ -226,21 +228,20 @@ class ConversationStore:
     ) -> None:
         """Append `items` (each with its id); `limited`: refused (nothing added) past the conversation's limits."""
         keys = self._checked(tenant, conversation_id)
+        stored = [item_json(item) for item in items]
         args = [*self._script_args(conversation_id), *((self.limits.items, self.limits.bytes) if limited else (0, 0))]
-        for item in items:
-            args += [item["id"], item_json(item)]
+        for item, data in zip(items, stored, strict=True):
+            args += [item["id"], data]
         reply = await guarded(self._add(keys=keys, args=args), self._timeout_s)
         if reply[0] == 1:
             raise self._missing(conversation_id)
         if reply[0] == 2:
-            self.check_room(reply[1] + len(items), 0)
-        if reply[0] == 3:
-            self.check_room(0, reply[1] + sum(len(item_json(item).encode()) for item in items))
+            self.check_room(reply[1] + len(items), reply[2] + sum(len(data.encode()) for data in stored))
 
-    async def items(self, tenant: str, conversation_id: str) -> list[dict[str, Any]]:
-        """Every item, oldest first (NotFound where the conversation is not)."""
-        await self.get(tenant, conversation_id)
-        return (await self.page(tenant, conversation_id, after=None, limit=None, order="asc")).items
+    async def items(self, tenant: str, conversation_id: str) -> tuple[Conversation, list[dict[str, Any]]]:
+        """The conversation (its items' bytes with it) and every item, oldest first (NotFound where it is not)."""
+        conversation = await self.get(tenant, conversation_id)
+        return conversation, (await self.page(tenant, conversation_id, after=None, limit=None, order="asc")).items
 
     async def page(
         self,

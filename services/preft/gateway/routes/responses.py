@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from preft.common.errors import InvalidArgument, NotFound, Unavailable
 from preft.gateway.background import IN_PROGRESS, BackgroundRuns, Run, current, replay
-from preft.gateway.conversation_store import ConversationStore, item_json
+from preft.gateway.conversation_store import Conversation, ConversationStore, item_json
 from preft.gateway.deps import (
     BackgroundRunsDep,
     CallerDep,
@@ -74,13 +74,13 @@ async def create_response(
         if previous.response["status"] in IN_PROGRESS:
             raise InvalidArgument("previous_response_id: that response is still in progress")
         history = previous.conversation
-    held: list[dict[str, Any]] | None = None  # (the conversation's items, where it continues one)
+    held: Conversation | None = None  # (the conversation it continues, where it continues one)
     if body.conversation_id is not None:
-        held = await _held_items(conversations, caller.tenant, body.conversation_id)
-        history = conversation(held, field="conversation") if held else []
+        held, held_items = await _held_items(conversations, caller.tenant, body.conversation_id)
+        history = conversation(held_items, field="conversation") if held_items else []
     turns = conversation(body.input, history)  # (what a later response continues)
     items = input_items(body.input, new_ids=held is not None)
-    extend = None if held is None else _extender(conversations, caller.tenant, body.conversation_id, held, items)
+    extend = None if held is None else _extender(conversations, caller.tenant, held, len(held_items), items)
     try:
         chat = ChatBody.model_validate(body.chat_fields(turns))
     except ValidationError as e:
@@ -142,8 +142,10 @@ async def create_response(
     return JSONResponse(answer, headers=headers)
 
 
-async def _held_items(conversations: ConversationStore, tenant: str, conversation_id: str) -> list[dict[str, Any]]:
-    """The items of the conversation a response continues."""
+async def _held_items(
+    conversations: ConversationStore, tenant: str, conversation_id: str
+) -> tuple[Conversation, list[dict[str, Any]]]:
+    """The conversation a response continues, and its items."""
     if not conversations.enabled:
         raise InvalidArgument("conversation: this server does not store conversations")
     return await conversations.items(tenant, conversation_id)
@@ -152,14 +154,15 @@ async def _held_items(conversations: ConversationStore, tenant: str, conversatio
 def _extender(
     conversations: ConversationStore,
     tenant: str,
-    conversation_id: str,
-    held: list[dict[str, Any]],
+    held: Conversation,
+    held_count: int,
     items: list[dict[str, Any]],
 ) -> Callable[[dict[str, Any]], Awaitable[None]]:
-    """What adds a finished response's input `items` and output to its conversation (a 400 now where the
-    conversation has no room for them and a message)."""
-    size = sum(len(item_json(item).encode()) for item in held + items)
-    conversations.check_room(len(held) + len(items) + 1, size)
+    """What adds a finished response's input `items` and output to its conversation `held` (of `held_count` items;
+    a 400 now where it has no room for them and a message)."""
+    conversation_id = held.id
+    size = held.size + sum(len(item_json(item).encode()) for item in items)
+    conversations.check_room(held_count + len(items) + 1, size)
 
     async def extend(response: dict[str, Any]) -> None:
         if response["status"] not in ("completed", "incomplete"):

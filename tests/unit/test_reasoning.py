@@ -63,15 +63,18 @@ def test_thinking_tokens_are_counted_alike_whole_and_token_by_token():
     def decode(ids: list[int]) -> str:
         return "".join(vocab[i] for i in ids)
 
-    assert Thinking(False).tokens([0, 7, 1, 10], decode) == 3
-    assert Thinking(False).tokens([0, 7, 3, 4, 5, 10], decode) == 5  # ("</" "th" "ink>": the third completes it)
-    assert Thinking(True).tokens([7, 8, 1, 10], decode) == 3
-    assert Thinking(False).tokens([0, 7, 7], decode) == 3  # (cut short)
-    assert Thinking(False).tokens([10, 0, 1], decode) == 0
+    def counted(opened: bool, ids: list[int]) -> int:
+        return Thinking(opened).tokens(decode(ids), ids, decode)
+
+    assert counted(False, [0, 7, 1, 10]) == 3
+    assert counted(False, [0, 7, 3, 4, 5, 10]) == 5  # ("</" "th" "ink>": the third completes it)
+    assert counted(True, [7, 8, 1, 10]) == 3
+    assert counted(False, [0, 7, 7]) == 3  # (cut short)
+    assert counted(False, [10, 0, 1]) == 0
     for _ in range(2000):
         ids = [rng.randrange(len(vocab)) for _ in range(rng.randint(0, 10))]
         thinking = Thinking(rng.random() < 0.3)
         splitter = thinking.splitter()
         for at, token in enumerate(ids):
             splitter.feed(vocab[token], last=at == len(ids) - 1, tokens=1)
-        assert splitter.tokens == thinking.tokens(ids, decode), [vocab[i] for i in ids]
+        assert splitter.tokens == thinking.tokens(decode(ids), ids, decode), [vocab[i] for i in ids]

@@ -37,12 +37,12 @@ class Thinking:
         """A whole answer's (thinking, content)."""
         return self.splitter().feed(text, last=True)
 
-    def tokens(self, token_ids: list[int], decode: Callable[[list[int]], str]) -> int:
-        """How many of a whole answer's tokens are its thinking: those up to the one that completes `</think>`
-        (found by decoding ever longer prefixes, a binary search), all of them where the thinking was cut short,
-        none where the answer did not think."""
+    def tokens(self, text: str, token_ids: list[int], decode: Callable[[list[int]], str]) -> int:
+        """How many of a whole answer's tokens (its `text`, its `token_ids`) are its thinking: those up to the one
+        that completes `</think>` (found by decoding prefixes, a binary search), all of them where the thinking was
+        cut short, none where the answer did not think."""
         splitter = self.splitter()
-        splitter.feed(decode(token_ids), last=True)
+        splitter.feed(text, last=True)
         if not splitter.thought:
             return 0
         if splitter.thinking:

@@ -199,7 +199,7 @@ async def create_chat_completion(
         "choices": choices,
         "usage": chat_usage(
             total_usage([out.usage for out in outs]),
-            None if thinking is None else sum(thinking.tokens(out.token_ids, tokenizer.decode) for out in outs),
+            None if thinking is None else sum(thinking.tokens(o.text, o.token_ids, tokenizer.decode) for o in outs),
         ),
     }
     return JSONResponse(answer, headers=headers)

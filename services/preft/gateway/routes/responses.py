@@ -136,7 +136,7 @@ async def create_response(
             on_final=lambda event: ended(event["response"]),
         )
     (out,) = await generation.complete(job, started_s=started_s(request))
-    thought = 0 if thinking is None else thinking.tokens(out.token_ids, tokenizer.decode)
+    thought = 0 if thinking is None else thinking.tokens(out.text, out.token_ids, tokenizer.decode)
     answer = shape.response(output_items(out, plan, call_format, thinking), out.finish_reason, out.usage, thought)
     await ended(answer)
     return JSONResponse(answer, headers=headers)

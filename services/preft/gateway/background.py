@@ -22,11 +22,12 @@ from typing import Any
 from preft.common.errors import PreftError, Unavailable
 from preft.common.metrics import BACKGROUND_ENDED, BACKGROUND_RUNNING
 from preft.gateway.response_store import ResponseStore, StoredResponse
-from preft.gateway.responses import output_turns
+from preft.gateway.responses import ANSWERED
 
 log = logging.getLogger(__name__)
 
 IN_PROGRESS = ("queued", "in_progress")
+ANSWER_EVENTS = tuple(f"response.{status}" for status in ANSWERED)  # (each carries the answered response)
 STOPPED_ERROR = {"code": "server_error", "message": "the gateway running this response stopped before it finished"}
 
 # Opens the engine streams and gives the answer's events (the Responses stream's, ending with the final response).
@@ -118,7 +119,7 @@ class BackgroundRuns:
                 async for event in answer:
                     if kept is not None:
                         await kept.add(event)
-                    if event["type"] in ("response.completed", "response.incomplete"):
+                    if event["type"] in ANSWER_EVENTS:
                         response = event["response"]
         except asyncio.CancelledError:
             asyncio.current_task().uncancel()  # type: ignore[union-attr]  (stored below, then the task ends)
@@ -148,12 +149,8 @@ class BackgroundRuns:
 
     async def _update(self, run: Run, response: dict[str, Any]) -> None:
         """Store the response as it now stands (not where it was deleted meanwhile)."""
-        conversation = run.stored.conversation
-        if response["status"] in ("completed", "incomplete"):
-            conversation = conversation + output_turns(response["output"])
-        stored = dataclasses.replace(run.stored, response=response, conversation=conversation)
         try:
-            await self._store.save(run.tenant, stored, only_existing=True)
+            await self._store.save(run.tenant, run.stored.at(response), only_existing=True)
         except Unavailable as e:
             log.warning("background response %s not stored as %s: %s", run.response_id, response["status"], e.message)
 
@@ -200,7 +197,7 @@ def _cut(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**item, "status": "incomplete"} if item["status"] == "in_progress" else item for item in output]
 
 
-ENDING_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+ENDING_EVENTS = (*ANSWER_EVENTS, "response.failed")
 
 
 async def replay(

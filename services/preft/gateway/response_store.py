@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from preft.common.errors import NotFound
 from preft.gateway.redis_client import guarded
+from preft.gateway.responses import ANSWERED, output_turns
 
 RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")
 
@@ -32,6 +33,11 @@ class StoredResponse:
     conversation: list[dict[str, Any]]  # the chat turns it ended: earlier ones, its input, its output (no instructions)
     input_items: list[dict[str, Any]]  # its own input, as Responses items with ids
     events: bool = False  # its stream's events are kept (a background response created with stream: true)
+
+    def at(self, response: dict[str, Any]) -> StoredResponse:
+        """This one as `response` now stands: once answered, its output's turn continues the conversation."""
+        turns = output_turns(response["output"]) if response["status"] in ANSWERED else []
+        return dataclasses.replace(self, response=response, conversation=self.conversation + turns)
 
 
 class ResponseStore:

@@ -330,6 +330,9 @@ def item_list(items: list[dict[str, Any]], *, has_more: bool) -> dict[str, Any]:
     }
 
 
+ANSWERED = ("completed", "incomplete")  # a response's statuses once its answer is whole (cut short or not)
+
+
 def output_turns(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output as the chat turn that continues its conversation: its text and its calls."""
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])

@@ -34,6 +34,7 @@ from preft.gateway.errors import validation_message
 from preft.gateway.observability import started_s
 from preft.gateway.response_store import ResponseStore, StoredResponse
 from preft.gateway.responses import (
+    ANSWERED,
     ResponseEvents,
     ResponseShape,
     conversation,
@@ -41,7 +42,6 @@ from preft.gateway.responses import (
     input_items,
     item_list,
     output_items,
-    output_turns,
 )
 from preft.gateway.routes.chat import start_chat
 from preft.gateway.schemas import ChatBody
@@ -114,8 +114,7 @@ async def create_response(
         """The answered response stored (where kept) and added to its conversation (where it continues one)."""
         if keep:
             try:
-                stored = StoredResponse(response, turns + output_turns(response["output"]), items)
-                await store.save(caller.tenant, stored)
+                await store.save(caller.tenant, StoredResponse(response, turns, items).at(response))
             except Unavailable as e:
                 log.warning("response %s not stored: %s", response["id"], e.message)
                 response["store"] = False
@@ -165,7 +164,7 @@ def _extender(
     conversations.check_room(held_count + len(items) + 1, size)
 
     async def extend(response: dict[str, Any]) -> None:
-        if response["status"] not in ("completed", "incomplete"):
+        if response["status"] not in ANSWERED:
             return
         try:  # (the output may hold a message and calls: let it pass the limit by those)
             await conversations.add_items(tenant, conversation_id, items + response["output"], limited=False)

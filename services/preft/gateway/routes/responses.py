@@ -91,8 +91,8 @@ async def create_response(
     call_format = generation.settings.tool_call_format
     headers = {"x-request-id": response_id, **job.admission.headers()}
     shape = ResponseShape(body, response_id, stored=keep)
+    render = ResponseEvents(shape, plan, call_format, thinking)  # (the events of a streamed or background answer)
     if body.background:
-        render = ResponseEvents(shape, plan, call_format, thinking)
 
         async def answer() -> AsyncIterator[dict[str, Any]]:
             streams = await generation.open_streams(job, started_s=started_s(request))
@@ -123,7 +123,6 @@ async def create_response(
 
     if body.stream:
         streams = await generation.open_streams(job, started_s=started_s(request))
-        render = ResponseEvents(shape, plan, call_format, thinking)
         return stream_response(
             generation,
             job,

@@ -111,21 +111,3 @@ def test_the_kernel_without_lora_tokens_is_the_plain_activation(lora_kernels_int
     out = torch.empty(70, INTER)
     lora_act.lora_silu_and_mul(out, gate_up, x, a, b, g.empty_groups())
     torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:])
-
-
-@pytest.mark.parametrize("tiles_per_program", [1, 2, 5])  # (3 column tiles: some programs past the last)
-@pytest.mark.parametrize("token_slots", [TOKEN_SLOTS, [-1] * 3 + [1] * 130 + [-1] * 2], ids=["gathered", "span"])
-def test_the_down_fold_gives_the_activation_and_down_shrink(lora_kernels_interpreted, token_slots, tiles_per_program):
-    x, gate_up, a, b, groups = _case(token_slots, len(token_slots) + 3)
-    if "fold" not in lora_kernels.picked(gate_up):
-        pytest.skip("this choice does not fold the LoRA into the activation kernel")
-    gen = torch.Generator().manual_seed(1)
-    a_down = torch.randn(SLOTS, 1, 16, INTER, generator=gen) / INTER**0.5
-    expected = _reference(x, gate_up, a, b, token_slots)
-    out, zd = torch.empty(gate_up.shape[0], INTER), torch.zeros(gate_up.shape[0], 16)
-    with lora_kernels.tiled(act=Tiles(rows=32, cols=16, warps=4, stages=1, cols_first=True)):
-        assert lora_act.lora_silu_and_mul_down(out, zd, gate_up, x, a, b, a_down, groups, tiles_per_program)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    for t, slot in enumerate(token_slots + [-1] * 3):
-        want = out[t] @ a_down[slot, 0].T if slot >= 0 else torch.zeros(16)
-        torch.testing.assert_close(zd[t], want, rtol=1e-5, atol=1e-5)

@@ -136,79 +136,6 @@ if triton is not None:
             up = tl.dot(z_up.to(b_up.dtype), b_up, up, input_precision=PRECISION)
         return gate, up
 
-    @triton.jit
-    def _tile(
-        out_ptr,
-        gu_ptr,
-        z_ptr,
-        stride_out,
-        stride_gu,
-        stride_z,
-        t,
-        n,
-        n_rows,
-        slot_t,
-        slot,
-        first,
-        last,
-        block_slots_ptr,
-        rank,
-        BLOCK_K: tl.constexpr,
-        bg_ptr,
-        bu_ptr,
-        stride_b_slot,
-        stride_b_out,
-        stride_b_rank,
-        inter,
-        PRECISION: tl.constexpr,
-        RANK_ALIGNED: tl.constexpr,
-        LORA: tl.constexpr,
-    ):
-        """One tile of rows t and columns n: out = silu(gate + Δg) · (up + Δu), stored and returned in out's
-        dtype (the block's tables read by the caller: its entries first..last, its first slot, the rows' slots)."""
-        t64 = t.to(tl.int64)
-        mask_n = n < inter
-        mask = (t < n_rows)[:, None] & mask_n[None, :]
-        ptrs = gu_ptr + t64[:, None] * stride_gu + n[None, :]
-        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-        if LORA:  # noqa: SIM102 (LORA is a constexpr: False compiles no table read)
-            if last > first:
-                if RANK_ALIGNED:
-                    rank, stride_z, z_ptr = k._rank_aligned(rank, stride_z, z_ptr)
-                    stride_b_out, stride_b_slot = stride_b_out // 8 * 8, stride_b_slot // 8 * 8
-                z_rows = z_ptr + t64 * stride_z
-                b_cols = n.to(tl.int64) * stride_b_out
-                # the first slot's products, gate's and up's together; the block's other slots' after, gate's
-                # then up's (where one request's rows end and the next one's begin)
-                gate, up = _add_first_products(
-                    gate, up, z_rows, slot_t, slot, bg_ptr, bu_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank,
-                    rank, BLOCK_K, PRECISION,
-                )  # fmt: skip
-                gate = _add_products(
-                    gate, z_rows, slot_t, bg_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
-                    block_slots_ptr, first + 1, last, BLOCK_K, PRECISION,
-                )  # fmt: skip
-                up = _add_products(
-                    up, z_rows + rank, slot_t, bu_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
-                    block_slots_ptr, first + 1, last, BLOCK_K, PRECISION,
-                )  # fmt: skip
-                gate = gate.to(gu_ptr.dtype.element_ty).to(tl.float32)  # (y's rounding)
-                up = up.to(gu_ptr.dtype.element_ty).to(tl.float32)
-        h = (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + t64[:, None] * stride_out + n[None, :], h, mask=mask)
-        return h
-
-    @triton.jit
-    def _block_tables(pid_m, n_tokens, n_blocks, token_slot_ptr, block_offs_ptr, block_slots_ptr, t):
-        """Row block pid_m's entries first..last in the slot table, its first slot and its rows' slots."""
-        block = tl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
-        first = tl.load(block_offs_ptr + block)
-        last = tl.load(block_offs_ptr + block + 1)
-        slot = tl.load(block_slots_ptr + first, mask=first < last, other=-2)
-        slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
-        return first, last, slot, slot_t
-
     @triton.jit(
         **k.unspecialized(
             ["n_rows", "n_tokens", "n_blocks", "rank", "stride_z"],
@@ -255,116 +182,47 @@ if triton is not None:
         pid_m = tl.program_id(1 if COLS_FIRST else 0)
         t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(0 if COLS_FIRST else 1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        first, last, slot, slot_t = 0, 0, -2, t  # (LORA false: not read)
+        t64 = t.to(tl.int64)
+        mask_n = n < inter
+        mask = (t < n_rows)[:, None] & mask_n[None, :]
         if LORA:
+            block = tl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
+            first = tl.load(block_offs_ptr + block)
+            last = tl.load(block_offs_ptr + block + 1)
             # the block's first slot and the rows' slots, asked for before gate and up (run 132: 6–14% faster
             # than after them, each slot's products then gate's and up's apart)
-            first, last, slot, slot_t = _block_tables(
-                pid_m, n_tokens, n_blocks, token_slot_ptr, block_offs_ptr, block_slots_ptr, t
-            )
-        _tile(
-            out_ptr, gu_ptr, z_ptr, stride_out, stride_gu, stride_z, t, n, n_rows, slot_t, slot, first, last,
-            block_slots_ptr, rank, BLOCK_K, bg_ptr, bu_ptr, stride_b_slot, stride_b_out, stride_b_rank, inter,
-            PRECISION, RANK_ALIGNED, LORA,
-        )  # fmt: skip
-
-    @triton.jit
-    def _add_down_products(
-        acc,
-        h,
-        slot_t,
-        ad_ptr,
-        n,
-        mask_n,
-        stride_ad_slot,
-        stride_ad_rank,
-        rank,
-        block_slots_ptr,
-        first,
-        last,
-        BLOCK_D: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        """acc + h · A[slot(t)][:, n]ᵀ over the block's slots (entries first..last), each over its slot's rows."""
-        d = tl.arange(0, BLOCK_D)
-        a_cols = n.to(tl.int64)[:, None] + d[None, :] * stride_ad_rank
-        a_mask = mask_n[:, None] & (d < rank)[None, :]
-        for e in range(first, last):
-            slot = tl.load(block_slots_ptr + e)
-            a = tl.load(ad_ptr + slot.to(tl.int64) * stride_ad_slot + a_cols, mask=a_mask, other=0.0)
-            rows = tl.where((slot_t == slot)[:, None], h, 0.0).to(a.dtype)
-            acc = tl.dot(rows, a, acc, input_precision=PRECISION)
-        return acc
-
-    @triton.jit(
-        **k.unspecialized(
-            ["n_rows", "n_tokens", "n_blocks", "rank", "stride_z", "stride_zd", "tiles_per_program"],
-            ["z_ptr", "zd_ptr", "token_slot_ptr", "block_offs_ptr", "block_slots_ptr"],
-        )
-    )
-    def _silu_mul_lora_down_kernel(
-        out_ptr,
-        gu_ptr,
-        z_ptr,
-        zd_ptr,
-        stride_out,
-        stride_gu,
-        stride_z,
-        stride_zd,
-        n_rows,
-        token_slot_ptr,
-        block_offs_ptr,
-        block_slots_ptr,
-        n_tokens,
-        n_blocks,
-        rank,
-        BLOCK_K: tl.constexpr,
-        bg_ptr,
-        bu_ptr,
-        stride_b_slot,
-        stride_b_out,
-        stride_b_rank,
-        ad_ptr,
-        stride_ad_slot,
-        stride_ad_rank,
-        inter,
-        tiles_per_program,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        PRECISION: tl.constexpr,
-        RANK_ALIGNED: tl.constexpr,
-        COLS_FIRST: tl.constexpr,
-    ):
-        """The folded activation over `tiles_per_program` column tiles of a row block, and down's shrink of its
-        output: zd[t, :rank] += out[t, the tiles' columns] · A_down[slot(t)][:, those columns]ᵀ (float32, one
-        atomic add per program and element: zd starts at zero)."""
-        pid_m = tl.program_id(1 if COLS_FIRST else 0)
-        t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        first, last, slot, slot_t = _block_tables(
-            pid_m, n_tokens, n_blocks, token_slot_ptr, block_offs_ptr, block_slots_ptr, t
-        )
-        acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
-        j0 = tl.program_id(0 if COLS_FIRST else 1) * tiles_per_program
-        for j in range(j0, tl.minimum(j0 + tiles_per_program, (inter + BLOCK_N - 1) // BLOCK_N)):
-            n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-            h = _tile(
-                out_ptr, gu_ptr, z_ptr, stride_out, stride_gu, stride_z, t, n, n_rows, slot_t, slot, first, last,
-                block_slots_ptr, rank, BLOCK_K, bg_ptr, bu_ptr, stride_b_slot, stride_b_out, stride_b_rank, inter,
-                PRECISION, RANK_ALIGNED, True,
-            )  # fmt: skip
+            slot = tl.load(block_slots_ptr + first, mask=first < last, other=-2)
+            slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
+        ptrs = gu_ptr + t64[:, None] * stride_gu + n[None, :]
+        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+        if LORA:  # noqa: SIM102 (LORA is a constexpr: False compiles no table read)
             if last > first:
-                acc = _add_down_products(
-                    acc, h, slot_t, ad_ptr, n, n < inter, stride_ad_slot, stride_ad_rank, rank, block_slots_ptr,
-                    first, last, BLOCK_D, PRECISION,
+                if RANK_ALIGNED:
+                    rank, stride_z, z_ptr = k._rank_aligned(rank, stride_z, z_ptr)
+                    stride_b_out, stride_b_slot = stride_b_out // 8 * 8, stride_b_slot // 8 * 8
+                z_rows = z_ptr + t64 * stride_z
+                b_cols = n.to(tl.int64) * stride_b_out
+                # the first slot's products, gate's and up's together; the block's other slots' after, gate's
+                # then up's (where one request's rows end and the next one's begin)
+                gate, up = _add_first_products(
+                    gate, up, z_rows, slot_t, slot, bg_ptr, bu_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank,
+                    rank, BLOCK_K, PRECISION,
                 )  # fmt: skip
-        if last > first:
-            d = tl.arange(0, BLOCK_D)
-            ptrs = zd_ptr + t.to(tl.int64)[:, None] * stride_zd + d[None, :]
-            tl.atomic_add(ptrs, acc, mask=(slot_t >= 0)[:, None] & (d < rank)[None, :], sem="relaxed")
+                gate = _add_products(
+                    gate, z_rows, slot_t, bg_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
+                    block_slots_ptr, first + 1, last, BLOCK_K, PRECISION,
+                )  # fmt: skip
+                up = _add_products(
+                    up, z_rows + rank, slot_t, bu_ptr, b_cols, mask_n, stride_b_slot, stride_b_rank, rank,
+                    block_slots_ptr, first + 1, last, BLOCK_K, PRECISION,
+                )  # fmt: skip
+                gate = gate.to(gu_ptr.dtype.element_ty).to(tl.float32)  # (y's rounding)
+                up = up.to(gu_ptr.dtype.element_ty).to(tl.float32)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + t64[:, None] * stride_out + n[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
 
     _ACT = triton_launch.Launcher(_silu_mul_lora_kernel)
-    _ACT_DOWN = triton_launch.Launcher(_silu_mul_lora_down_kernel)
 
 
 def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
@@ -479,64 +337,3 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
         tiles.stages,
         (out_ptr, gu_ptr, z_ptr, *call, *step.addresses, *module.addresses, *order),
     )
-
-
-def lora_silu_and_mul_down(
-    out: torch.Tensor,
-    zd: torch.Tensor,
-    gate_up: torch.Tensor,
-    x: torch.Tensor,
-    a_stacked: list[torch.Tensor],
-    b_stacked: list[torch.Tensor],
-    a_down: torch.Tensor,
-    groups: g.SlotGroups,
-    tiles_per_program: int,
-) -> bool:
-    """`lora_silu_and_mul` with the LoRA folded, and down's shrink of out: zd[t, :rank] += out[t] · A_down[slot(t)]ᵀ
-    (zd float32, zeroed by the caller; a_down: vLLM's stacked [slots, 1, R, inter]). False, nothing done, where
-    the LoRA would not be folded."""
-    gate_up2, out2 = gate_up.view(-1, gate_up.shape[-1]), out.view(-1, out.shape[-1])
-    x2 = x.reshape(-1, x.shape[-1])
-    plan = None if groups.empty else fuses(gate_up2, x2, a_stacked, b_stacked, groups.rank)
-    if plan is None:
-        return False
-    z, stride_z = k.plan_shrink(x2, plan, 1.0, groups, gate_up2.shape[0], by_row=True)
-    tiles = k._TILES["act"]
-    step = row_block_tables(groups, tiles.rows, RANK_CHUNK)
-    rows, inter = gate_up2.shape[0], out2.shape[1]
-    b_gate, b_up = plan.b
-    ad = k.slot_matrices(a_down)
-    values = (
-        b_gate, b_up, b_gate.stride(0), b_gate.stride(1), b_gate.stride(2), ad, ad.stride(0), ad.stride(1), inter,
-        tiles_per_program, tiles.rows, tiles.cols, k._block(groups.rank), k._precision(b_gate.dtype),
-    )  # fmt: skip
-    module = k._args(values, (b_gate.dtype, b_gate.data_ptr() % 16, b_up.data_ptr() % 16, ad.data_ptr() % 16,
-                              *values[2:5], *values[6:9], *values[10:]))  # fmt: skip
-    out_ptr, gu_ptr, z_ptr, zd_ptr = out2.data_ptr(), gate_up2.data_ptr(), z.data_ptr(), zd.data_ptr()
-    call = (out2.stride(0), gate_up2.stride(0), stride_z, zd.stride(0), rows)
-    rank_aligned = b_gate.stride(2) == 1 and k.z_vectors(
-        z_ptr, groups.rank, stride_z, b_gate.stride(0), b_gate.stride(1)
-    )
-    column_tiles = -(-inter // tiles.cols)
-    grid = (-(-rows // tiles.rows), -(-column_tiles // tiles_per_program))
-    order = (rank_aligned, tiles.cols_first)
-    _ACT_DOWN(
-        grid[::-1] if tiles.cols_first else grid,
-        (
-            out2.dtype,
-            out_ptr % 16,
-            gate_up2.dtype,
-            gu_ptr % 16,
-            z.dtype,
-            *call[:2],
-            step.key,
-            module.key,
-            tiles.warps,
-            *order,
-        ),
-        (out2, gate_up2, z, zd, *call, *step.tensors, *module.tensors, *order),
-        tiles.warps,
-        tiles.stages,
-        (out_ptr, gu_ptr, z_ptr, zd_ptr, *call, *step.addresses, *module.addresses, *order),
-    )
-    return True

@@ -423,6 +423,10 @@ def test_n_choices_are_samples_of_their_own_whole_and_streamed(gateway, registry
         finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].index == i]
         assert finishes[-1] == "length" and finishes.count("length") == 1
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    whole = client.chat.completions.create(model=BASE, messages=messages, max_tokens=3, n=2, seed=4)
+    prompt_tokens = len(stub.received[-1][1].prompt_token_ids)  # (counted once, as the streamed usage counts it)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 6)
+    assert chunks[-1].usage.prompt_tokens == prompt_tokens
 
 
 def test_response_formats_and_constraints_reach_the_engine(gateway, registry, stub):

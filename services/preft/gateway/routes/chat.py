@@ -198,7 +198,7 @@ async def create_chat_completion(
         "model": body.model,
         "choices": choices,
         "usage": chat_usage(
-            total_usage([out.usage for out in outs]),
+            total_usage([out.usage for out in outs], job.samples),  # (the prompt once, every choice's tokens)
             None if thinking is None else sum(thinking.tokens(o.text, o.token_ids, tokenizer.decode) for o in outs),
         ),
     }

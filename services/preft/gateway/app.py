@@ -21,6 +21,7 @@ from preft.gateway.engine_client import EngineClient
 from preft.gateway.errors import install_error_handlers
 from preft.gateway.generation import GenerationService
 from preft.gateway.limits import RateLimiter
+from preft.gateway.metering import TokenMeter
 from preft.gateway.observability import RequestMetricsMiddleware
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.resolution import AdapterResolver
@@ -34,6 +35,7 @@ from preft.gateway.routes import (
     metrics,
     models,
     responses,
+    token_usage,
     tokenize,
 )
 from preft.gateway.settings import GatewaySettings
@@ -80,6 +82,14 @@ def create_app(
             usage = UsageRecorder(reg, interval_s=settings.usage_flush_interval_s)
             usage_task = asyncio.create_task(usage.run(), name="preft-usage-recorder")
             stack.push_async_callback(_cancel, usage_task)
+            meter = TokenMeter(
+                r,
+                interval_s=settings.metering_flush_interval_s,
+                timeout_s=settings.redis_timeout_s,
+                max_pending=settings.metering_max_pending,
+            )
+            meter_task = asyncio.create_task(meter.run(), name="preft-token-meter")
+            stack.push_async_callback(_cancel, meter_task)
             resolver = AdapterResolver(
                 reg,
                 usage,
@@ -120,6 +130,7 @@ def create_app(
                 limiter=RateLimiter(r, redis_timeout_s=settings.redis_timeout_s),
                 resolver=resolver,
                 engine=engine,
+                meter=meter,
             )
             yield
 
@@ -132,7 +143,8 @@ def create_app(
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware)  # outermost: also counts the 500s of the error middleware
-    for module in (completions, chat, responses, conversations, tokenize, models, adapters, health, metrics):
+    routers = (completions, chat, responses, conversations, tokenize, models, adapters, token_usage, health, metrics)
+    for module in routers:
         app.include_router(module.router)
     return app
 

@@ -17,6 +17,7 @@ from preft.gateway.auth import Caller
 from preft.gateway.engine_client import EngineClient, EngineStream
 from preft.gateway.errors import PayloadTooLarge
 from preft.gateway.limits import Admission, RateLimiter
+from preft.gateway.metering import TokenMeter
 from preft.gateway.resolution import AdapterResolver, Resolution
 from preft.gateway.schemas import GenerationBody
 from preft.gateway.settings import GatewaySettings
@@ -35,7 +36,13 @@ class Job:
     admission: Admission
     samples: int = 1  # engine requests per prompt
     generated_tokens: int = 0  # what the engine produced so far: the part of the reservation that stays charged
+    answered: bool = False  # the engine answered every request (their first tokens): the job's tokens are metered
     finished: bool = field(default=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompts' tokens, each prompt once (as `total_usage` counts them)."""
+        return sum(len(r.prompt_token_ids) for r in self.requests[:: self.samples])
 
     @property
     def reserved_generation(self) -> int:
@@ -74,11 +81,13 @@ class GenerationService:
         limiter: RateLimiter,
         resolver: AdapterResolver,
         engine: EngineClient,
+        meter: TokenMeter | None = None,
     ) -> None:
         self.settings = settings
         self.limiter = limiter
         self.resolver = resolver
         self.engine = engine
+        self.meter = meter
         self._background: set[asyncio.Task] = set()
 
     def max_tokens_for(self, prompt_tokens: int, requested: int | None) -> int:
@@ -183,6 +192,7 @@ class GenerationService:
             job.generated_tokens = sum(out.usage.completion_tokens for out in outs)
             if any(out.finish_reason == "abort" for out in outs):
                 raise Unavailable("the engine aborted the generation; retry later")
+            job.answered = True
             return outs
         finally:
             self.finish(job)
@@ -199,7 +209,9 @@ class GenerationService:
             return stream
 
         try:
-            return await _all([open_one(r) for r in job.requests])
+            streams = await _all([open_one(r) for r in job.requests])
+            job.answered = True
+            return streams
         except BaseException:
             for stream in opened:
                 await stream.aclose()
@@ -207,12 +219,17 @@ class GenerationService:
             raise
 
     def finish(self, job: Job) -> None:
-        """Give back the reserved tokens that were not generated (in the background). Idempotent."""
+        """Give back the reserved tokens that were not generated (in the background), and meter an answered job's
+        tokens. Idempotent."""
         if job.finished:
             return
         job.finished = True
         IN_FLIGHT.dec()
         self._refund(job.admission.tenant, job.reserved_generation - job.generated_tokens)
+        if job.answered and self.meter is not None:
+            adapter = job.resolution.adapter
+            model = adapter.ref if adapter is not None else self.settings.served_model_name
+            self.meter.record(job.admission.tenant, model, job.prompt_tokens, job.generated_tokens)
 
     def _refund(self, tenant: str, tokens: int) -> None:
         if tokens > 0:

@@ -97,6 +97,14 @@ class GatewaySettings(BaseSettings):
     usage_flush_interval_s: float = Field(
         1.0, gt=0, description="How often adapter uses are sent to the registry (RecordUse, batched)"
     )
+    metering_flush_interval_s: float = Field(
+        1.0, gt=0, description="How often the token usage of answered requests is added to Redis (batched)"
+    )
+    metering_max_pending: int = Field(
+        100_000,
+        ge=1,
+        description="Token usage entries (tenant, day, model) held while Redis is unreachable; past it, dropped",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:

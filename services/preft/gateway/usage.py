@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 
 from preft.common.errors import PreftError
+from preft.gateway.flushing import flush_every
 from preft.gateway.registry import AsyncRegistry
 
 log = logging.getLogger(__name__)
@@ -40,12 +40,5 @@ class UsageRecorder:
                 log.error("unexpected error recording adapter use", exc_info=unexpected[0])
 
     async def run(self) -> None:
-        """Flush every interval until cancelled, then once more (briefly) so a clean shutdown loses nothing."""
-        try:
-            while True:
-                await asyncio.sleep(self._interval_s)
-                await self.flush()
-        finally:
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                async with asyncio.timeout(2.0):
-                    await self.flush()
+        """Flush every interval until cancelled, then once more (``flushing.flush_every``)."""
+        await flush_every(self._interval_s, self.flush)

@@ -48,6 +48,7 @@ def test_redis_down_is_503_within_a_second_and_recovers_by_itself(tmp_path, s3_b
             (gateway.http("preft_unknown_key"), "POST", "/v1/completions", BODY),  # (an uncached key: auth fails)
             (http, "GET", items, None),  # (the conversations)
             (http, "POST", items, {"items": [{"role": "user", "content": "lost?"}]}),
+            (http, "GET", "/v1/organization/usage/completions?start_time=0&limit=1", None),  # (the token usage)
         ]
         for client, method, path, body in calls:
             start = time.monotonic()

@@ -1,0 +1,81 @@
+"""Per-tenant token metering: what each tenant's generations used, by UTC day and model, as Redis keeps it.
+
+The gateway writes it (``gateway.metering``); the gateway's usage route and the registry's ``GetTokenUsage`` read it.
+
+Layout: one hash per tenant and UTC day, ``preft:usage:<tenant>:<YYYY-MM-DD>``, whose fields are ``<counter>|<model>``:
+the counter one of ``COUNTERS`` and the model as the request resolved it (``owner/name@vN`` for an adapter, the
+served base model's name otherwise). A day's hash expires ``RETENTION_DAYS`` after its last write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+
+PREFIX = "preft:usage:"
+COUNTERS = ("requests", "input_tokens", "output_tokens")
+RETENTION_DAYS = 400  # a day's counts stay this long after its last write (a year of history, and a margin)
+MAX_QUERY_DAYS = 366  # the most days one read spans
+
+
+@dataclass(frozen=True)
+class ModelUsage:
+    """One tenant's use of one model on one UTC day."""
+
+    day: date
+    model: str
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+def day_of(unix_s: float) -> date:
+    """The UTC day of a Unix time."""
+    return datetime.fromtimestamp(unix_s, UTC).date()
+
+
+def day_start_s(day: date) -> int:
+    """The Unix time at which a UTC day starts."""
+    return int(datetime(day.year, day.month, day.day, tzinfo=UTC).timestamp())
+
+
+def day_key(tenant: str, day: date) -> str:
+    return f"{PREFIX}{tenant}:{day.isoformat()}"
+
+
+def field(counter: str, model: str) -> str:
+    return f"{counter}|{model}"
+
+
+def days(first: date, last: date) -> list[date]:
+    """Every day from first to last, both included (none when last is before first)."""
+    return [first + timedelta(days=i) for i in range((last - first).days + 1)]
+
+
+def parse_day(day: date, fields: Mapping[bytes | str, bytes | str]) -> list[ModelUsage]:
+    """A day's hash as one row per model, by model name; fields that are not ``<counter>|<model>`` are skipped."""
+    counts: dict[str, dict[str, int]] = {}
+    for raw_field, raw_value in fields.items():
+        name = raw_field.decode() if isinstance(raw_field, bytes) else raw_field
+        counter, sep, model = name.partition("|")
+        if not sep or counter not in COUNTERS:
+            continue
+        try:
+            value = int(raw_value)
+        except ValueError:
+            continue
+        counts.setdefault(model, {})[counter] = value
+    return [ModelUsage(day, model, **counts[model]) for model in sorted(counts)]
+
+
+def totals(rows: Iterable[ModelUsage], day: date, model: str = "") -> ModelUsage:
+    """The rows' counts summed, labelled with `day` and `model`."""
+    rows = list(rows)
+    return ModelUsage(
+        day,
+        model,
+        requests=sum(r.requests for r in rows),
+        input_tokens=sum(r.input_tokens for r in rows),
+        output_tokens=sum(r.output_tokens for r in rows),
+    )

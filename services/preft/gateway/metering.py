@@ -1,0 +1,133 @@
+"""The gateway's token meter: each answered generation's tokens, added to its tenant's UTC day in Redis (the layout
+of ``common.metering``), in batches.
+
+`record` adds to counts held in memory; `run()` sends them every `interval_s` as one batch. A batch is applied by
+one Lua script under a batch id that Redis remembers for a day, so a batch sent again (its first answer lost to a
+timeout) is counted once. A batch that fails stays queued, with its id, and goes first at the next send: while Redis
+is down the counts wait, up to `max_pending` (tenant, day, model) entries in all; past that, new records are dropped
+and counted (``preft_gateway_metering_dropped_total``). A clean shutdown sends what is left once more.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import date
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from preft.common import metering
+from preft.common.errors import Unavailable
+from preft.common.metrics import METERING_DROPPED
+from preft.gateway.flushing import flush_every
+from preft.gateway.redis_client import guarded
+
+log = logging.getLogger(__name__)
+
+BATCH_PREFIX = "preft:usage-batch:"
+BATCH_MEMORY_S = 86_400  # how long Redis remembers a batch id (a batch re-sent within it is not counted again)
+BATCH_ENTRIES = 1_000  # (tenant, day, model) entries a batch holds at most: one script's work stays short
+
+# KEYS[1] = the batch id's key, KEYS[2..] = day hashes; ARGV[1] = their TTL (s), ARGV[2] = the batch id's, then per
+# day hash: how many (field, increment) pairs follow, and the pairs. 0 when the batch was applied before.
+APPLY_LUA = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', tonumber(ARGV[2])) then return 0 end
+local ttl, a = tonumber(ARGV[1]), 3
+for k = 2, #KEYS do
+  local n = tonumber(ARGV[a]); a = a + 1
+  for i = 1, n do
+    redis.call('HINCRBY', KEYS[k], ARGV[a], ARGV[a + 1]); a = a + 2
+  end
+  redis.call('EXPIRE', KEYS[k], ttl)
+end
+return 1
+"""
+
+Entry = tuple[str, date, str]  # tenant, UTC day, model
+
+
+@dataclass
+class Batch:
+    """Counts to add, per (tenant, day, model): requests, input tokens, output tokens; sent under one id."""
+
+    counts: dict[Entry, list[int]] = field(default_factory=dict)
+    batch_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def script_args(self) -> tuple[list[str], list[str | int]]:
+        """The apply script's keys and arguments."""
+        by_key: dict[str, list[str | int]] = {}
+        for (tenant, day, model), values in self.counts.items():
+            pairs = by_key.setdefault(metering.day_key(tenant, day), [])
+            for counter, value in zip(metering.COUNTERS, values, strict=True):
+                if value:
+                    pairs += [metering.field(counter, model), value]
+        keys = [BATCH_PREFIX + self.batch_id, *by_key]
+        args: list[str | int] = [metering.RETENTION_DAYS * 86_400, BATCH_MEMORY_S]
+        for pairs in by_key.values():
+            args += [len(pairs) // 2, *pairs]
+        return keys, args
+
+
+class TokenMeter:
+    """Owns the counts not yet in Redis: the batch being filled and the batches that failed to send."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        max_pending: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._apply = redis.register_script(APPLY_LUA)
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._max_pending = max_pending
+        self._clock = clock
+        self._filling = Batch()
+        self._unsent: list[Batch] = []
+
+    @property
+    def pending(self) -> int:
+        """(tenant, day, model) entries held: the batch being filled and the unsent ones."""
+        return len(self._filling.counts) + sum(len(b.counts) for b in self._unsent)
+
+    def record(self, tenant: str, model: str, input_tokens: int, output_tokens: int) -> None:
+        """One answered request of `tenant` on `model`, on today's (UTC) counts."""
+        entry = (tenant, metering.day_of(self._clock()), model)
+        counts = self._filling.counts.get(entry)
+        if counts is None:
+            if self.pending >= self._max_pending:
+                METERING_DROPPED.inc()
+                return
+            if len(self._filling.counts) >= BATCH_ENTRIES:
+                self._unsent.append(self._filling)
+                self._filling = Batch()
+            counts = self._filling.counts[entry] = [0, 0, 0]
+        counts[0] += 1
+        counts[1] += input_tokens
+        counts[2] += output_tokens
+
+    async def flush(self) -> None:
+        """Send the unsent batches, oldest first, then the one being filled; stop at the first failure (it and the
+        rest stay queued)."""
+        if self._filling.counts:
+            self._unsent.append(self._filling)
+            self._filling = Batch()
+        while self._unsent:
+            keys, args = self._unsent[0].script_args()
+            try:
+                await guarded(self._apply(keys=keys, args=args), self._timeout_s)
+            except (Unavailable, RedisError) as e:
+                log.warning("token usage not sent (%d batches wait for the next send): %s", len(self._unsent), e)
+                return
+            self._unsent.pop(0)
+
+    async def run(self) -> None:
+        """Flush every interval until cancelled, then once more (``flushing.flush_every``)."""
+        await flush_every(self._interval_s, self.flush)

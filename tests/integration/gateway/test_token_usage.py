@@ -1,0 +1,170 @@
+"""Per-tenant token metering: every answered generation (whole, streamed, Responses) is counted in Redis by UTC day
+and model, read back through GET /v1/organization/usage/completions; failures and other tenants are not counted;
+the meter keeps its counts while Redis is down and sends each batch once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from preft.common import metering
+from preft.gateway import metering as gateway_metering
+from preft.gateway.metering import APPLY_LUA, Batch, TokenMeter
+from preft.stack import RedisServer, free_port
+
+from .conftest import BASE, error_of
+
+ROUTE = "/v1/organization/usage/completions"
+DAY_S = 86_400
+
+
+def _today_start() -> int:
+    return metering.day_start_s(metering.day_of(time.time()))
+
+
+def _usage(http, **params: Any) -> dict[str, Any]:
+    answer = http.get(ROUTE, params={"start_time": _today_start(), **params})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def _wait_for(http, requests: int, **params: Any) -> list[dict[str, Any]]:
+    """Today's results once they count `requests` requests (the meter sends every 0.1 s here)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        results = _usage(http, **params)["data"][-1]["results"]
+        if sum(r["num_model_requests"] for r in results) >= requests or time.monotonic() > deadline:
+            return results
+        time.sleep(0.05)
+
+
+def test_answered_generations_are_metered_by_day_and_model(make_gateway, registry, stub, tiny_models):
+    gateway = make_gateway(metering_flush_interval_s=0.1)
+    acme, beta = registry.tenant("acme"), registry.tenant("beta")
+    registry.publish("acme", "pre", tiny_models["lora"], mode="prefill")
+    client, http = gateway.openai(acme), gateway.http(acme)
+
+    first = client.completions.create(model=BASE, prompt=[5, 6, 7, 8], max_tokens=3)
+    chat = client.chat.completions.create(model="pre", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2)
+    streamed = client.chat.completions.create(
+        model="pre",
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    stream_usage = next(chunk.usage for chunk in streamed if chunk.usage is not None)
+    response = client.responses.create(model=BASE, input="how are you", max_output_tokens=2)
+    stub.fail_next(503, times=2)  # (the gateway retries once: the request fails, and is not metered)
+    assert http.post("/v1/completions", json={"model": BASE, "prompt": "x", "max_tokens": 2}).status_code == 503
+    gateway.openai(beta).completions.create(model=BASE, prompt=[9, 9], max_tokens=7)
+
+    by_model = {r["model"]: r for r in _wait_for(http, 4, group_by="model")}
+    adapter = f"acme/pre@v{registry.client.resolve('acme', 'pre').version}"  # (a model the API takes)
+    assert set(by_model) == {BASE, adapter}
+    base_in = first.usage.prompt_tokens + response.usage.input_tokens
+    base_out = first.usage.completion_tokens + response.usage.output_tokens
+    assert (by_model[BASE]["num_model_requests"], by_model[BASE]["input_tokens"]) == (2, base_in)
+    assert by_model[BASE]["output_tokens"] == base_out == 3 + 2
+    assert by_model[adapter]["num_model_requests"] == 2  # (n=2 is one request: its prompt once, both samples)
+    assert by_model[adapter]["input_tokens"] == chat.usage.prompt_tokens + stream_usage.prompt_tokens
+    assert by_model[adapter]["output_tokens"] == chat.usage.completion_tokens + stream_usage.completion_tokens == 13
+
+    (total,) = _usage(http)["data"][-1]["results"]  # (not grouped: one result, no model)
+    assert total["model"] is None and total["object"] == "organization.usage.completions.result"
+    assert total["num_model_requests"] == 4
+    assert total["input_tokens"] == base_in + by_model[adapter]["input_tokens"]
+    assert [r["model"] for r in _usage(http, group_by="model", models=adapter)["data"][-1]["results"]] == [adapter]
+    assert _usage(http, models="nothing-of-ours")["data"][-1]["results"] == []
+
+    (theirs,) = _wait_for(gateway.http(beta), 1)  # beta sees its own only
+    assert (theirs["num_model_requests"], theirs["input_tokens"], theirs["output_tokens"]) == (1, 2, 7)
+
+
+def test_buckets_are_utc_days_paged_by_limit(gateway, registry):
+    http = gateway.http(registry.tenant("acme"))
+    start = _today_start() - 3 * DAY_S + 5  # (within a day: the bucket starts at its midnight)
+    page = http.get(ROUTE, params={"start_time": start, "limit": 2}).json()
+    assert page["object"] == "page" and page["has_more"] is True
+    assert [b["start_time"] for b in page["data"]] == [_today_start() - 3 * DAY_S, _today_start() - 2 * DAY_S]
+    assert all(b["end_time"] - b["start_time"] == DAY_S and b["results"] == [] for b in page["data"])
+    rest = http.get(ROUTE, params={"start_time": start, "limit": 2, "page": page["next_page"]}).json()
+    assert [b["start_time"] for b in rest["data"]] == [_today_start() - DAY_S, _today_start()]
+    assert rest["has_more"] is False and rest["next_page"] is None
+    ended = http.get(ROUTE, params={"start_time": start, "end_time": _today_start() - 2 * DAY_S}).json()
+    assert len(ended["data"]) == 1 and ended["has_more"] is False  # (end_time is exclusive)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({}, "start_time"),
+        ({"start_time": 0, "bucket_width": "1h"}, "per day"),
+        ({"start_time": 0, "bucket_width": "1w"}, "bucket_width"),
+        ({"start_time": 0, "group_by": "project_id"}, "grouped by model only"),
+        ({"start_time": 100, "end_time": 100}, "after start_time"),
+        ({"start_time": 0, "limit": 32}, "limit"),
+        ({"start_time": 0, "page": "tomorrow"}, "cursor"),
+        ({"start_time": 0, "end_time": DAY_S, "page": "2001-01-01"}, "outside"),
+        ({"start_time": -1}, "start_time"),
+    ],
+)
+def test_bad_queries_are_400(gateway, registry, params, message):
+    http = gateway.http(registry.tenant("acme"))
+    answer = http.get(ROUTE, params=params)
+    assert answer.status_code == 400
+    assert message in error_of(answer)["message"]
+    assert gateway.http("preft_unknown_key").get(ROUTE, params={"start_time": 0}).status_code == 401
+
+
+def test_the_meter_keeps_its_counts_while_redis_is_down_and_sends_each_batch_once(tmp_path, monkeypatch):
+    server = RedisServer(tmp_path / "redis", free_port(), persist=True).start()
+    monkeypatch.setattr(gateway_metering, "BATCH_ENTRIES", 1)  # (each entry a batch of its own)
+
+    async def scenario() -> None:
+        redis = aioredis.Redis.from_url(server.url, decode_responses=True)
+        meter = TokenMeter(redis, interval_s=60, timeout_s=0.5, max_pending=2)
+        day = metering.day_key("acme", metering.day_of(time.time()))
+        try:
+            meter.record("acme", "m1", 10, 3)
+            meter.record("acme", "m1", 5, 1)
+            server.stop()
+            await meter.flush()  # (refused: kept)
+            meter.record("acme", "m2", 7, 2)  # (a new batch: two entries held, the most)
+            meter.record("acme", "m3", 1, 1)  # (dropped)
+            assert meter.pending == 2
+            server.start()
+            await meter.flush()
+            assert meter.pending == 0
+            rows = {r.model: r for r in metering.parse_day(metering.day_of(time.time()), await redis.hgetall(day))}
+            assert set(rows) == {"m1", "m2"}
+            assert (rows["m1"].requests, rows["m1"].input_tokens, rows["m1"].output_tokens) == (2, 15, 4)
+            assert (rows["m2"].requests, rows["m2"].input_tokens, rows["m2"].output_tokens) == (1, 7, 2)
+            assert 0 < await redis.ttl(day) <= metering.RETENTION_DAYS * DAY_S
+            meter.record("acme", "m4", 4, 0)
+            meter.record("acme", "m5", 5, 0)
+            assert len(meter._unsent) == 1  # (m4's batch sealed at its one entry, m5's being filled)
+            await meter.flush()
+            assert meter.pending == 0
+            sent = {
+                r.model: r.input_tokens
+                for r in metering.parse_day(metering.day_of(time.time()), await redis.hgetall(day))
+            }
+            assert (sent["m4"], sent["m5"]) == (4, 5)
+
+            batch = Batch({("acme", metering.day_of(time.time()), "m2"): [1, 100, 0]})
+            keys, args = batch.script_args()
+            applied = [await redis.eval(APPLY_LUA, len(keys), *keys, *args) for _ in range(2)]
+            assert applied == [1, 0]  # (sent again under its id: not counted twice)
+            assert int(await redis.hget(day, metering.field("input_tokens", "m2"))) == 107
+        finally:
+            await redis.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()

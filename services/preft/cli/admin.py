@@ -1,4 +1,4 @@
-"""`preft-admin`: operate the registry (tenants, API keys, base models, adapters, gc).
+"""`preft-admin`: operate the registry (tenants, API keys, base models, adapters, token usage, gc).
 
 Exit codes: 0 done; 1 the registry refused or could not do it (the message says why); 2 wrong usage
 (bad arguments, a local path that is not an adapter directory).
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -26,9 +27,11 @@ from preft.api.v1 import registry_pb2 as pb
 from preft.cli.cluster import cluster_app
 from preft.cli.render import err, human_size, usage_error
 from preft.common.errors import InvalidArgument, PreftError
+from preft.common.metering import MAX_QUERY_DAYS, day_of
 from preft.common.refs import AdapterRef
 from preft.common.settings import AdminSettings
 from preft.registry.client import RegistryClient, scan_adapter_dir
+from preft.registry.usage import parse_iso_day, query_days
 
 app = typer.Typer(help="Operate the preft-serve adapter registry.", no_args_is_help=True, add_completion=False)
 tenant_app = typer.Typer(help="Tenants and their limits.", no_args_is_help=True)
@@ -48,6 +51,7 @@ for sub, name in (
 
 out = Console(soft_wrap=True)
 MODES = {"prefill": apb.POSITION_MODE_PREFILL, "all": apb.POSITION_MODE_ALL}
+DEFAULT_USAGE_DAYS = 7
 
 
 @dataclass
@@ -462,6 +466,66 @@ def adapter_hot(
         m = e.manifest
         table.add_row(f"{m.tenant}/{m.name}@v{m.version}", f"{e.score:.2f}", m.digest[:16], _method(m), _mode(m))
     emit(ctx, entries, table)
+
+
+# -- token usage ---------------------------------------------------------------------------------------------------
+
+
+def _usage_range(days: int | None, since: str | None, until: str | None) -> tuple[date, date]:
+    """The first and last UTC day the options name (the last `days` up to today by default); usage errors else."""
+    today = day_of(time.time())
+    if since is None:
+        if until is not None:
+            raise usage_error("--until needs --since")
+        return today - timedelta(days=(days or DEFAULT_USAGE_DAYS) - 1), today
+    if days is not None:
+        raise usage_error("give either --days or --since (and --until), not both")
+    try:
+        first = parse_iso_day(since, "--since")
+        last = parse_iso_day(until, "--until") if until is not None else today
+        query_days(first, last)
+    except ValueError as e:
+        raise usage_error(str(e)) from None
+    return first, last
+
+
+def _counts(c: pb.TokenUsageRow | pb.TokenCounts) -> tuple[str, str, str]:
+    return f"{c.requests:,}", f"{c.input_tokens:,}", f"{c.output_tokens:,}"
+
+
+def _usage_table(res: pb.GetTokenUsageResponse, by_model: bool) -> Table:
+    table = Table(title=f"{res.tenant}: {res.start_date} .. {res.end_date} (UTC days)")
+    table.add_column("date")
+    if by_model:
+        table.add_column("model")
+    for name in ("requests", "input tokens", "output tokens"):
+        table.add_column(name, justify="right")
+    for r in res.rows:
+        table.add_row(r.date, *([r.model] if by_model else []), *_counts(r))
+    table.add_section()
+    table.add_row("total", *([""] if by_model else []), *_counts(res.total), style="bold")
+    return table
+
+
+@app.command("usage")
+def usage(
+    ctx: typer.Context,
+    tenant: str,
+    days: Annotated[
+        int | None,
+        typer.Option(
+            min=1, max=MAX_QUERY_DAYS, help=f"The last N UTC days, today included (default {DEFAULT_USAGE_DAYS})."
+        ),
+    ] = None,
+    since: Annotated[str | None, typer.Option(help="First UTC day, YYYY-MM-DD (instead of --days).")] = None,
+    until: Annotated[str | None, typer.Option(help="Last UTC day, YYYY-MM-DD, included (default today).")] = None,
+    by_model: Annotated[bool, typer.Option("--by-model", help="One row per day and model.")] = False,
+) -> None:
+    """A tenant's metered requests and tokens per UTC day (as the gateway counts them), with totals."""
+    first, last = _usage_range(days, since, until)
+    with registry(ctx) as r:
+        res = r.token_usage(tenant, first, last, by_model=by_model)
+    emit(ctx, res, _usage_table(res, by_model))
 
 
 # -- maintenance ---------------------------------------------------------------------------------------------------

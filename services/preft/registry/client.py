@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,15 @@ class RegistryClient:
 
     def resolve(self, tenant: str, ref: str) -> apb.AdapterManifest:
         return self.call("Resolve", pb.ResolveRequest(tenant=tenant, ref=ref))
+
+    def token_usage(
+        self, tenant: str, start: date | str, end: date | str, *, by_model: bool = False
+    ) -> pb.GetTokenUsageResponse:
+        """A tenant's metered use per UTC day (and model, `by_model`) from start to end, both included."""
+        request = pb.GetTokenUsageRequest(
+            tenant=tenant, start_date=str(start), end_date=str(end), group_by_model=by_model
+        )
+        return self.call("GetTokenUsage", request)
 
     def upload_blob(self, file: LocalFile, progress: Progress | None = None) -> None:
         def messages() -> Iterator[pb.UploadBlobChunk]:

@@ -14,6 +14,7 @@ from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
 from preft.api.v1 import registry_pb2_grpc
 from preft.common.errors import InvalidArgument, PreftError
+from preft.common.metering import COUNTERS, ModelUsage
 from preft.registry.model import (
     AdapterMethod,
     AdapterSummary,
@@ -89,6 +90,16 @@ def adapter_pb(a: AdapterSummary) -> pb.Adapter:
         shared_with=a.shared_with,
         version_count=a.version_count,
         latest=manifest_pb(a.latest),
+    )
+
+
+def usage_row_pb(u: ModelUsage) -> pb.TokenUsageRow:
+    return pb.TokenUsageRow(
+        date=u.day.isoformat(),
+        model=u.model,
+        requests=u.requests,
+        input_tokens=u.input_tokens,
+        output_tokens=u.output_tokens,
     )
 
 
@@ -189,6 +200,18 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     def Hot(self, request: pb.HotRequest, context: Any) -> pb.HotResponse:
         entries = self.svc.hot(request.limit or 20)
         return pb.HotResponse(entries=[pb.HotEntry(manifest=manifest_pb(e.manifest), score=e.score) for e in entries])
+
+    def GetTokenUsage(self, request: pb.GetTokenUsageRequest, context: Any) -> pb.GetTokenUsageResponse:
+        rows = self.svc.token_usage(
+            request.tenant, request.start_date, request.end_date, by_model=request.group_by_model
+        )
+        return pb.GetTokenUsageResponse(
+            tenant=request.tenant,
+            start_date=request.start_date,
+            end_date=request.end_date,
+            rows=[usage_row_pb(r) for r in rows],
+            total=pb.TokenCounts(**{c: sum(getattr(r, c) for r in rows) for c in COUNTERS}),
+        )
 
     def CollectGarbage(self, request: pb.CollectGarbageRequest, context: Any) -> pb.CollectGarbageResponse:
         min_age_s = request.min_age_s if request.HasField("min_age_s") else None

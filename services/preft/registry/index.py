@@ -9,6 +9,7 @@ Layout (all keys start with `preft:`):
   kept after deletion so numbers are never reused)
 - `blobrefs` hash (sha256 -> versions referencing it); `blobtouch` zset (sha256 -> last use, ms); `gc:deleting`
 - `hot` zset (`t/n@v` -> log2 of the decayed use sum, see lua.RECORD_USE)
+- read only: `usage:<t>:<YYYY-MM-DD>` hashes, the gateway's token metering (layout in common.metering)
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from datetime import date
 from typing import Any, TypeVar
 
 import redis
 
+from preft.common import metering
 from preft.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -396,6 +399,16 @@ class RedisIndex:
             tenant, name = owner_name.split("/", 1)
             out.append((tenant, name, int(version), _decayed(score, half_life_s)))
         return out
+
+    # -- token metering (written by the gateway) ----------------------------------------------------------------
+
+    @_guarded
+    def usage_hashes(self, tenant: str, days: Sequence[date]) -> list[dict[str, str]]:
+        """Each day's metering hash of a tenant (empty where nothing was used), in one pipelined round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for day in days:
+            pipe.hgetall(metering.day_key(tenant, day))
+        return pipe.execute()
 
     # -- blobs ---------------------------------------------------------------------------------------------------
 

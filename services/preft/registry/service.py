@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from preft.adapters import content_digest
 from preft.common.errors import FailedPrecondition, InvalidArgument
+from preft.common.metering import ModelUsage
 from preft.common.refs import LATEST, AdapterRef, check_name
 from preft.common.settings import RegistrySettings
 from preft.registry.blobstore import BlobStore, check_digest
@@ -26,6 +27,7 @@ from preft.registry.model import (
     TenantLimits,
     TenantRecord,
 )
+from preft.registry.usage import parse_iso_day, query_days, usage_rows
 from preft.registry.validation import architecture_digest, check_files, check_uploaded_adapter, model_shape
 
 log = logging.getLogger(__name__)
@@ -259,6 +261,18 @@ class RegistryService:
             manifest = self.index.resolve("", AdapterRef(tenant, name, version))
             entries.append(HotEntry(manifest, score))
         return entries
+
+    # -- token usage ---------------------------------------------------------------------------------------------
+
+    def token_usage(self, tenant: str, start_date: str, end_date: str, *, by_model: bool = False) -> list[ModelUsage]:
+        """A tenant's metered use per UTC day (and model) from start_date to end_date (YYYY-MM-DD, both included)."""
+        check_name(tenant, "tenant id")
+        try:
+            span = query_days(parse_iso_day(start_date, "start_date"), parse_iso_day(end_date, "end_date"))
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        self.index.get_tenant(tenant)  # NotFound for an unknown tenant, as every tenant RPC
+        return usage_rows(zip(span, self.index.usage_hashes(tenant, span), strict=True), by_model=by_model)
 
     # -- garbage collection --------------------------------------------------------------------------------------
 

@@ -126,21 +126,37 @@ RpmOpt = Annotated[int, typer.Option("--rpm", min=0, help="Requests per minute (
 TpmOpt = Annotated[int, typer.Option("--tpm", min=0, help="Tokens per minute (0 = default).")]
 MaxAdaptersOpt = Annotated[int, typer.Option("--max-adapters", min=0, help="Adapters owned (0 = default).")]
 MaxBytesOpt = Annotated[int, typer.Option("--max-bytes", min=0, help="Bytes of adapters owned (0 = default).")]
+MonthOpt = Annotated[
+    int | None,
+    typer.Option("--tokens-per-month", min=0, help="Prompt + generated tokens per UTC calendar month (0 = no quota)."),
+]
 
 
 def _tenant_table(tenants: list[pb.Tenant]) -> Table:
-    table = Table("tenant", "state", "req/min", "tok/min", "adapters", "storage", "created")
+    table = Table("tenant", "state", "req/min", "tok/min", "tokens/month", "adapters", "storage", "created")
     for t in tenants:
         table.add_row(
             t.id,
             "[red]disabled[/red]" if t.disabled else "active",
             str(t.limits.requests_per_min),
             str(t.limits.tokens_per_min),
+            str(t.limits.tokens_per_month or "-"),
             f"{t.adapter_count}/{t.limits.max_adapters}",
             f"{human_size(t.bytes_used)}/{human_size(t.limits.max_bytes)}",
             _when(t.created_unix_ms),
         )
     return table
+
+
+def _limits(rpm: int, tpm: int, max_adapters: int, max_bytes: int, tokens_per_month: int | None) -> pb.TenantLimits:
+    """The request's limits; tokens_per_month is sent only when given (absent keeps it on a change)."""
+    return pb.TenantLimits(
+        requests_per_min=rpm,
+        tokens_per_min=tpm,
+        max_adapters=max_adapters,
+        max_bytes=max_bytes,
+        tokens_per_month=tokens_per_month,
+    )
 
 
 @tenant_app.command("create")
@@ -151,9 +167,10 @@ def tenant_create(
     tpm: TpmOpt = 0,
     max_adapters: MaxAdaptersOpt = 0,
     max_bytes: MaxBytesOpt = 0,
+    tokens_per_month: MonthOpt = None,
 ) -> None:
-    """Create a tenant."""
-    limits = pb.TenantLimits(requests_per_min=rpm, tokens_per_min=tpm, max_adapters=max_adapters, max_bytes=max_bytes)
+    """Create a tenant (no monthly token quota unless --tokens-per-month is given)."""
+    limits = _limits(rpm, tpm, max_adapters, max_bytes, tokens_per_month)
     with registry(ctx) as r:
         t = r.call("CreateTenant", pb.CreateTenantRequest(id=tenant, limits=limits))
     emit(ctx, t, _tenant_table([t]))
@@ -191,9 +208,10 @@ def tenant_limits(
     tpm: TpmOpt = 0,
     max_adapters: MaxAdaptersOpt = 0,
     max_bytes: MaxBytesOpt = 0,
+    tokens_per_month: MonthOpt = None,
 ) -> None:
-    """Change a tenant's limits (options left at 0 keep their value)."""
-    limits = pb.TenantLimits(requests_per_min=rpm, tokens_per_min=tpm, max_adapters=max_adapters, max_bytes=max_bytes)
+    """Change a tenant's limits (options not given or 0 keep their value; --tokens-per-month 0 removes the quota)."""
+    limits = _limits(rpm, tpm, max_adapters, max_bytes, tokens_per_month)
     with registry(ctx) as r:
         t = r.call("SetTenantLimits", pb.SetTenantLimitsRequest(id=tenant, limits=limits))
     emit(ctx, t, _tenant_table([t]))

@@ -4,7 +4,9 @@ The gateway writes it (``gateway.metering``); the gateway's usage route and the 
 
 Layout: one hash per tenant and UTC day, ``preft:usage:<tenant>:<YYYY-MM-DD>``, whose fields are ``<counter>|<model>``:
 the counter one of ``COUNTERS`` and the model as the request resolved it (``owner/name@vN`` for an adapter, the
-served base model's name otherwise). A day's hash expires ``RETENTION_DAYS`` after its last write.
+served base model's name otherwise). A day's hash expires ``RETENTION_DAYS`` after its last write. Beside it, the
+tenant's tokens (input and output) of each UTC month, ``preft:usage-month:<tenant>:<YYYY-MM>``, a counter the
+gateway's admission reads against the tenant's `tokens_per_month` quota, kept ``MONTH_TTL_DAYS``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from datetime import UTC, date, datetime, timedelta
 PREFIX = "preft:usage:"
 COUNTERS = ("requests", "input_tokens", "output_tokens")
 RETENTION_DAYS = 400  # a day's counts stay this long after its last write (a year of history, and a margin)
+MONTH_TTL_DAYS = 62  # a month's token counter stays this long after its last write (past the month's end)
 MAX_QUERY_DAYS = 366  # the most days one read spans
 
 
@@ -42,6 +45,11 @@ def day_start_s(day: date) -> int:
 
 def day_key(tenant: str, day: date) -> str:
     return f"{PREFIX}{tenant}:{day.isoformat()}"
+
+
+def month_key(tenant: str, day: date) -> str:
+    """The counter of the tenant's tokens in the UTC month of `day`."""
+    return f"preft:usage-month:{tenant}:{day:%Y-%m}"
 
 
 def field(counter: str, model: str) -> str:

@@ -87,19 +87,29 @@ class RateLimited(ResourceExhausted):
         self.retry_after_s = retry_after_s
 
 
+class QuotaExceeded(ResourceExhausted):
+    """A tenant has used its monthly token quota: waiting for the next minute does not help (no Retry-After)."""
+
+    code: ClassVar[str] = "insufficient_quota"
+    error_type: ClassVar[str] = "insufficient_quota"  # (OpenAI's type for it; other 429s are rate_limit_error)
+
+
 def error_code(exc: PreftError) -> str:
     """A short, bounded reason: the class's `code`, else its name in snake case (also the metrics label)."""
     code = getattr(exc, "code", None)
     return code or re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()
 
 
-def error_body(status: int, message: str, code: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "code": code, "param": None}}
+def error_body(status: int, message: str, code: str, error_type: str | None = None) -> dict[str, Any]:
+    kind = error_type or ERROR_TYPES.get(status, "api_error")
+    return {"error": {"message": message, "type": kind, "code": code, "param": None}}
 
 
-def error_response(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, code: str, headers: dict[str, str] | None = None, error_type: str | None = None
+) -> JSONResponse:
     GATEWAY_ERRORS.labels(status=str(status), reason=code).inc()
-    return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, code, error_type), status_code=status, headers=headers)
 
 
 def preft_error_response(exc: PreftError) -> JSONResponse:
@@ -113,7 +123,7 @@ def preft_error_response(exc: PreftError) -> JSONResponse:
         headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
     elif isinstance(exc, Unavailable):
         headers = {"Retry-After": "1"}  # outages here are retried or recovered from within about a second
-    return error_response(status, exc.message, code, headers)
+    return error_response(status, exc.message, code, headers, getattr(exc, "error_type", None))
 
 
 def sse_error(exc: BaseException) -> bytes:
@@ -126,7 +136,7 @@ def sse_error(exc: BaseException) -> bytes:
         log.error("stream failed", exc_info=exc)
         status, message, code = 500, "internal gateway error", "internal_error"
     GATEWAY_ERRORS.labels(status=str(status), reason=code).inc()
-    return f"data: {json.dumps(error_body(status, message, code))}\n\n".encode()
+    return f"data: {json.dumps(error_body(status, message, code, getattr(exc, 'error_type', None)))}\n\n".encode()
 
 
 def validation_message(errors: list[Any]) -> str:

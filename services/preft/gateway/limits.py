@@ -4,6 +4,11 @@ Both buckets hold one minute's worth (the tenant's `requests_per_min` / `tokens_
 `preft:tenant:<t>` hash at every check, so limit changes apply at once) and refill continuously. One Lua script
 checks and takes from both, with Redis' clock, so any number of gateway replicas share the buckets exactly.
 
+A tenant whose hash sets `tokens_per_month` (the registry's limit; absent or 0: no quota) is refused with 429
+`insufficient_quota` once its metered tokens this UTC month (``metering``'s month counter) reach it, until the month
+ends or the quota is raised. The counter follows the meter, a second or so behind, and a request admitted below the
+quota is answered whole: a tenant may go over by what its last requests use.
+
 Token charging: a request reserves `prompt_tokens + max_tokens` when it is admitted (as OpenAI counts
 max_tokens against TPM), and the unused part (max_tokens - generated tokens, or everything when the request
 never reached the engine) is given back after it finishes. So concurrent long generations cannot overdraw the
@@ -14,21 +19,25 @@ per-minute budget can never be admitted: 429 without Retry-After.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from preft.common import metering
 from preft.common.errors import Unavailable
-from preft.gateway.errors import InvalidApiKey, RateLimited
+from preft.gateway.errors import InvalidApiKey, QuotaExceeded, RateLimited
 from preft.gateway.redis_client import guarded
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] = preft:tenant:<t> (limits), KEYS[2] = preft:limits:<t> (bucket levels); ARGV[1] = tokens to take.
+# KEYS[1] = preft:tenant:<t> (limits), KEYS[2] = preft:limits:<t> (bucket levels), KEYS[3] = the tenant's tokens this
+# UTC month (common.metering.month_key); ARGV[1] = tokens to take.
 TAKE_LUA = """
-local lim = redis.call('HMGET', KEYS[1], 'requests_per_min', 'tokens_per_min')
-local rpm, tpm = tonumber(lim[1]), tonumber(lim[2])
+local lim = redis.call('HMGET', KEYS[1], 'requests_per_min', 'tokens_per_min', 'tokens_per_month')
+local rpm, tpm, quota = tonumber(lim[1]), tonumber(lim[2]), tonumber(lim[3]) or 0
 if not rpm or not tpm then return {'no_tenant'} end
+if quota > 0 and (tonumber(redis.call('GET', KEYS[3])) or 0) >= quota then return {'quota', tostring(quota)} end
 local cost = tonumber(ARGV[1])
 if cost > tpm then return {'too_large', tostring(tpm)} end
 local t = redis.call('TIME')
@@ -104,6 +113,12 @@ class RateLimiter:
                 f"Rate limit reached for {res[2]} per minute (tenant {tenant!r}); retry in {wait_s:.1f} s.",
                 retry_after_s=wait_s,
             )
+        if res[0] == "quota":
+            month = metering.day_of(time.time())
+            raise QuotaExceeded(
+                f"Tenant {tenant!r} has used its {int(res[1]):,} tokens for {month:%Y-%m} (UTC); the quota renews at "
+                "the start of next month, or when it is raised."
+            )
         if res[0] == "too_large":
             raise RateLimited(
                 f"This request needs {tokens} tokens (prompt + max_tokens), more than the tenant's limit of "
@@ -123,4 +138,5 @@ class RateLimiter:
 
 
 def _keys(tenant: str) -> list[str]:
-    return [f"preft:tenant:{tenant}", f"preft:limits:{tenant}"]
+    month = metering.month_key(tenant, metering.day_of(time.time()))
+    return [f"preft:tenant:{tenant}", f"preft:limits:{tenant}", month]

@@ -1,11 +1,12 @@
 """The gateway's token meter: each answered generation's tokens, added to its tenant's UTC day in Redis (the layout
 of ``common.metering``), in batches.
 
-`record` adds to counts held in memory; `run()` sends them every `interval_s` as one batch. A batch is applied by
-one Lua script under a batch id that Redis remembers for a day, so a batch sent again (its first answer lost to a
-timeout) is counted once. A batch that fails stays queued, with its id, and goes first at the next send: while Redis
-is down the counts wait, up to `max_pending` (tenant, day, model) entries in all; past that, new records are dropped
-and counted (``preft_gateway_metering_dropped_total``). A clean shutdown sends what is left once more.
+`record` adds to counts held in memory; `run()` sends them every `interval_s` as one batch, which also adds each
+tenant's tokens to its UTC month's counter (what admission checks a monthly quota against, ``limits``). A batch is
+applied by one Lua script under a batch id that Redis remembers for a day, so a batch sent again (its first answer
+lost to a timeout) is counted once. A batch that fails stays queued, with its id, and goes first at the next send:
+while Redis is down the counts wait, up to `max_pending` (tenant, day, model) entries in all; past that, new records
+are dropped and counted (``preft_gateway_metering_dropped_total``). A clean shutdown sends what is left once more.
 """
 
 from __future__ import annotations
@@ -32,17 +33,22 @@ BATCH_PREFIX = "preft:usage-batch:"
 BATCH_MEMORY_S = 86_400  # how long Redis remembers a batch id (a batch re-sent within it is not counted again)
 BATCH_ENTRIES = 1_000  # (tenant, day, model) entries a batch holds at most: one script's work stays short
 
-# KEYS[1] = the batch id's key, KEYS[2..] = day hashes; ARGV[1] = their TTL (s), ARGV[2] = the batch id's, then per
-# day hash: how many (field, increment) pairs follow, and the pairs. 0 when the batch was applied before.
+# KEYS[1] = the batch id's key, then the D day hashes, then the month counters; ARGV[1] = the day hashes' TTL (s),
+# ARGV[2] = the batch id's, ARGV[3] = D, ARGV[4] = the month counters' TTL; then per day hash how many (field,
+# increment) pairs follow, and the pairs; then per month counter its increment. 0 when the batch was applied before.
 APPLY_LUA = """
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', tonumber(ARGV[2])) then return 0 end
-local ttl, a = tonumber(ARGV[1]), 3
-for k = 2, #KEYS do
+local ttl, days, a = tonumber(ARGV[1]), tonumber(ARGV[3]), 5
+for k = 2, days + 1 do
   local n = tonumber(ARGV[a]); a = a + 1
   for i = 1, n do
     redis.call('HINCRBY', KEYS[k], ARGV[a], ARGV[a + 1]); a = a + 2
   end
   redis.call('EXPIRE', KEYS[k], ttl)
+end
+for k = days + 2, #KEYS do
+  redis.call('INCRBY', KEYS[k], ARGV[a]); a = a + 1
+  redis.call('EXPIRE', KEYS[k], tonumber(ARGV[4]))
 end
 return 1
 """
@@ -59,17 +65,21 @@ class Batch:
 
     def script_args(self) -> tuple[list[str], list[str | int]]:
         """The apply script's keys and arguments."""
-        by_key: dict[str, list[str | int]] = {}
+        by_day: dict[str, list[str | int]] = {}
+        by_month: dict[str, int] = {}
         for (tenant, day, model), values in self.counts.items():
-            pairs = by_key.setdefault(metering.day_key(tenant, day), [])
+            pairs = by_day.setdefault(metering.day_key(tenant, day), [])
             for counter, value in zip(metering.COUNTERS, values, strict=True):
                 if value:
                     pairs += [metering.field(counter, model), value]
-        keys = [BATCH_PREFIX + self.batch_id, *by_key]
-        args: list[str | int] = [metering.RETENTION_DAYS * 86_400, BATCH_MEMORY_S]
-        for pairs in by_key.values():
+            month = metering.month_key(tenant, day)
+            by_month[month] = by_month.get(month, 0) + values[1] + values[2]
+        keys = [BATCH_PREFIX + self.batch_id, *by_day, *by_month]
+        args: list[str | int] = [metering.RETENTION_DAYS * 86_400, BATCH_MEMORY_S, len(by_day)]
+        args.append(metering.MONTH_TTL_DAYS * 86_400)
+        for pairs in by_day.values():
             args += [len(pairs) // 2, *pairs]
-        return keys, args
+        return keys, args + list(by_month.values())
 
 
 class TokenMeter:

@@ -71,7 +71,13 @@ def limits_pb(limits: TenantLimits) -> pb.TenantLimits:
 
 
 def limits_from_pb(limits: pb.TenantLimits) -> TenantLimits:
-    return TenantLimits(limits.requests_per_min, limits.tokens_per_min, limits.max_adapters, limits.max_bytes)
+    return TenantLimits(
+        limits.requests_per_min,
+        limits.tokens_per_min,
+        limits.max_adapters,
+        limits.max_bytes,
+        limits.tokens_per_month if limits.HasField("tokens_per_month") else None,
+    )
 
 
 def key_pb(k: ApiKeyRecord) -> pb.ApiKey:

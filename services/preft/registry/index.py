@@ -1,7 +1,8 @@
 """The registry's metadata in Redis: tenants, API keys, base models, adapter versions, aliases, sharing, hotness.
 
 Layout (all keys start with `preft:`):
-- `tenants` set; `tenant:<t>` hash (limits, usage, disabled); `tenant:<t>:adapters`, `:keys`, `:shared_in` sets
+- `tenants` set; `tenant:<t>` hash (limits, usage, disabled); `tenant:<t>:adapters`, `:keys`, `:shared_in` sets;
+  the limits are LIMIT_FIELDS and `tokens_per_month` (0 or absent = no monthly quota; the gateway reads it)
 - `keys` set of key ids; `keyid:<id>` hash (tenant, hash, label, times); `key:<sha256(secret)>` -> key id
 - `bases` set; `base:<id>` hash (config, architecture digest)
 - `adapters` set of `t/n`; `adapter:<t>/<n>` hash (exists while the adapter has versions); `:versions` hash
@@ -48,6 +49,7 @@ from preft.registry.model import (
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
+# Limits every tenant hash holds (0 in a request = default/keep); `tokens_per_month` may be absent (= no quota).
 LIMIT_FIELDS = ("requests_per_min", "tokens_per_min", "max_adapters", "max_bytes")
 
 
@@ -127,6 +129,7 @@ class RedisIndex:
             limits.tokens_per_min,
             limits.max_adapters,
             limits.max_bytes,
+            limits.tokens_per_month or 0,
         )
         if res[0] == "exists":
             raise AlreadyExists(f"tenant {tenant!r} already exists")
@@ -439,7 +442,10 @@ def _tenant(tenant: str, d: dict[str, str]) -> TenantRecord:
     return TenantRecord(
         id=tenant,
         disabled=d.get("disabled") == "1",
-        limits=TenantLimits(**{f: int(d[f]) for f in LIMIT_FIELDS}),
+        limits=TenantLimits(
+            **{f: int(d[f]) for f in LIMIT_FIELDS},
+            tokens_per_month=int(d.get("tokens_per_month", 0)),  # absent in tenants created before the quota
+        ),
         adapter_count=int(d.get("adapter_count", 0)),
         bytes_used=int(d.get("bytes_used", 0)),
         created_unix_ms=int(d["created_unix_ms"]),

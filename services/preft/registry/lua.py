@@ -9,7 +9,8 @@ CREATE_TENANT = """
 local tk = 'preft:tenant:' .. ARGV[1]
 if redis.call('EXISTS', tk) == 1 then return {'exists'} end
 redis.call('HSET', tk, 'created_unix_ms', ARGV[2], 'disabled', '0', 'adapter_count', 0, 'bytes_used', 0,
-  'requests_per_min', ARGV[3], 'tokens_per_min', ARGV[4], 'max_adapters', ARGV[5], 'max_bytes', ARGV[6])
+  'requests_per_min', ARGV[3], 'tokens_per_min', ARGV[4], 'max_adapters', ARGV[5], 'max_bytes', ARGV[6],
+  'tokens_per_month', ARGV[7])
 redis.call('SADD', 'preft:tenants', ARGV[1])
 return {'ok'}
 """

@@ -26,12 +26,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """Per-tenant limits; the gateway enforces the rates, the registry the storage."""
+    """Per-tenant limits; the gateway enforces the rates and the monthly quota, the registry the storage.
+
+    `tokens_per_month` (prompt + generated tokens per UTC calendar month) is 0 for no quota; None only in a
+    request, where it means "not given" (no quota on create, keep the current one on a change).
+    """
 
     requests_per_min: int
     tokens_per_min: int
     max_adapters: int
     max_bytes: int
+    tokens_per_month: int | None = None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from preft.common.metering import ModelUsage
 from preft.common.refs import LATEST, AdapterRef, check_name
 from preft.common.settings import RegistrySettings
 from preft.registry.blobstore import BlobStore, check_digest
-from preft.registry.index import RedisIndex, now_ms
+from preft.registry.index import LIMIT_FIELDS, RedisIndex, now_ms
 from preft.registry.model import (
     AdapterSummary,
     ApiKeyRecord,
@@ -54,9 +54,12 @@ class RegistryService:
         return self.index.update_tenant(check_name(tenant, "tenant id"), disabled="1" if disabled else "0")
 
     def set_tenant_limits(self, tenant: str, limits: TenantLimits) -> TenantRecord:
-        changes = {k: v for k, v in vars(limits).items() if v}
+        """Change the non-zero limits, and the monthly quota when given (0 removes it); the rest keep their value."""
+        changes = {f: getattr(limits, f) for f in LIMIT_FIELDS if getattr(limits, f)}
         if any(v < 0 for v in changes.values()):
             raise InvalidArgument("limits must be positive (0 keeps the current value)")
+        if limits.tokens_per_month is not None:
+            changes["tokens_per_month"] = _monthly_quota(limits.tokens_per_month)
         return self.index.update_tenant(check_name(tenant, "tenant id"), **changes)
 
     def issue_key(self, tenant: str, label: str = "", ttl_s: int = 0) -> tuple[ApiKeyRecord, str]:
@@ -90,13 +93,14 @@ class RegistryService:
     def _fill_limits(self, limits: TenantLimits | None) -> TenantLimits:
         s = self.settings
         given = limits or TenantLimits(0, 0, 0, 0)
-        if any(v < 0 for v in vars(given).values()):
+        if any(getattr(given, f) < 0 for f in LIMIT_FIELDS):
             raise InvalidArgument("limits must be positive (0 takes the registry's default)")
         return TenantLimits(
             requests_per_min=given.requests_per_min or s.default_requests_per_min,
             tokens_per_min=given.tokens_per_min or s.default_tokens_per_min,
             max_adapters=given.max_adapters or s.default_max_adapters,
             max_bytes=given.max_bytes or s.default_max_bytes,
+            tokens_per_month=_monthly_quota(given.tokens_per_month or 0),
         )
 
     # -- base models ---------------------------------------------------------------------------------------------
@@ -319,3 +323,9 @@ class RegistryService:
 
 def _same_content(a: Manifest, b: Manifest) -> bool:
     return (a.digest, a.default_mode, a.base_model, a.files) == (b.digest, b.default_mode, b.base_model, b.files)
+
+
+def _monthly_quota(tokens: int) -> int:
+    if tokens < 0:
+        raise InvalidArgument("tokens_per_month must be positive, or 0 for no quota")
+    return tokens

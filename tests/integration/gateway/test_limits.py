@@ -1,12 +1,17 @@
 """Per-tenant rate limits (Redis token buckets): requests/min and tokens/min, 429 with Retry-After, and the
-refund of reserved-but-unused tokens."""
+refund of reserved-but-unused tokens; and the monthly token quota (429 insufficient_quota)."""
 
 from __future__ import annotations
 
 import time
+from datetime import date
 
 import openai
 import pytest
+import redis
+
+from preft.api.v1 import registry_pb2 as pb
+from preft.common import metering
 
 from .conftest import BASE, error_of
 
@@ -76,3 +81,45 @@ def test_unused_tokens_are_given_back(gateway, registry, stub):
         assert time.monotonic() < deadline, "the unused tokens of the abandoned stream were not given back"
         time.sleep(0.1)
     assert answer.status_code == 200
+
+
+def test_a_monthly_token_quota_refuses_once_the_month_has_used_it(make_gateway, registry, redis_url):
+    gateway = make_gateway(metering_flush_interval_s=0.1)
+
+    def set_quota(tenant: str, tokens: int) -> None:  # (as `preft-admin tenant limits --tokens-per-month` does)
+        limits = pb.TenantLimits(tokens_per_month=tokens)
+        registry.client.call("SetTenantLimits", pb.SetTenantLimitsRequest(id=tenant, limits=limits))
+
+    acme, beta = registry.tenant("acme"), registry.tenant("beta")
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    month = metering.month_key("acme", metering.day_of(time.time()))
+    store.set(metering.month_key("acme", date(2000, 1, 1)), 10**9)  # (another month's tokens: not this month's)
+    set_quota("acme", 30)
+    http, body = gateway.http(acme), {"model": BASE, "prompt": [5, 6, 7, 8], "max_tokens": 8}  # 12 tokens a request
+
+    def used(at_least: int) -> int:
+        deadline = time.monotonic() + 5
+        while int(store.get(month) or 0) < at_least:
+            assert time.monotonic() < deadline, "the meter did not add the tokens"
+            time.sleep(0.05)
+        return int(store.get(month))
+
+    for expected in (12, 24, 36):  # (admitted while below 30: the third goes over, answered whole)
+        assert http.post("/v1/completions", json=body).status_code == 200
+        assert used(expected) == expected
+    refused = http.post("/v1/completions", json=body)
+    assert refused.status_code == 429 and "retry-after" not in refused.headers
+    error = error_of(refused)
+    assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
+    assert "has used its 30 tokens" in error["message"]
+    with pytest.raises(openai.RateLimitError):
+        gateway.openai(acme).chat.completions.create(model=BASE, messages=[{"role": "user", "content": "hi"}])
+    assert gateway.http(beta).post("/v1/completions", json=body).status_code == 200  # (no quota of its own)
+    assert int(store.get(month)) == 36  # (refusals use nothing)
+
+    set_quota("acme", 100)  # raised: admitted again
+    assert http.post("/v1/completions", json=body).status_code == 200
+    set_quota("acme", 0)  # 0: no quota
+    store.set(month, 10**9)
+    assert http.post("/v1/completions", json=body).status_code == 200
+    store.close()

@@ -232,6 +232,21 @@ CASES: dict[str, tuple[Case, type[PreftError], tuple[str, ...]]] = {
         InvalidArgument,
         ("positive",),
     ),
+    "negative-monthly-quota": (
+        lambda c, tiny, tmp: c.call(
+            "SetTenantLimits",
+            pb.SetTenantLimitsRequest(id="acme", limits=pb.TenantLimits(requests_per_min=5, tokens_per_month=-1)),
+        ),
+        InvalidArgument,
+        ("tokens_per_month", "positive"),
+    ),
+    "negative-monthly-quota-at-create": (
+        lambda c, tiny, tmp: c.call(
+            "CreateTenant", pb.CreateTenantRequest(id="gamma", limits=pb.TenantLimits(tokens_per_month=-1))
+        ),
+        InvalidArgument,
+        ("tokens_per_month", "positive"),
+    ),
 }
 
 

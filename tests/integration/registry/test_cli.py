@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from preft.cli import admin as admin_cli
 from preft.cli.admin import app
 from preft.common.errors import NotFound
 from preft.devtools.tiny import build_lora
@@ -107,6 +108,52 @@ def test_exit_codes(admin, tiny, tmp_path, registry_address):
     assert result.exit_code == 1 and "unavailable" in result.output
     result = runner.invoke(app, ["--registry", registry_address, "--token", "wrong", "tenant", "list"])
     assert result.exit_code == 1 and "token" in result.output
+
+
+def table_rows(output: str) -> list[list[str]]:
+    """The cells of a rich table's lines, header first (rules left out)."""
+    lines = [line.strip("│┃ ") for line in output.splitlines() if line.startswith(("│", "┃"))]
+    return [[cell.strip() for cell in line.replace("┃", "│").split("│")] for line in lines]
+
+
+def test_tenant_monthly_token_quota(admin, monkeypatch):
+    monkeypatch.setattr(admin_cli.out, "width", 200)  # the whole table on one line per tenant
+    created = json.loads(admin("--json", "tenant", "create", "acme", "--rpm", "60"))
+    assert created["limits"]["tokens_per_month"] == "0"
+    beta = json.loads(admin("--json", "tenant", "create", "beta", "--tokens-per-month", "5000000"))
+    assert (beta["limits"]["requests_per_min"], beta["limits"]["tokens_per_month"]) == ("600", "5000000")
+
+    changed = json.loads(admin("--json", "tenant", "limits", "acme", "--tokens-per-month", "1000000", "--tpm", "900"))
+    assert changed["limits"] == {
+        "requests_per_min": "60",
+        "tokens_per_min": "900",
+        "max_adapters": "5",
+        "max_bytes": str(50 * 1024**3),
+        "tokens_per_month": "1000000",
+    }
+    kept = json.loads(admin("--json", "tenant", "limits", "acme", "--max-adapters", "2"))
+    assert (kept["limits"]["max_adapters"], kept["limits"]["tokens_per_month"]) == ("2", "1000000")
+    removed = json.loads(admin("--json", "tenant", "limits", "beta", "--tokens-per-month", "0"))
+    assert removed["limits"]["tokens_per_month"] == "0" and removed["limits"]["requests_per_min"] == "600"
+    admin("tenant", "limits", "beta", "--tokens-per-month", "7000")
+
+    header, *rows = table_rows(admin("tenant", "list"))
+    assert header[:6] == ["tenant", "state", "req/min", "tok/min", "tokens/month", "adapters"]
+    assert [row[:6] for row in rows] == [
+        ["acme", "active", "60", "900", "1000000", "0/2"],
+        ["beta", "active", "600", "200000", "7000", "0/5"],
+    ]
+    admin("tenant", "limits", "acme", "--tokens-per-month", "0")
+    assert [row[:5] for row in table_rows(admin("tenant", "limits", "acme", "--rpm", "61"))[1:]] == [
+        ["acme", "active", "61", "900", "-"]
+    ]
+    listed = json.loads(admin("--json", "tenant", "list"))
+    assert [(t["id"], t["limits"]["tokens_per_month"]) for t in listed] == [("acme", "0"), ("beta", "7000")]
+
+    # wrong usage: refused before anything is sent
+    assert "--tokens-per-month" in admin("tenant", "limits", "beta", "--tokens-per-month", "-1", expect=2)
+    assert "--tokens-per-month" in admin("tenant", "create", "gamma", "--tokens-per-month", "x", expect=2)
+    assert [t["id"] for t in json.loads(admin("--json", "tenant", "list"))] == ["acme", "beta"]
 
 
 @pytest.fixture

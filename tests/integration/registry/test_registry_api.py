@@ -9,7 +9,14 @@ import pytest
 from preft.adapters import adapter_digest
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
-from preft.common.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted, Unauthenticated
+from preft.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from preft.registry.client import RegistryClient, scan_adapter_dir
 from preft.registry.server import build_server, build_service
 
@@ -172,6 +179,77 @@ def test_storage_quotas(acme, tiny):
     acme.call("SetTenantLimits", pb.SetTenantLimitsRequest(id="beta", limits=pb.TenantLimits(max_bytes=small)))
     with pytest.raises(ResourceExhausted, match="storage limit"):
         publish(acme, "beta", "big", tiny["lora"])
+
+
+def test_monthly_token_quota(client, redis_client):
+    """tokens_per_month: none by default, set, changed, kept by other changes, removed with 0 (other limits stay),
+    never negative; stored as the tenant hash's `tokens_per_month` field, which the gateway reads."""
+
+    def set_limits(tenant: str, **limits: int) -> pb.TenantLimits:
+        request = pb.SetTenantLimitsRequest(id=tenant, limits=pb.TenantLimits(**limits))
+        return client.call("SetTenantLimits", request).limits
+
+    def stored(tenant: str) -> bytes | None:
+        return redis_client.hget(f"preft:tenant:{tenant}", "tokens_per_month")
+
+    acme = client.call("CreateTenant", pb.CreateTenantRequest(id="acme")).limits
+    assert acme.HasField("tokens_per_month") and acme.tokens_per_month == 0 and stored("acme") == b"0"
+    assert (acme.requests_per_min, acme.tokens_per_min, acme.max_adapters) == (600, 200_000, 5)
+    beta = pb.TenantLimits(requests_per_min=60, tokens_per_month=1_000_000)
+    beta = client.call("CreateTenant", pb.CreateTenantRequest(id="beta", limits=beta)).limits
+    assert (beta.requests_per_min, beta.tokens_per_min, beta.tokens_per_month) == (60, 200_000, 1_000_000)
+    assert stored("beta") == b"1000000"
+
+    limits = set_limits("acme", tokens_per_min=5000, tokens_per_month=2_000_000)
+    assert (limits.tokens_per_min, limits.tokens_per_month) == (5000, 2_000_000) and stored("acme") == b"2000000"
+    limits = set_limits("acme", tokens_per_month=3_000_000)
+    assert (limits.tokens_per_min, limits.tokens_per_month) == (5000, 3_000_000)
+    limits = set_limits("acme", max_adapters=3, max_bytes=10**9)  # the quota not given: kept
+    assert (limits.max_adapters, limits.max_bytes, limits.tokens_per_month) == (3, 10**9, 3_000_000)
+    limits = set_limits("acme", tokens_per_month=0)  # removed; every other limit stays
+    assert (limits.requests_per_min, limits.tokens_per_min, limits.max_adapters, limits.max_bytes) == (
+        600,
+        5000,
+        3,
+        10**9,
+    )
+    assert limits.tokens_per_month == 0 and stored("acme") == b"0"
+
+    with pytest.raises(InvalidArgument, match="tokens_per_month must be positive"):
+        set_limits("beta", requests_per_min=1, tokens_per_month=-1)
+    with pytest.raises(InvalidArgument, match="tokens_per_month must be positive"):
+        client.call("CreateTenant", pb.CreateTenantRequest(id="gamma", limits=pb.TenantLimits(tokens_per_month=-5)))
+    tenants = client.call("ListTenants", pb.ListTenantsRequest()).tenants
+    assert [(t.id, t.limits.requests_per_min, t.limits.tokens_per_month) for t in tenants] == [
+        ("acme", 600, 0),
+        ("beta", 60, 1_000_000),
+    ]
+
+
+def test_tenant_from_before_the_monthly_quota_has_none(client, redis_client):
+    """A tenant hash written before tokens_per_month existed reads as no quota (ListTenants and Authenticate),
+    keeps having none through other limit changes, and can be given one."""
+    old = {"created_unix_ms": 1, "disabled": "0", "adapter_count": 0, "bytes_used": 0}
+    old |= {"requests_per_min": 60, "tokens_per_min": 6000, "max_adapters": 2, "max_bytes": 1000}
+    redis_client.hset("preft:tenant:old", mapping=old)
+    redis_client.sadd("preft:tenants", "old")
+    [tenant] = client.call("ListTenants", pb.ListTenantsRequest()).tenants
+    assert tenant.id == "old" and tenant.limits.HasField("tokens_per_month")
+    assert (tenant.limits.requests_per_min, tenant.limits.tokens_per_min, tenant.limits.tokens_per_month) == (
+        60,
+        6000,
+        0,
+    )
+    secret = client.call("IssueKey", pb.IssueKeyRequest(tenant="old")).secret
+    assert client.call("Authenticate", pb.AuthenticateRequest(secret=secret)).limits.tokens_per_month == 0
+
+    request = pb.SetTenantLimitsRequest(id="old", limits=pb.TenantLimits(max_adapters=4))
+    assert client.call("SetTenantLimits", request).limits.tokens_per_month == 0
+    assert not redis_client.hexists("preft:tenant:old", "tokens_per_month")
+    request = pb.SetTenantLimitsRequest(id="old", limits=pb.TenantLimits(tokens_per_month=750))
+    limits = client.call("SetTenantLimits", request).limits
+    assert (limits.max_adapters, limits.tokens_per_month) == (4, 750)
+    assert redis_client.hget("preft:tenant:old", "tokens_per_month") == b"750"
 
 
 def test_gc_removes_only_unreferenced_blobs(acme, tiny, service, s3_bucket):

@@ -11,7 +11,7 @@ gateway's admission reads against the tenant's `tokens_per_month` quota, kept ``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 
@@ -75,6 +75,15 @@ def parse_day(day: date, fields: Mapping[bytes | str, bytes | str]) -> list[Mode
             continue
         counts.setdefault(model, {})[counter] = value
     return [ModelUsage(day, model, **counts[model]) for model in sorted(counts)]
+
+
+def day_rows(
+    day: date, fields: Mapping[bytes | str, bytes | str], *, by_model: bool, models: Collection[str] = ()
+) -> list[ModelUsage]:
+    """A day's hash as rows: one per model (those of `models`, where given), or their totals in one row, zeros
+    included where nothing was used."""
+    rows = [r for r in parse_day(day, fields) if not models or r.model in models]
+    return rows if by_model else [totals(rows, day)]
 
 
 def totals(rows: Iterable[ModelUsage], day: date, model: str = "") -> ModelUsage:

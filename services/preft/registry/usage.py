@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterable, Mapping
 from datetime import date
 
-from preft.common.metering import MAX_QUERY_DAYS, ModelUsage, days, parse_day, totals
+from preft.common.metering import MAX_QUERY_DAYS, ModelUsage, day_rows, days
 
 _ISO_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
@@ -39,8 +39,4 @@ def usage_rows(
 ) -> list[ModelUsage]:
     """Rows by day (then model) from each day's hash: per model, days without use omitted; else one row per day,
     zeros included, so a table shows every day."""
-    rows: list[ModelUsage] = []
-    for day, fields in day_hashes:
-        per_model = parse_day(day, fields)
-        rows += per_model if by_model else [totals(per_model, day)]
-    return rows
+    return [row for day, fields in day_hashes for row in day_rows(day, fields, by_model=by_model)]

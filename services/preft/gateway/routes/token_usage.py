@@ -91,9 +91,7 @@ async def completions_usage(
     hashes = await guarded(pipe.execute(), settings.redis_timeout_s)
     data = []
     for day, fields in zip(days, hashes, strict=True):
-        rows = [r for r in metering.parse_day(day, fields) if not models or r.model in models]
-        if rows and not grouped:
-            rows = [metering.totals(rows, day)]
+        rows = [r for r in metering.day_rows(day, fields, by_model=grouped, models=models) if r.requests]
         start_s = metering.day_start_s(day)
         data.append(
             {

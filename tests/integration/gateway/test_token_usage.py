@@ -1,6 +1,6 @@
-"""Per-tenant token metering: every answered generation (whole, streamed, Responses) is counted in Redis by UTC day
-and model, read back through GET /v1/organization/usage/completions; failures and other tenants are not counted;
-the meter keeps its counts while Redis is down and sends each batch once."""
+"""Per-tenant token metering: every answered generation (whole, streamed, Responses) is counted in Redis by UTC hour,
+day and model, read back through GET /v1/organization/usage/completions in day or hour buckets; failures and other
+tenants are not counted; the meter keeps its counts while Redis is down and sends each batch once."""
 
 from __future__ import annotations
 
@@ -19,11 +19,15 @@ from preft.stack import RedisServer, free_port
 from .conftest import BASE, error_of
 
 ROUTE = "/v1/organization/usage/completions"
-DAY_S = 86_400
+DAY_S, HOUR_S = 86_400, 3_600
 
 
 def _today_start() -> int:
     return metering.day_start_s(metering.day_of(time.time()))
+
+
+def _hour_start() -> int:
+    return int(time.time()) // HOUR_S * HOUR_S
 
 
 def _usage(http, **params: Any) -> dict[str, Any]:
@@ -81,6 +85,16 @@ def test_answered_generations_are_metered_by_day_and_model(make_gateway, registr
     assert [r["model"] for r in _usage(http, group_by="model", models=adapter)["data"][-1]["results"]] == [adapter]
     assert _usage(http, models="nothing-of-ours")["data"][-1]["results"] == []
 
+    hours = _usage(http, bucket_width="1h", group_by="model", limit=24)["data"]  # (today's hours: they sum to the day)
+    assert [b["end_time"] - b["start_time"] for b in hours] == [HOUR_S] * len(hours)
+    assert hours[0]["start_time"] == _today_start() and hours[-1]["start_time"] == _hour_start()
+    hourly: dict[str, list[int]] = {}
+    for result in (r for b in hours for r in b["results"]):
+        sums = hourly.setdefault(result["model"], [0, 0, 0])
+        for i, counter in enumerate(("num_model_requests", "input_tokens", "output_tokens")):
+            sums[i] += result[counter]
+    assert hourly == {m: [r["num_model_requests"], r["input_tokens"], r["output_tokens"]] for m, r in by_model.items()}
+
     (theirs,) = _wait_for(gateway.http(beta), 1)  # beta sees its own only
     assert (theirs["num_model_requests"], theirs["input_tokens"], theirs["output_tokens"]) == (1, 2, 7)
 
@@ -99,15 +113,33 @@ def test_buckets_are_utc_days_paged_by_limit(gateway, registry):
     assert len(ended["data"]) == 1 and ended["has_more"] is False  # (end_time is exclusive)
 
 
+def test_hour_buckets_are_utc_hours_paged_by_limit(gateway, registry):
+    http = gateway.http(registry.tenant("acme"))
+    start = _hour_start() - 3 * HOUR_S + 5  # (within an hour: the bucket starts at its first second)
+    page = http.get(ROUTE, params={"start_time": start, "limit": 2, "bucket_width": "1h"}).json()
+    assert page["has_more"] is True
+    assert [b["start_time"] for b in page["data"]] == [_hour_start() - 3 * HOUR_S, _hour_start() - 2 * HOUR_S]
+    assert all(b["end_time"] - b["start_time"] == HOUR_S for b in page["data"])
+    params = {"start_time": start, "limit": 2, "bucket_width": "1h", "page": page["next_page"]}
+    rest = http.get(ROUTE, params=params).json()
+    assert [b["start_time"] for b in rest["data"]] == [_hour_start() - HOUR_S, _hour_start()]
+    assert rest["has_more"] is False and rest["next_page"] is None
+    assert len(http.get(ROUTE, params={"start_time": start, "bucket_width": "1h"}).json()["data"]) == 4  # (limit 24)
+    day_cursor = {"start_time": start, "bucket_width": "1h", "page": metering.day_of(start).isoformat()}
+    assert "cursor" in error_of(http.get(ROUTE, params=day_cursor))["message"]  # (a 1d cursor on 1h)
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [
         ({}, "start_time"),
-        ({"start_time": 0, "bucket_width": "1h"}, "per day"),
+        ({"start_time": 0, "bucket_width": "1m"}, "use 1h or 1d"),
+        ({"start_time": 0, "bucket_width": "1h"}, f"kept {metering.HOUR_RETENTION_DAYS} days"),
         ({"start_time": 0, "bucket_width": "1w"}, "bucket_width"),
         ({"start_time": 0, "group_by": "project_id"}, "grouped by model only"),
         ({"start_time": 100, "end_time": 100}, "after start_time"),
-        ({"start_time": 0, "limit": 32}, "limit"),
+        ({"start_time": 0, "limit": 32}, "at most 31"),
+        ({"start_time": int(time.time()) - 3_600, "bucket_width": "1h", "limit": 169}, "at most 168"),
         ({"start_time": 0, "page": "tomorrow"}, "cursor"),
         ({"start_time": 0, "end_time": DAY_S, "page": "2001-01-01"}, "outside"),
         ({"start_time": -1}, "start_time"),
@@ -127,8 +159,9 @@ def test_the_meter_keeps_its_counts_while_redis_is_down_and_sends_each_batch_onc
 
     async def scenario() -> None:
         redis = aioredis.Redis.from_url(server.url, decode_responses=True)
-        meter = TokenMeter(redis, interval_s=60, timeout_s=0.5, max_pending=2)
-        day = metering.day_key("acme", metering.day_of(time.time()))
+        now = time.time()  # (the meter's clock: every record in one hour)
+        meter = TokenMeter(redis, interval_s=60, timeout_s=0.5, max_pending=2, clock=lambda: now)
+        day = metering.day_key("acme", metering.day_of(now))
         try:
             meter.record("acme", "m1", 10, 3)
             meter.record("acme", "m1", 5, 1)
@@ -140,7 +173,7 @@ def test_the_meter_keeps_its_counts_while_redis_is_down_and_sends_each_batch_onc
             server.start()
             await meter.flush()
             assert meter.pending == 0
-            rows = {r.model: r for r in metering.parse_day(metering.day_of(time.time()), await redis.hgetall(day))}
+            rows = {r.model: r for r in metering.parse_day(metering.day_of(now), await redis.hgetall(day))}
             assert set(rows) == {"m1", "m2"}
             assert (rows["m1"].requests, rows["m1"].input_tokens, rows["m1"].output_tokens) == (2, 15, 4)
             assert (rows["m2"].requests, rows["m2"].input_tokens, rows["m2"].output_tokens) == (1, 7, 2)
@@ -150,17 +183,18 @@ def test_the_meter_keeps_its_counts_while_redis_is_down_and_sends_each_batch_onc
             assert len(meter._unsent) == 1  # (m4's batch sealed at its one entry, m5's being filled)
             await meter.flush()
             assert meter.pending == 0
-            sent = {
-                r.model: r.input_tokens
-                for r in metering.parse_day(metering.day_of(time.time()), await redis.hgetall(day))
-            }
+            sent = {r.model: r.input_tokens for r in metering.parse_day(metering.day_of(now), await redis.hgetall(day))}
             assert (sent["m4"], sent["m5"]) == (4, 5)
 
-            batch = Batch({("acme", metering.day_of(time.time()), "m2"): [1, 100, 0]})
+            hour = int(now) // HOUR_S * HOUR_S
+            batch = Batch({("acme", hour, "m2"): [1, 100, 0]})
             keys, args = batch.script_args()
             applied = [await redis.eval(APPLY_LUA, len(keys), *keys, *args) for _ in range(2)]
             assert applied == [1, 0]  # (sent again under its id: not counted twice)
             assert int(await redis.hget(day, metering.field("input_tokens", "m2"))) == 107
+            hour_rows = metering.parse_day(metering.day_of(hour), await redis.hgetall(metering.hour_key("acme", hour)))
+            assert {r.model: r.input_tokens for r in hour_rows} == {"m1": 15, "m2": 107, "m4": 4, "m5": 5}
+            assert 0 < await redis.ttl(metering.hour_key("acme", hour)) <= metering.HOUR_RETENTION_DAYS * DAY_S
         finally:
             await redis.aclose()
 

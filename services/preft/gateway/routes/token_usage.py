@@ -1,18 +1,20 @@
 """GET /v1/organization/usage/completions: the caller's tenant's token usage, in OpenAI's usage API shape.
 
-The tenant is the organization. Usage is kept per UTC day (``common.metering``), so buckets are one day wide
-(`bucket_width=1d`, OpenAI's default; `1h` and `1m` are refused) and start at UTC midnight: a `start_time` within
-a day starts at that day. `end_time` (exclusive, default now) ends the range; `limit` buckets a page (default 7,
-at most 31), `page` the cursor a previous page's `next_page` gave. `group_by=model` gives one result per model,
-`models` keeps only those; the other groupings OpenAI offers (project, user, API key, batch) are refused. A day
-without use has no result. The usage of the last few seconds may not be in yet: each gateway replica adds it
-to Redis every `metering_flush_interval_s`.
+The tenant is the organization. Usage is kept per UTC day and per UTC hour (``common.metering``; hours for
+``HOUR_RETENTION_DAYS``), so buckets are one day wide (`bucket_width=1d`, OpenAI's default) or one hour (`1h`; `1m`
+is refused) and start on the UTC day or hour that holds `start_time`. `end_time` (exclusive, default now) ends the
+range; `limit` buckets a page (OpenAI's: for days 7 by default and at most 31, for hours 24 and 168), `page` the
+cursor a previous page's `next_page` gave. `group_by=model` gives one result per model, `models` keeps only those;
+the other groupings OpenAI offers (project, user, API key, batch) are refused. A bucket without use has no result.
+The usage of the last few seconds may not be in yet: each gateway replica adds it to Redis every
+`metering_flush_interval_s`.
 """
 
 from __future__ import annotations
 
 import time
-from datetime import date, timedelta
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -24,7 +26,24 @@ from preft.gateway.deps import CallerDep, RedisDep, SettingsDep
 from preft.gateway.redis_client import guarded
 
 router = APIRouter(tags=["usage"])
-MAX_BUCKETS = 31  # a page's buckets at most (OpenAI's for 1d)
+
+
+@dataclass(frozen=True)
+class Width:
+    """A bucket width: its seconds, a page's buckets by default and at most (OpenAI's), and its cursor's format."""
+
+    seconds: int
+    default_limit: int
+    max_limit: int
+    cursor: str  # (strftime of the page's first bucket start, UTC)
+
+    def key(self, tenant: str, start_s: int) -> str:
+        if self.seconds == metering.DAY_S:
+            return metering.day_key(tenant, metering.day_of(start_s))
+        return metering.hour_key(tenant, start_s)
+
+
+WIDTHS = {"1d": Width(metering.DAY_S, 7, 31, "%Y-%m-%d"), "1h": Width(metering.HOUR_S, 24, 168, "%Y-%m-%dT%H:00Z")}
 
 
 def _list_param(request: Request, name: str) -> list[str]:
@@ -32,11 +51,12 @@ def _list_param(request: Request, name: str) -> list[str]:
     return request.query_params.getlist(name) + request.query_params.getlist(f"{name}[]")
 
 
-def _page_start(page: str | None, first: date, last: date) -> date:
+def _page_start(page: str | None, width: Width, first: int, last: int) -> int:
+    """The Unix time the page starts at: `first` without a cursor, else the cursor's bucket start."""
     if page is None:
         return first
     try:
-        start = date.fromisoformat(page)
+        start = int(datetime.strptime(page, width.cursor).replace(tzinfo=UTC).timestamp())
     except ValueError:
         raise InvalidArgument(f"page {page!r} is not a cursor this route gave (next_page)") from None
     if not first <= start <= last:
@@ -70,11 +90,15 @@ async def completions_usage(
     start_time: Annotated[int, Query(ge=0)],
     end_time: Annotated[int | None, Query(ge=1)] = None,
     bucket_width: Literal["1m", "1h", "1d"] = "1d",
-    limit: Annotated[int, Query(ge=1, le=MAX_BUCKETS)] = 7,
+    limit: Annotated[int | None, Query(ge=1)] = None,
     page: str | None = None,
 ) -> JSONResponse:
-    if bucket_width != "1d":
-        raise InvalidArgument(f"bucket_width {bucket_width!r}: usage is kept per day; use 1d")
+    if bucket_width not in WIDTHS:
+        raise InvalidArgument(f"bucket_width {bucket_width!r}: usage is kept per hour and per day; use 1h or 1d")
+    width = WIDTHS[bucket_width]
+    limit = width.default_limit if limit is None else limit
+    if limit > width.max_limit:
+        raise InvalidArgument(f"limit {limit}: a page holds at most {width.max_limit} buckets of {bucket_width}")
     group_by = _list_param(request, "group_by")
     if set(group_by) - {"model"}:
         raise InvalidArgument(f"group_by {sorted(set(group_by) - {'model'})}: usage can be grouped by model only")
@@ -82,31 +106,30 @@ async def completions_usage(
     end = time.time() if end_time is None else end_time
     if end <= start_time:
         raise InvalidArgument("end_time must be after start_time")
-    first, last = metering.day_of(start_time), metering.day_of(end - 1)
-    start = _page_start(page, first, last)
-    days = metering.days(start, min(last, start + timedelta(days=limit - 1)))
+    first, last = start_time // width.seconds * width.seconds, (int(end) - 1) // width.seconds * width.seconds
+    kept_since = int(time.time()) // metering.DAY_S * metering.DAY_S - metering.HOUR_RETENTION_DAYS * metering.DAY_S
+    if width.seconds == metering.HOUR_S and first < kept_since:
+        raise InvalidArgument(
+            f"start_time {start_time}: hourly usage is kept {metering.HOUR_RETENTION_DAYS} days (since {kept_since});"
+            " use bucket_width=1d for older usage"
+        )
+    start = _page_start(page, width, first, last)
+    starts = range(start, min(last, start + (limit - 1) * width.seconds) + 1, width.seconds)
     pipe = redis.pipeline(transaction=False)
-    for day in days:
-        pipe.hgetall(metering.day_key(caller.tenant, day))
+    for start_s in starts:
+        pipe.hgetall(width.key(caller.tenant, start_s))
     hashes = await guarded(pipe.execute(), settings.redis_timeout_s)
     data = []
-    for day, fields in zip(days, hashes, strict=True):
-        rows = [r for r in metering.day_rows(day, fields, by_model=grouped, models=models) if r.requests]
-        start_s = metering.day_start_s(day)
+    for start_s, fields in zip(starts, hashes, strict=True):
+        rows = metering.day_rows(metering.day_of(start_s), fields, by_model=grouped, models=models)
         data.append(
             {
                 "object": "bucket",
                 "start_time": start_s,
-                "end_time": start_s + 86_400,
-                "results": [_result(r, grouped) for r in rows],
+                "end_time": start_s + width.seconds,
+                "results": [_result(r, grouped) for r in rows if r.requests],
             }
         )
-    more = days[-1] < last
-    return JSONResponse(
-        {
-            "object": "page",
-            "data": data,
-            "has_more": more,
-            "next_page": (days[-1] + timedelta(days=1)).isoformat() if more else None,
-        }
-    )
+    more = starts[-1] < last
+    cursor = datetime.fromtimestamp(starts[-1] + width.seconds, UTC).strftime(width.cursor) if more else None
+    return JSONResponse({"object": "page", "data": data, "has_more": more, "next_page": cursor})

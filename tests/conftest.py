@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
-from preft.vllm_plugin import lora_act, lora_gemm, lora_kernels
+from preft.vllm_plugin import lora_act, lora_kernels
 
 # torch.cuda.is_available() asks the CUDA runtime, which initializes the driver and so poisons fork, while
 # torch.cuda.is_initialized() stays False: vLLM then forks its engine core, which cannot use CUDA (run 108,
@@ -69,13 +69,11 @@ def lora_kernels_interpreted(monkeypatch, request):
     monkeypatch.setenv("PREFT_LORA_KERNELS", request.param)
     importlib.reload(lora_kernels)
     importlib.reload(lora_act)
-    importlib.reload(lora_gemm)
     monkeypatch.setattr(lora_kernels, "supported", lambda y: True)  # CPU tensors too
     yield
     monkeypatch.undo()
     importlib.reload(lora_kernels)
     importlib.reload(lora_act)
-    importlib.reload(lora_gemm)
 
 
 @pytest.fixture(scope="session")

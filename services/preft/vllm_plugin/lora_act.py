@@ -244,7 +244,7 @@ def rank_tile(rank: int, rank_chunk: int | None) -> int:
 def row_block_tables(groups: g.SlotGroups, rows: int, rank_chunk: int | None = None) -> k._Args:
     """The step's slot per token and, per block of `rows` token rows, its distinct slots (CSR), then the rank
     tile (the rank's, at most `rank_chunk`): made on the step's first use in blocks of `rows` and kept with the
-    groups (the activation's and ``lora_gemm``'s). Empty groups: a table of no blocks."""
+    groups. Empty groups: a table of no blocks."""
     kept = groups.launch_args.get(("row blocks", rows, rank_chunk))
     if kept is None:
         slots = groups.token_slots if groups.token_slots is not None else np.zeros(0, dtype=np.int64)

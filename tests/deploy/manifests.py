@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 import subprocess
+import typing
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -386,9 +387,9 @@ def settings_env_names() -> dict[str, set[str]]:
         for name, field in model.model_fields.items():
             env = f"{prefix}{name.upper()}"
             out.add(env)
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, env + "__", out)
+            for ann in typing.get_args(field.annotation) or (field.annotation,):  # (an optional model's too)
+                if isinstance(ann, type) and issubclass(ann, BaseModel):
+                    walk(ann, env + "__", out)
 
     result: dict[str, set[str]] = {}
     for prefix, model in (

@@ -218,6 +218,10 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
     genv["PREFT_GATEWAY__REDIS__URL"] = genv["PREFT_GATEWAY__REDIS__URL"].replace(
         "preft-redis:6379", f"127.0.0.1:{redis_port}"
     )
+    assert genv["PREFT_GATEWAY__S3__BUCKET"] == cm["data"]["PREFT_REGISTRY__S3__BUCKET"]  # (files beside the blobs)
+    genv["PREFT_GATEWAY__S3__ENDPOINT_URL"] = genv["PREFT_GATEWAY__S3__ENDPOINT_URL"].replace(
+        "preft-seaweedfs:8333", f"127.0.0.1:{s3_port}"
+    )
     assert genv["PREFT_GATEWAY__REGISTRY_ADDRESS"] == "preft-registry:50051"
     genv["PREFT_GATEWAY__REGISTRY_ADDRESS"] = f"127.0.0.1:{registry_port}"
     genv["PREFT_GATEWAY__HOST"], genv["PREFT_GATEWAY__PORT"] = "127.0.0.1", str(gateway_port)
@@ -235,3 +239,22 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
     _wait("gateway readiness", lambda: probe_ok("readinessProbe"), gw_proc, tmp_path / "gateway.log")
     scraped = httpx.get(f"http://127.0.0.1:{gateway_port}/metrics", timeout=2)  # what the ServiceMonitor scrapes
     assert scraped.status_code == 200 and "preft_gateway_requests_total" in scraped.text
+
+    # Files go to the dev SeaweedFS with the credentials and bucket the manifests give the gateway.
+    from preft.api.v1 import registry_pb2 as pb
+    from preft.registry.client import RegistryClient
+
+    token = secret_values[("preft-registry-token", "admin-token")]
+    with RegistryClient(f"127.0.0.1:{registry_port}", token, timeout_s=10) as admin:
+        admin.call("CreateTenant", pb.CreateTenantRequest(id="boot"))
+        api_key = admin.call("IssueKey", pb.IssueKeyRequest(tenant="boot", label="boot")).secret
+    uploaded = httpx.post(
+        f"http://127.0.0.1:{gateway_port}/v1/files",
+        headers={"authorization": f"Bearer {api_key}"},
+        files={"file": ("notes.txt", b"stored in S3")},
+        data={"purpose": "user_data"},
+        timeout=10,
+    )
+    assert uploaded.status_code == 200, uploaded.text
+    key = f"files/boot/{uploaded.json()['id']}"
+    assert s3.get_object(Bucket=cm["data"]["PREFT_REGISTRY__S3__BUCKET"], Key=key)["Body"].read() == b"stored in S3"

@@ -47,10 +47,12 @@ IN_CLUSTER_STORES = [
     (pod("gateway"), pod("redis"), 6379),
     (pod("registry"), pod("redis"), 6379),
     (pod("engine"), pod("redis"), 6379),
+    (pod("gateway"), pod("seaweedfs"), 8333),  # (the Files and Batch APIs)
     (pod("registry"), pod("seaweedfs"), 8333),
     (pod("engine"), pod("seaweedfs"), 8333),
 ]
 EXTERNAL_STORES = [
+    (pod("gateway"), INTERNET, 443),
     (pod("registry"), INTERNET, 443),
     (pod("engine"), INTERNET, 443),
     (pod("gateway"), INTERNET, 6380),
@@ -62,7 +64,7 @@ FORBIDDEN = [
     (INGRESS, pod("registry"), 50051),
     (INGRESS, pod("engine"), 8000),
     (STRANGER, pod("engine"), 8265),
-    (pod("gateway"), pod("seaweedfs"), 8333),
+    (pod("redis"), pod("seaweedfs"), 8333),
     (pod("registry"), pod("engine"), 8000),
     (pod("gateway"), pod("engine"), 8265),  # the Ray dashboard is not the gateway's business
     (pod("registry"), INTERNET, 22),

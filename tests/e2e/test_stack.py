@@ -251,6 +251,36 @@ def test_each_answer_is_metered_and_read_back_by_the_tenant_and_the_operator(sta
     assert (usage.total.requests, usage.total.input_tokens, usage.total.output_tokens) == want
 
 
+def test_a_batch_of_chat_requests_is_answered_through_every_hop(stack, tenants):
+    """`preft up` serves the Files and Batch APIs (files in the stack's SeaweedFS): a batch's lines are answered by
+    the engine with the tenant's adapter as the same requests are live (greedy), a line for another tenant's adapter
+    goes to the error file."""
+    acme = client(stack, tenants["acme"])
+    asked = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6, "temperature": 0}
+    lines = [
+        {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": {"model": model, **asked}}
+        for cid, model in (("base", BASE_MODEL_ID), ("adapter", "private"), ("hidden", "beta/private"))
+    ]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    uploaded = acme.files.create(file=("requests.jsonl", data), purpose="batch")
+    batch = acme.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := acme.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    outputs = {
+        line["custom_id"]: line["response"]["body"]
+        for line in map(json.loads, acme.files.content(batch.output_file_id).text.splitlines())
+    }
+    for cid, model in (("base", BASE_MODEL_ID), ("adapter", "private")):
+        live = acme.chat.completions.create(model=model, **asked).choices[0].message.content
+        assert outputs[cid]["choices"][0]["message"]["content"] == live and live
+    assert outputs["base"]["choices"][0]["message"]["content"] != outputs["adapter"]["choices"][0]["message"]["content"]
+    (error,) = map(json.loads, acme.files.content(batch.error_file_id).text.splitlines())
+    assert error["custom_id"] == "hidden" and error["response"]["status_code"] == 404
+
+
 def test_tenants_cannot_see_each_others_adapters_on_any_route(stack, tenants):
     acme, beta = client(stack, tenants["acme"]), client(stack, tenants["beta"])
     acme_ids = {m.id for m in acme.models.list()}

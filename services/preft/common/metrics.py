@@ -1,7 +1,8 @@
 """Every Prometheus metric of the platform, declared once (prefix `preft_`, base units, bounded labels).
 
 Label values are bounded: tenant ids (operators create them), method (lora|direft|none), mode (prefill|all|base),
-tier (gpu|host|disk|s3), reason (a fixed vocabulary per service). No request ids, no adapter names.
+tier (gpu|host|disk|s3), reason (a fixed vocabulary per service), a batch's status and a line's outcome, a
+file's purpose. No request ids, no adapter names, no batch or file ids.
 """
 
 from __future__ import annotations
@@ -55,4 +56,22 @@ BACKGROUND_ENDED = Counter(
 METERING_DROPPED = Counter(
     "preft_gateway_metering_dropped_total",
     "Answered requests left out of the token usage: the meter held its most entries while Redis was unreachable",
+)
+
+# -- gateway: files and batches (labels: status and outcome are fixed vocabularies, purpose the Files API's) ---------
+FILE_BYTES_STORED = Counter(
+    "preft_gateway_file_bytes_stored_total", "Bytes of files stored in S3 (uploads and batch outputs)", ["purpose"]
+)
+BATCHES_CREATED = Counter("preft_gateway_batches_created_total", "Batches created through POST /v1/batches")
+BATCHES_RUNNING = Gauge("preft_gateway_batches_running", "Batches this gateway replica runs (holds the lease of)")
+BATCHES_ENDED = Counter(
+    "preft_gateway_batches_ended_total",
+    "Batches ended, by final status (completed, failed, expired, cancelled)",
+    ["status"],
+)
+BATCH_LINES = Counter(
+    "preft_gateway_batch_lines_total", "Batch requests answered, by outcome (completed, failed, expired)", ["outcome"]
+)
+BATCH_TAKEOVERS = Counter(
+    "preft_gateway_batch_takeovers_total", "Batches this replica took on after another replica had begun them"
 )

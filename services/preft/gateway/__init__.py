@@ -10,6 +10,10 @@ GET /healthz, /readyz, /metrics. A request's path: key -> tenant (`auth`), promp
 (`engine_client`); `generation` owns that order, `errors` is the only place errors become HTTP. Settings are in
 `settings` (every field documented); `testing` holds the stub engine used by the tests and the benchmark.
 
+With an S3 bucket (`PREFT_GATEWAY__S3__*`), OpenAI's Files API (`files`: contents in S3, metadata in Redis) and Batch
+API: a batch's lines are answered as live requests of their endpoint (`batch_lines`), by whichever replica holds the
+batch's lease (`batches`, state in `batch_store`, input checks in `batch_input`).
+
 `create_app(settings)` (in `app`) builds the FastAPI application; nothing heavy is imported here: the tokenizer,
 Redis, gRPC and HTTP clients are built in the app's lifespan.
 """

@@ -16,21 +16,28 @@ from fastapi import FastAPI
 from preft.gateway import redis_client
 from preft.gateway.auth import KeyAuthenticator
 from preft.gateway.background import BackgroundRuns
+from preft.gateway.batch_lines import LineAnswerer
+from preft.gateway.batch_store import BatchStore
+from preft.gateway.batches import BatchRunner
 from preft.gateway.conversation_store import ConversationLimits, ConversationStore
 from preft.gateway.engine_client import EngineClient
 from preft.gateway.errors import install_error_handlers
+from preft.gateway.files import FileStore
 from preft.gateway.generation import GenerationService
 from preft.gateway.limits import RateLimiter
 from preft.gateway.metering import TokenMeter
+from preft.gateway.object_store import ObjectStore
 from preft.gateway.observability import RequestMetricsMiddleware
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.resolution import AdapterResolver
 from preft.gateway.response_store import ResponseStore
 from preft.gateway.routes import (
     adapters,
+    batches,
     chat,
     completions,
     conversations,
+    files,
     health,
     metrics,
     models,
@@ -132,6 +139,10 @@ def create_app(
                 engine=engine,
                 meter=meter,
             )
+            app.state.file_store = app.state.batch_store = app.state.batch_runner = None
+            if settings.s3 is not None:
+                _start_batches(app, settings, r, tok)
+                stack.push_async_callback(app.state.batch_runner.close)  # (first to close: its lines use the rest)
             yield
 
     app = FastAPI(
@@ -143,10 +154,51 @@ def create_app(
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware)  # outermost: also counts the 500s of the error middleware
-    routers = (completions, chat, responses, conversations, tokenize, models, adapters, token_usage, health, metrics)
+    routers = (
+        completions,
+        chat,
+        responses,
+        conversations,
+        files,
+        batches,
+        tokenize,
+        models,
+        adapters,
+        token_usage,
+        health,
+        metrics,
+    )
     for module in routers:
         app.include_router(module.router)
     return app
+
+
+def _start_batches(app: FastAPI, settings: GatewaySettings, redis: aioredis.Redis, tokenizer: PromptTokenizer) -> None:
+    """The Files API's store and the batch runner, on the settings' S3 bucket (nothing is sent to S3 yet)."""
+    assert settings.s3 is not None
+    objects = ObjectStore(settings.s3)
+    files = FileStore(redis, objects, timeout_s=settings.redis_timeout_s, max_per_tenant=settings.files_max_per_tenant)
+    store = BatchStore(redis, timeout_s=settings.redis_timeout_s, keep_s=settings.batches_keep_s)
+    answerer = LineAnswerer(
+        generation=app.state.generation,
+        tokenizer=tokenizer,
+        response_store=app.state.response_store,
+        background_runs=app.state.background_runs,
+        conversation_store=app.state.conversation_store,
+    )
+    runner = BatchRunner(
+        store,
+        files,
+        objects,
+        answerer,
+        max_running=settings.batches_max_running,
+        line_concurrency=settings.batches_line_concurrency,
+        lease_s=settings.batches_lease_s,
+        poll_s=settings.batches_poll_s,
+        max_requests=settings.batches_max_requests,
+    )
+    app.state.file_store, app.state.batch_store, app.state.batch_runner = files, store, runner
+    runner.start()
 
 
 def _load_tokenizer(settings: GatewaySettings) -> PromptTokenizer:

@@ -27,6 +27,7 @@ class Caller:
 
     tenant: str
     key_id: str
+    offline: bool = False  # a batch's line (sent by the batch for its creator): no per-minute buckets are taken
 
 
 class KeyAuthenticator:

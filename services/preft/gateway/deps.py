@@ -17,8 +17,10 @@ from pydantic import BaseModel, ValidationError
 from preft.common.errors import InvalidArgument
 from preft.gateway.auth import Caller, KeyAuthenticator
 from preft.gateway.background import BackgroundRuns
+from preft.gateway.batch_store import BatchStore
 from preft.gateway.conversation_store import ConversationStore
 from preft.gateway.errors import PayloadTooLarge, validation_message
+from preft.gateway.files import FileStore
 from preft.gateway.generation import GenerationService
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.resolution import AdapterResolver
@@ -63,6 +65,22 @@ async def get_conversation_store(request: Request) -> ConversationStore:
     return request.app.state.conversation_store
 
 
+def files_on(request: Request) -> None:
+    """400 where the server has no bucket for files (and so runs no batches)."""
+    if request.app.state.file_store is None:
+        raise InvalidArgument("this server does not store files (no S3 bucket is configured for the gateway)")
+
+
+async def get_file_store(request: Request) -> FileStore:
+    files_on(request)
+    return request.app.state.file_store
+
+
+async def get_batch_store(request: Request) -> BatchStore:
+    files_on(request)
+    return request.app.state.batch_store
+
+
 async def get_redis(request: Request) -> aioredis.Redis:
     return request.app.state.redis
 
@@ -88,12 +106,18 @@ def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
             parts.append(part)
         if not size:
             raise InvalidArgument("the request has no body; send a JSON object")
-        try:
-            return model.model_validate_json(b"".join(parts))
-        except ValidationError as e:
-            raise InvalidArgument(validation_message(e.errors(include_input=False))) from None
+        return parsed_body(model, b"".join(parts))
 
     return read
+
+
+def parsed_body(model: type[M], data: bytes | str) -> M:
+    """A JSON body validated as `model` (else 400 naming the fields): as json_body reads a request's, and a batch a
+    line's."""
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as e:
+        raise InvalidArgument(validation_message(e.errors(include_input=False))) from None
 
 
 @dataclass
@@ -125,4 +149,6 @@ BackgroundRunsDep = Annotated[BackgroundRuns, Depends(get_background_runs)]
 ConversationStoreDep = Annotated[ConversationStore, Depends(get_conversation_store)]
 ResponsesBodyDep = Annotated[ResponsesBody, Depends(json_body(ResponsesBody))]
 ItemPagingDep = Annotated[ItemPaging, Depends()]
+FileStoreDep = Annotated[FileStore, Depends(get_file_store)]
+BatchStoreDep = Annotated[BatchStore, Depends(get_batch_store)]
 IncludeChecked = Depends(check_included)

@@ -131,7 +131,10 @@ class GenerationService:
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         reserved = sum(len(prompt) + n * budget for prompt, budget in zip(prompts, budgets, strict=True))
-        admission = await self.limiter.admit(caller.tenant, reserved)
+        if caller.offline:  # (a batch's line: offline work takes from no per-minute bucket)
+            admission = await self.limiter.admit_offline(caller.tenant)
+        else:
+            admission = await self.limiter.admit(caller.tenant, reserved)
         try:
             resolution = await self.resolver.resolve(caller.tenant, body.model, body.preft_mode)
         except BaseException:
@@ -225,7 +228,8 @@ class GenerationService:
             return
         job.finished = True
         IN_FLIGHT.dec()
-        self._refund(job.admission.tenant, job.reserved_generation - job.generated_tokens)
+        if job.admission.tokens_reserved:  # (offline work reserved nothing)
+            self._refund(job.admission.tenant, job.reserved_generation - job.generated_tokens)
         if job.answered and self.meter is not None:
             adapter = job.resolution.adapter
             model = adapter.ref if adapter is not None else self.settings.served_model_name

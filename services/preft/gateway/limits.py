@@ -9,6 +9,9 @@ A tenant whose hash sets `tokens_per_month` (the registry's limit; absent or 0: 
 ends or the quota is raised. The counter follows the meter, a second or so behind, and a request admitted below the
 quota is answered whole: a tenant may go over by what its last requests use.
 
+Offline work (a batch's lines, ``batches``) takes from neither bucket: a batch is not interactive traffic. Only the
+monthly quota, and the tenant's existence and state, apply to it (`admit_offline`).
+
 Token charging: a request reserves `prompt_tokens + max_tokens` when it is admitted (as OpenAI counts
 max_tokens against TPM), and the unused part (max_tokens - generated tokens, or everything when the request
 never reached the engine) is given back after it finishes. So concurrent long generations cannot overdraw the
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from preft.common import metering
-from preft.common.errors import Unavailable
+from preft.common.errors import PermissionDenied, PreftError, Unavailable
 from preft.gateway.errors import InvalidApiKey, QuotaExceeded, RateLimited
 from preft.gateway.redis_client import guarded
 
@@ -64,6 +67,17 @@ redis.call('PEXPIRE', KEYS[2], 60000)
 return {'ok', tostring(math.floor(req)), tostring(math.floor(tok)), tostring(rpm), tostring(tpm)}
 """
 
+# KEYS as TAKE_LUA's: admission of offline work (a batch's line), which takes from no bucket; only a tenant that is
+# gone or disabled, or whose monthly quota is used, is refused.
+OFFLINE_LUA = """
+local lim = redis.call('HMGET', KEYS[1], 'requests_per_min', 'tokens_per_month', 'disabled')
+if not lim[1] then return {'no_tenant'} end
+if lim[3] == '1' then return {'disabled'} end
+local quota = tonumber(lim[2]) or 0
+if quota > 0 and (tonumber(redis.call('GET', KEYS[3])) or 0) >= quota then return {'quota', tostring(quota)} end
+return {'ok'}
+"""
+
 # KEYS as above; ARGV[1] = tokens to give back (never above the bucket's size).
 REFUND_LUA = """
 local tpm = tonumber(redis.call('HGET', KEYS[1], 'tokens_per_min'))
@@ -99,6 +113,7 @@ class RateLimiter:
 
     def __init__(self, redis: aioredis.Redis, *, redis_timeout_s: float) -> None:
         self._take = redis.register_script(TAKE_LUA)
+        self._offline = redis.register_script(OFFLINE_LUA)
         self._refund = redis.register_script(REFUND_LUA)
         self._timeout_s = redis_timeout_s
 
@@ -107,25 +122,39 @@ class RateLimiter:
         res = await guarded(self._take(keys=_keys(tenant), args=[tokens]), self._timeout_s)
         if res[0] == "ok":
             return Admission(tenant, tokens, int(res[3]), int(res[1]), int(res[4]), int(res[2]))
+        raise self._refusal(tenant, tokens, res)
+
+    async def admit_offline(self, tenant: str) -> Admission:
+        """Admit offline work (a batch's line): it reserves nothing and takes from no bucket, but is refused as any
+        request once the tenant's monthly quota is used (QuotaExceeded), or where the tenant is gone or disabled."""
+        res = await guarded(self._offline(keys=_keys(tenant)), self._timeout_s)
+        if res[0] == "ok":
+            return Admission(tenant, 0, 0, 0, 0, 0)
+        if res[0] == "disabled":
+            raise PermissionDenied(f"tenant {tenant!r} is disabled")
+        raise self._refusal(tenant, 0, res)
+
+    def _refusal(self, tenant: str, tokens: int, res: list[str]) -> PreftError:
+        """Why the admission script refused."""
         if res[0] == "limited":
             wait_s = float(res[1]) / 1000
-            raise RateLimited(
+            return RateLimited(
                 f"Rate limit reached for {res[2]} per minute (tenant {tenant!r}); retry in {wait_s:.1f} s.",
                 retry_after_s=wait_s,
             )
         if res[0] == "quota":
             month = metering.day_of(time.time())
-            raise QuotaExceeded(
+            return QuotaExceeded(
                 f"Tenant {tenant!r} has used its {int(res[1]):,} tokens for {month:%Y-%m} (UTC); the quota renews at "
                 "the start of next month, or when it is raised."
             )
         if res[0] == "too_large":
-            raise RateLimited(
+            return RateLimited(
                 f"This request needs {tokens} tokens (prompt + max_tokens), more than the tenant's limit of "
                 f"{res[1]} tokens per minute; lower max_tokens or shorten the prompt.",
                 retry_after_s=None,
             )
-        raise InvalidApiKey(f"tenant {tenant!r} no longer exists")
+        return InvalidApiKey(f"tenant {tenant!r} no longer exists")
 
     async def refund(self, tenant: str, tokens: int) -> None:
         """Give back reserved tokens that were not used; best effort (a failure only makes the bucket stricter)."""

@@ -1,7 +1,8 @@
 """Typed settings of the gateway, read from `PREFT_GATEWAY__*` environment variables (`__` separates nesting).
 
 Example: `PREFT_GATEWAY__REDIS__URL=redis://10.0.0.5:6379/0`, `PREFT_GATEWAY__REGISTRY_TOKEN=...`,
-`PREFT_GATEWAY__ENGINE_URL=http://ray-head:8000`, `PREFT_GATEWAY__MODEL_DIR=/models/llama-3-8b`.
+`PREFT_GATEWAY__ENGINE_URL=http://ray-head:8000`, `PREFT_GATEWAY__MODEL_DIR=/models/llama-3-8b`,
+`PREFT_GATEWAY__S3__BUCKET=preft-adapters` (with the other `S3__*` fields: the Files and Batch APIs are on).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from preft.common.settings import DEV_TOKEN, RedisSettings
+from preft.common.settings import DEV_TOKEN, RedisSettings, S3Settings
 from preft.gateway.reasoning import ReasoningFormat
 from preft.gateway.tools import ToolCallFormat
 
@@ -103,13 +104,47 @@ class GatewaySettings(BaseSettings):
     metering_max_pending: int = Field(
         100_000,
         ge=1,
-        description="Token usage entries (tenant, day, model) held while Redis is unreachable; past it, dropped",
+        description="Token usage entries (tenant, hour, model) held while Redis is unreachable; past it, dropped",
     )
+    s3: S3Settings | None = Field(
+        None,
+        description="The bucket holding the Files API's files (under files/) and the batches' inputs (under "
+        "batches/); unset: /v1/files and /v1/batches answer 400",
+    )
+    files_max_bytes: int = Field(
+        200 * 1024 * 1024, ge=1024, description="Largest file upload through POST /v1/files (larger: 413)"
+    )
+    files_max_per_tenant: int = Field(
+        10_000, ge=1, description="Files one tenant holds at once (another upload: 429; batch outputs may pass it)"
+    )
+    batches_max_requests: int = Field(
+        50_000, ge=1, description="Requests one batch input file holds at most (more: 400 at upload)"
+    )
+    batches_max_running: int = Field(
+        4, ge=0, description="Batches one gateway replica runs at once (others wait for a replica with room)"
+    )
+    batches_line_concurrency: int = Field(
+        8, ge=1, description="Requests of one batch answered at once (batches take no per-minute rate limits)"
+    )
+    batches_completion_window_s: float = Field(
+        86_400.0,
+        gt=0,
+        description="How long a batch has (OpenAI's completion_window 24h); requests not answered by then expire",
+    )
+    batches_lease_s: float = Field(
+        30.0, gt=0, description="A batch's lease: another replica takes it on this long after its replica stopped"
+    )
+    batches_poll_s: float = Field(
+        1.0, gt=0, description="How often a replica renews its batches' leases, sees cancels and looks for batches"
+    )
+    batches_keep_s: float = Field(30 * 86_400.0, gt=0, description="How long a batch is kept after it ended")
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:
         if self.environment != "dev" and self.registry_token.get_secret_value() == DEV_TOKEN:
             raise ValueError("set PREFT_GATEWAY__REGISTRY_TOKEN: the placeholder token is only allowed in dev")
+        if self.batches_poll_s * 2 >= self.batches_lease_s:
+            raise ValueError("batches_poll_s must be under half of batches_lease_s (a lease is renewed every poll)")
         if self.max_prompt_tokens >= self.max_model_len:
             raise ValueError("max_prompt_tokens must be below max_model_len (one token is left to generate)")
         return self

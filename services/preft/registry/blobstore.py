@@ -15,36 +15,23 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-import boto3
 import botocore.exceptions
-from botocore.config import Config
 
+from preft.common import s3
 from preft.common.errors import InvalidArgument, NotFound, Unavailable
+from preft.common.s3 import s3_errors
 from preft.common.settings import S3Settings
+
+__all__ = ["PREFIX", "BlobStore", "PendingUpload", "StoredBlob", "check_digest", "s3_errors"]
 
 PREFIX = "blobs/sha256/"
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-_OUTAGE = (
-    botocore.exceptions.EndpointConnectionError,
-    botocore.exceptions.ConnectTimeoutError,
-    botocore.exceptions.ReadTimeoutError,
-    botocore.exceptions.ConnectionClosedError,
-)
 
 
 def check_digest(digest: str) -> str:
     if not isinstance(digest, str) or not SHA256_HEX.match(digest):
         raise InvalidArgument(f"{digest!r} is not a lower-case hex sha256 digest")
     return digest
-
-
-@contextlib.contextmanager
-def s3_errors() -> Iterator[None]:
-    """Turn an unreachable S3 into Unavailable."""
-    try:
-        yield
-    except _OUTAGE as e:
-        raise Unavailable(f"blob store (S3) unavailable: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -71,19 +58,7 @@ class BlobStore:
     def __init__(self, settings: S3Settings, *, client: object | None = None) -> None:
         self.bucket = settings.bucket
         self.part_bytes = settings.multipart_part_bytes
-        self.s3 = client or boto3.client(
-            "s3",
-            endpoint_url=settings.endpoint_url,
-            region_name=settings.region,
-            aws_access_key_id=settings.access_key,
-            aws_secret_access_key=settings.secret_key.get_secret_value() if settings.secret_key else None,
-            config=Config(
-                connect_timeout=settings.connect_timeout_s,
-                read_timeout=settings.read_timeout_s,
-                retries={"max_attempts": 2, "mode": "standard"},
-                s3={"addressing_style": "path"},
-            ),
-        )
+        self.s3 = client or s3.connect(settings)
 
     @staticmethod
     def key(digest: str) -> str:

@@ -309,6 +309,7 @@ class LocalStack:
             "PREFT_GATEWAY__MAX_MODEL_LEN": "2048",
             "PREFT_GATEWAY__MAX_PROMPT_TOKENS": "1536",
             "PREFT_GATEWAY__RESPONSES_STORE_TTL_S": "3600",  # (this machine's own data: keep responses an hour)
+            **self._s3_env("PREFT_GATEWAY__"),  # (the Files and Batch APIs: files/ and batches/ beside the blobs)
         }
         self.gateway.spawn([sys.executable, "-m", "preft.gateway"], cwd=self.state_dir, env=env)
         wait_until(

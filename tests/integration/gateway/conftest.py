@@ -177,7 +177,9 @@ def make_gateway(redis_url, registry, engine, tokenizer, tiny_models) -> Iterato
     started: list[Gateway] = []
 
     def make(*, inject_tokenizer: bool = True, **overrides: Any) -> Gateway:
-        overrides = {"engine_url": engine.url, **overrides}
+        # (Redis's deadline 2 s, not 0.5: on this 2-core machine a loaded run has stalled one admission past 0.5 s;
+        # the faults tests start their own gateways at the default)
+        overrides = {"engine_url": engine.url, "redis_timeout_s": 2.0, **overrides}
         gateway = start_gateway(
             redis_url=redis_url,
             registry_address=registry.address,

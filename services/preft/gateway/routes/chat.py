@@ -177,15 +177,22 @@ async def start_chat(
 async def create_chat_completion(
     request: Request, caller: CallerDep, body: ChatBodyDep, generation: GenerationDep, tokenizer: TokenizerDep
 ) -> Response:
+    return await chat_completion(caller, body, generation, tokenizer, started_s=started_s(request))
+
+
+async def chat_completion(
+    caller: Caller, body: ChatBody, generation: GenerationService, tokenizer: PromptTokenizer, *, started_s: float
+) -> Response:
+    """A chat completion, whole or streamed: the answer of POST /v1/chat/completions (and of a batch's line)."""
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     job, plan, thinking = await start_chat(caller, body, generation, tokenizer, request_id)
     call_format = generation.settings.tool_call_format
     headers = {"x-request-id": request_id, **job.admission.headers()}
     if body.stream:
-        streams = await generation.open_streams(job, started_s=started_s(request))
+        streams = await generation.open_streams(job, started_s=started_s)
         render = ChatChunks(request_id, body.model, body.include_usage, plan, call_format, thinking)
         return stream_response(generation, job, streams, render, include_usage=body.include_usage, headers=headers)
-    outs = await generation.complete(job, started_s=started_s(request))
+    outs = await generation.complete(job, started_s=started_s)
     choices = []
     for i, out in enumerate(outs):
         message, finish = _message(out, plan, call_format, thinking)

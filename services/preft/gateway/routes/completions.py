@@ -11,10 +11,12 @@ from starlette.responses import JSONResponse, Response
 
 from preft.common.errors import InvalidArgument
 from preft.engine.contract import EngineChunk, EngineResponse, Usage
+from preft.gateway.auth import Caller
 from preft.gateway.deps import CallerDep, CompletionBodyDep, GenerationDep, TokenizerDep
-from preft.gateway.generation import total_usage
+from preft.gateway.generation import GenerationService, total_usage
 from preft.gateway.logprobs import Echo, completion_logprobs
 from preft.gateway.observability import started_s
+from preft.gateway.schemas import CompletionBody
 from preft.gateway.sse import stream_response, usage_dict
 from preft.gateway.tokenization import PromptTokenizer
 
@@ -99,6 +101,13 @@ def _logprobs(out: EngineResponse, echo: Echo | None) -> dict[str, Any] | None:
 async def create_completion(
     request: Request, caller: CallerDep, body: CompletionBodyDep, generation: GenerationDep, tokenizer: TokenizerDep
 ) -> Response:
+    return await completion(caller, body, generation, tokenizer, started_s=started_s(request))
+
+
+async def completion(
+    caller: Caller, body: CompletionBody, generation: GenerationService, tokenizer: PromptTokenizer, *, started_s: float
+) -> Response:
+    """A text completion, whole or streamed: the answer of POST /v1/completions (and of a batch's line)."""
     body.refuse_unsupported()
     prompts = body.prompts()
     whole = [await _token_ids(prompt, tokenizer) for prompt in prompts]
@@ -114,10 +123,10 @@ async def create_completion(
     headers = {"x-request-id": request_id, **job.admission.headers()}
     n = body.n or 1
     if body.stream:
-        streams = await generation.open_streams(job, started_s=started_s(request))
+        streams = await generation.open_streams(job, started_s=started_s)
         render = CompletionChunks(request_id, body.model, body.include_usage, echoes, n)
         return stream_response(generation, job, streams, render, include_usage=body.include_usage, headers=headers)
-    samples = await generation.complete(job, started_s=started_s(request))
+    samples = await generation.complete(job, started_s=started_s)
     choices = []
     for i, echo in enumerate(echoes):  # each prompt's n choices in turn
         prompt_samples = samples[i * job.samples : (i + 1) * job.samples]

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
 from preft.common.errors import InvalidArgument, NotFound, Unavailable
+from preft.gateway.auth import Caller
 from preft.gateway.background import IN_PROGRESS, BackgroundRuns, Run, current, replay
 from preft.gateway.conversation_store import Conversation, ConversationStore, item_json
 from preft.gateway.deps import (
@@ -31,11 +32,13 @@ from preft.gateway.deps import (
     TokenizerDep,
 )
 from preft.gateway.errors import validation_message
+from preft.gateway.generation import GenerationService
 from preft.gateway.observability import started_s
 from preft.gateway.response_store import ResponseStore, StoredResponse
 from preft.gateway.responses import (
     ANSWERED,
     ResponseEvents,
+    ResponsesBody,
     ResponseShape,
     conversation,
     in_responses_terms,
@@ -46,6 +49,7 @@ from preft.gateway.responses import (
 from preft.gateway.routes.chat import start_chat
 from preft.gateway.schemas import ChatBody
 from preft.gateway.sse import EventStreamResponse, as_sse, rendered, stream_response
+from preft.gateway.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["responses"])
@@ -62,6 +66,22 @@ async def create_response(
     runs: BackgroundRunsDep,
     conversations: ConversationStoreDep,
 ) -> Response:
+    return await respond(caller, body, generation, tokenizer, store, runs, conversations, started_s=started_s(request))
+
+
+async def respond(
+    caller: Caller,
+    body: ResponsesBody,
+    generation: GenerationService,
+    tokenizer: PromptTokenizer,
+    store: ResponseStore,
+    runs: BackgroundRuns,
+    conversations: ConversationStore,
+    *,
+    started_s: float,
+) -> Response:
+    """A response, whole, streamed or in the background: the answer of POST /v1/responses (and of a batch's
+    line)."""
     body.refuse_unsupported()
     keep = store.enabled and body.store is not False
     if body.background and not keep:
@@ -95,7 +115,7 @@ async def create_response(
     if body.background:
 
         async def answer() -> AsyncIterator[dict[str, Any]]:
-            streams = await generation.open_streams(job, started_s=started_s(request))
+            streams = await generation.open_streams(job, started_s=started_s)
             return rendered(generation, job, streams, render, include_usage=True)
 
         queued = {**shape.response([], None, None), "status": "queued"}
@@ -122,7 +142,7 @@ async def create_response(
             await extend(response)
 
     if body.stream:
-        streams = await generation.open_streams(job, started_s=started_s(request))
+        streams = await generation.open_streams(job, started_s=started_s)
         return stream_response(
             generation,
             job,
@@ -133,7 +153,7 @@ async def create_response(
             done=False,
             on_final=lambda event: ended(event["response"]),
         )
-    (out,) = await generation.complete(job, started_s=started_s(request))
+    (out,) = await generation.complete(job, started_s=started_s)
     thought = 0 if thinking is None else thinking.tokens(out.text, out.token_ids, tokenizer.decode)
     answer = shape.response(output_items(out, plan, call_format, thinking), out.finish_reason, out.usage, thought)
     await ended(answer)

@@ -1,0 +1,381 @@
+"""Batches (OpenAI's Batch API) as Redis holds them: their state, their answered lines, and who runs them.
+
+Keys, per batch: `preft:batch:<tenant>:<id>` (a hash: `spec`, the JSON of what was asked; `status` and its
+timestamps; the request counts and tokens; the output and error file ids; a failed batch's `errors`),
+`preft:batch-results:<tenant>:<id>` (a hash: each answered line's request index → what goes in the output or the
+error file) and `preft:batch-lease:<tenant>:<id>` (the runner's lease: its replica's token, expiring unless
+renewed). Per tenant, `preft:batches:<tenant>` (its batches by creation, for listing); for all,
+`preft:batches-open` (`<tenant>:<id>` of each batch not ended yet, oldest first: what replicas look for work in).
+
+Every write a runner makes checks its lease in the same script (a fence): a replica that lost its lease (stopped
+for longer than it, say) writes nothing more. A line's result is written once (HSETNX), its counts with it, so a
+line answered twice counts once. A batch that ends forgets its results and lease, leaves the open set, and is kept
+`keep_s` more.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from preft.common.errors import InvalidArgument, NotFound
+from preft.gateway.redis_client import guarded
+
+BATCH_ID = re.compile(r"^batch_[0-9a-f]{32}$")
+OPEN_KEY = "preft:batches-open"
+STATUSES_OPEN = ("validating", "in_progress", "finalizing", "cancelling")
+TIMESTAMPS = (
+    "in_progress_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
+RESULTS_READ = 1000  # results read at a time
+
+# KEYS[1] = the batch; ARGV[1] = now (s). The status it then has (cancelling where it was asked in time), or nil.
+_CANCEL = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+if status == 'validating' or status == 'in_progress' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[1])
+  return 'cancelling'
+end
+return status
+"""
+# KEYS[1] = the lease, KEYS[2] = the batch; ARGV[1] = the runner's token, ARGV[2] = the lease (ms). The batch's
+# status, or nil where the lease is not this runner's.
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return redis.call('HGET', KEYS[2], 'status') or 'gone'
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+# KEYS[1] = the lease, KEYS[2] = the batch, KEYS[3] = its results; ARGV[1] = the runner's token, ARGV[2] = the
+# line's request index, ARGV[3] = its result, ARGV[4] = the count it adds to (completed or failed), ARGV[5] and
+# ARGV[6] = its input and output tokens. 1: recorded; 0: recorded before; -1: the lease is not this runner's.
+_RECORD = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('HSETNX', KEYS[3], ARGV[2], ARGV[3]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[2], ARGV[4], 1)
+redis.call('HINCRBY', KEYS[2], 'input_tokens', ARGV[5])
+redis.call('HINCRBY', KEYS[2], 'output_tokens', ARGV[6])
+return 1
+"""
+# KEYS[1] = the lease, KEYS[2] = the batch, KEYS[3] = its results, KEYS[4] = the open set; ARGV[1] = the runner's
+# token, ARGV[2] = the statuses it may move from (space-separated), ARGV[3] = the new status, ARGV[4] = "1" where
+# the batch ends with it, ARGV[5] = how long an ended batch is kept (ms), ARGV[6] = its member in the open set, then
+# field and value pairs to set. {1}: moved; {0, status}: its status was another; {-1}: the lease is not the runner's.
+_MOVE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {-1} end
+local status = redis.call('HGET', KEYS[2], 'status')
+local allowed = false
+for s in string.gmatch(ARGV[2], '%S+') do
+  if s == status then allowed = true end
+end
+if not allowed then return {0, status or 'gone'} end
+redis.call('HSET', KEYS[2], 'status', ARGV[3])
+for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+if ARGV[4] == '1' then
+  redis.call('DEL', KEYS[1], KEYS[3])
+  redis.call('ZREM', KEYS[4], ARGV[6])
+  redis.call('PEXPIRE', KEYS[2], ARGV[5])
+end
+return {1}
+"""
+
+
+class LeaseLost(Exception):
+    """This runner's lease on a batch is gone (another replica may run it now): it must write nothing more."""
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """A batch as stored: what was asked (`spec`) and how it stands (the hash's other fields)."""
+
+    tenant: str
+    spec: dict[str, Any]
+    fields: dict[str, str]
+
+    @property
+    def id(self) -> str:
+        return self.spec["id"]
+
+    @property
+    def status(self) -> str:
+        return self.fields["status"]
+
+    @property
+    def endpoint(self) -> str:
+        return self.spec["endpoint"]
+
+    @property
+    def expires_at(self) -> int:
+        return self.spec["expires_at"]
+
+    def count(self, name: str) -> int:
+        return int(self.fields.get(name) or 0)
+
+    def as_object(self) -> dict[str, Any]:
+        """OpenAI's batch object."""
+        f, spec = self.fields, self.spec
+        input_tokens, output_tokens = self.count("input_tokens"), self.count("output_tokens")
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "errors": {"object": "list", "data": json.loads(f["errors"])} if f.get("errors") else None,
+            "input_file_id": spec["input_file_id"],
+            "completion_window": spec["completion_window"],
+            "status": self.status,
+            "output_file_id": f.get("output_file_id") or None,
+            "error_file_id": f.get("error_file_id") or None,
+            "created_at": spec["created_at"],
+            "expires_at": spec["expires_at"],
+            **{name: int(f[name]) if f.get(name) else None for name in TIMESTAMPS},
+            "request_counts": {
+                "total": self.count("total"),
+                "completed": self.count("completed"),
+                "failed": self.count("failed"),
+            },
+            "usage": {
+                "input_tokens": input_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": input_tokens + output_tokens,
+            },
+            "metadata": spec.get("metadata") or None,
+            "model": None,
+        }
+
+
+@dataclass(frozen=True)
+class BatchPage:
+    batches: list[BatchRecord]
+    has_more: bool
+
+
+def member(tenant: str, batch_id: str) -> str:
+    """A batch's entry in the open set."""
+    return f"{tenant}:{batch_id}"
+
+
+def split_member(entry: str) -> tuple[str, str]:
+    tenant, _, batch_id = entry.rpartition(":")
+    return tenant, batch_id
+
+
+class BatchStore:
+    """Owns the batches' Redis keys; reading or cancelling another tenant's batch is a NotFound."""
+
+    def __init__(self, redis: aioredis.Redis, *, timeout_s: float, keep_s: float) -> None:
+        self._redis = redis
+        self._timeout_s = timeout_s
+        self.keep_s = keep_s
+        self._cancel = redis.register_script(_CANCEL)
+        self._renew = redis.register_script(_RENEW)
+        self._release = redis.register_script(_RELEASE)
+        self._record = redis.register_script(_RECORD)
+        self._move = redis.register_script(_MOVE)
+
+    @staticmethod
+    def _key(tenant: str, batch_id: str) -> str:
+        return f"preft:batch:{tenant}:{batch_id}"
+
+    @staticmethod
+    def _results_key(tenant: str, batch_id: str) -> str:
+        return f"preft:batch-results:{tenant}:{batch_id}"
+
+    @staticmethod
+    def _lease_key(tenant: str, batch_id: str) -> str:
+        return f"preft:batch-lease:{tenant}:{batch_id}"
+
+    @staticmethod
+    def _index(tenant: str) -> str:
+        return f"preft:batches:{tenant}"
+
+    @staticmethod
+    def _missing(batch_id: str) -> NotFound:
+        return NotFound(f"No such Batch object: {batch_id}")
+
+    async def _guarded(self, operation: Any) -> Any:
+        return await guarded(operation, self._timeout_s)
+
+    # -- what the routes do ---------------------------------------------------------------------------------------
+
+    async def create(self, tenant: str, spec: dict[str, Any]) -> BatchRecord:
+        """Store a new batch, validating, and make it open (for a runner to take)."""
+        fields = {"spec": json.dumps(spec, separators=(",", ":")), "status": "validating"}
+        created_ms = int(time.time() * 1000)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(self._key(tenant, spec["id"]), mapping=fields)
+        pipe.zadd(self._index(tenant), {spec["id"]: created_ms})
+        pipe.zadd(OPEN_KEY, {member(tenant, spec["id"]): created_ms})
+        await self._guarded(pipe.execute())
+        return BatchRecord(tenant, spec, fields)
+
+    async def get(self, tenant: str, batch_id: str) -> BatchRecord:
+        if not BATCH_ID.match(batch_id):
+            raise self._missing(batch_id)
+        fields = await self._guarded(self._redis.hgetall(self._key(tenant, batch_id)))
+        if not fields:
+            raise self._missing(batch_id)
+        return BatchRecord(tenant, json.loads(fields["spec"]), fields)
+
+    async def find(self, tenant: str, batch_id: str) -> BatchRecord | None:
+        try:
+            return await self.get(tenant, batch_id)
+        except NotFound:
+            return None
+
+    async def cancel(self, tenant: str, batch_id: str) -> None:
+        """Ask for the batch to be cancelled (where it still runs); NotFound where there is no such batch."""
+        if not BATCH_ID.match(batch_id):
+            raise self._missing(batch_id)
+        status = await self._guarded(self._cancel(keys=[self._key(tenant, batch_id)], args=[int(time.time())]))
+        if status is None:
+            raise self._missing(batch_id)
+
+    async def page(self, tenant: str, *, after: str | None, limit: int) -> BatchPage:
+        """Up to `limit` of the tenant's batches, newest first, after the batch `after`."""
+        index = self._index(tenant)
+        start = 0
+        if after is not None:
+            at = await self._guarded(self._redis.zrevrank(index, after))
+            if at is None:
+                raise InvalidArgument(f"after: {after!r} is not one of your batches")
+            start = at + 1
+        ids = await self._guarded(self._redis.zrange(index, start, start + limit, desc=True))
+        pipe = self._redis.pipeline(transaction=False)
+        for batch_id in ids:
+            pipe.hgetall(self._key(tenant, batch_id))
+        found, stale = [], []
+        for batch_id, fields in zip(ids, await self._guarded(pipe.execute()) if ids else [], strict=True):
+            if fields:
+                found.append(BatchRecord(tenant, json.loads(fields["spec"]), fields))
+            else:  # (an ended batch kept its time and went; its index entry goes now)
+                stale.append(batch_id)
+        if stale:
+            await self._guarded(self._redis.zrem(index, *stale))
+        return BatchPage(found[:limit], len(ids) > limit)
+
+    # -- what runners do ------------------------------------------------------------------------------------------
+
+    async def open_batches(self, count: int) -> list[tuple[str, str]]:
+        """(tenant, batch id) of up to `count` batches not ended yet, oldest first."""
+        entries = await self._guarded(self._redis.zrange(OPEN_KEY, 0, count - 1))
+        return [split_member(e) for e in entries]
+
+    async def forget_open(self, tenant: str, batch_id: str) -> None:
+        """Take a batch whose record is gone out of the open set."""
+        await self._guarded(self._redis.zrem(OPEN_KEY, member(tenant, batch_id)))
+
+    async def held(self, batches: list[tuple[str, str]]) -> list[bool]:
+        """Whether some runner holds each batch's lease."""
+        pipe = self._redis.pipeline(transaction=False)
+        for tenant, batch_id in batches:
+            pipe.exists(self._lease_key(tenant, batch_id))
+        return [bool(n) for n in await self._guarded(pipe.execute())] if batches else []
+
+    async def claim(self, tenant: str, batch_id: str, token: str, lease_s: float) -> bool:
+        """Take the batch's lease where no runner holds it."""
+        key = self._lease_key(tenant, batch_id)
+        return bool(await self._guarded(self._redis.set(key, token, nx=True, px=int(lease_s * 1000))))
+
+    async def renew(self, batches: list[tuple[str, str]], token: str, lease_s: float) -> list[str | None]:
+        """Renew this runner's leases; each batch's status (`gone` where its record went), or None where the lease
+        is not this runner's any more."""
+        pipe = self._redis.pipeline(transaction=False)
+        for tenant, batch_id in batches:
+            keys = [self._lease_key(tenant, batch_id), self._key(tenant, batch_id)]
+            await self._renew(keys=keys, args=[token, int(lease_s * 1000)], client=pipe)  # (queued)
+        return await self._guarded(pipe.execute())
+
+    async def release(self, tenant: str, batch_id: str, token: str) -> None:
+        """Let go of the lease (where it is this runner's): another replica may take the batch at once."""
+        await self._guarded(self._release(keys=[self._lease_key(tenant, batch_id)], args=[token]))
+
+    async def done_lines(self, tenant: str, batch_id: str) -> set[int]:
+        """The request indexes whose result is recorded."""
+        return {int(i) for i in await self._guarded(self._redis.hkeys(self._results_key(tenant, batch_id)))}
+
+    async def record(self, batch: BatchRecord, token: str, results: Iterable[LineRecord]) -> None:
+        """Record answered lines (each once); LeaseLost where the lease is no longer this runner's."""
+        pipe = self._redis.pipeline(transaction=False)
+        keys = [
+            self._lease_key(batch.tenant, batch.id),
+            self._key(batch.tenant, batch.id),
+            self._results_key(batch.tenant, batch.id),
+        ]
+        any_result = False
+        for r in results:
+            any_result = True
+            result = json.dumps({"to": r.file, "line": r.line}, separators=(",", ":"))
+            args = [token, r.index, result, r.counts_as, r.input_tokens, r.output_tokens]
+            await self._record(keys=keys, args=args, client=pipe)  # (queued)
+        if any_result and -1 in await self._guarded(pipe.execute()):
+            raise LeaseLost(batch.id)
+
+    async def results(self, tenant: str, batch_id: str, total: int) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """The recorded results in request order, as (file, line), read a slice at a time."""
+        key = self._results_key(tenant, batch_id)
+        for first in range(0, total, RESULTS_READ):
+            fields = [str(i) for i in range(first, min(first + RESULTS_READ, total))]
+            for data in await self._guarded(self._redis.hmget(key, fields)):
+                if data is not None:
+                    result = json.loads(data)
+                    yield result["to"], result["line"]
+
+    async def move(
+        self,
+        batch: BatchRecord,
+        token: str,
+        *,
+        from_statuses: tuple[str, ...],
+        to: str,
+        ends: bool = False,
+        **fields: str | int,
+    ) -> str | None:
+        """Move the batch to status `to` (from one of `from_statuses`), setting `fields`; None where moved, else the
+        status it had instead. LeaseLost where the lease is no longer this runner's."""
+        keys = [
+            self._lease_key(batch.tenant, batch.id),
+            self._key(batch.tenant, batch.id),
+            self._results_key(batch.tenant, batch.id),
+            OPEN_KEY,
+        ]
+        args: list[str | int] = [token, " ".join(from_statuses), to, "1" if ends else "0", int(self.keep_s * 1000)]
+        args.append(member(batch.tenant, batch.id))
+        for name, value in fields.items():
+            args += [name, value]
+        reply = await self._guarded(self._move(keys=keys, args=args))
+        if reply[0] == -1:
+            raise LeaseLost(batch.id)
+        return None if reply[0] == 1 else reply[1]
+
+
+@dataclass(frozen=True)
+class LineRecord:
+    """One line's result as recorded: the output or error file's line, and what it adds to the counts."""
+
+    index: int
+    file: str  # "output" or "error"
+    line: dict[str, Any]
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def counts_as(self) -> str:
+        return "completed" if self.file == "output" else "failed"

@@ -1,0 +1,113 @@
+"""OpenAI's Batch API: a file of requests answered offline, within a completion window (``batches`` runs them).
+
+    POST /v1/batches               {"input_file_id", "endpoint", "completion_window": "24h", "metadata"}
+    GET  /v1/batches               after (a batch id), limit (1-100, default 20): newest first
+    GET  /v1/batches/{id}
+    POST /v1/batches/{id}/cancel   the batch, cancelling (cancelled once its runner stopped it)
+
+The endpoint is /v1/chat/completions, /v1/completions or /v1/responses; the input file must be one of the tenant's
+of purpose `batch`. Another tenant's batch (or file) answers 404, as one that does not exist.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import JSONResponse
+
+from preft.common.errors import InvalidArgument
+from preft.common.metrics import BATCHES_CREATED
+from preft.gateway.batches import BatchRunner
+from preft.gateway.deps import BatchStoreDep, CallerDep, FileStoreDep, SettingsDep, files_on, json_body
+from preft.gateway.responses import Metadata
+
+router = APIRouter(tags=["batches"])
+
+
+async def get_batch_runner(request: Request) -> BatchRunner:
+    files_on(request)
+    return request.app.state.batch_runner
+
+
+BatchRunnerDep = Annotated[BatchRunner, Depends(get_batch_runner)]
+
+
+class NewBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=128, description="A file of purpose batch")
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+    completion_window: Literal["24h"]
+    metadata: Metadata | None = None
+
+
+@router.post("/v1/batches")
+async def create_batch(
+    caller: CallerDep,
+    body: Annotated[NewBatch, Depends(json_body(NewBatch))],
+    files: FileStoreDep,
+    store: BatchStoreDep,
+    runner: BatchRunnerDep,
+    settings: SettingsDep,
+) -> JSONResponse:
+    input_file = await files.get(caller.tenant, body.input_file_id)
+    if input_file["purpose"] != "batch":
+        raise InvalidArgument(
+            f"input_file_id: {body.input_file_id} has purpose {input_file['purpose']!r}; upload the requests with "
+            "purpose batch"
+        )
+    now = time.time()
+    deadline_s = now + settings.batches_completion_window_s
+    spec = {
+        "id": f"batch_{uuid.uuid4().hex}",
+        "endpoint": body.endpoint,
+        "input_file_id": body.input_file_id,
+        "completion_window": body.completion_window,
+        "created_at": int(now),
+        "expires_at": int(deadline_s),
+        "deadline_s": deadline_s,
+        "metadata": body.metadata or {},
+        "key_id": caller.key_id,
+    }
+    batch = await store.create(caller.tenant, spec)
+    BATCHES_CREATED.inc()
+    runner.wake()
+    return JSONResponse(batch.as_object())
+
+
+@router.get("/v1/batches")
+async def list_batches(
+    caller: CallerDep,
+    store: BatchStoreDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> JSONResponse:
+    page = await store.page(caller.tenant, after=after, limit=limit)
+    data = [batch.as_object() for batch in page.batches]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": page.has_more,
+        }
+    )
+
+
+@router.get("/v1/batches/{batch_id}")
+async def retrieve_batch(batch_id: str, caller: CallerDep, store: BatchStoreDep) -> JSONResponse:
+    return JSONResponse((await store.get(caller.tenant, batch_id)).as_object())
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, caller: CallerDep, store: BatchStoreDep, runner: BatchRunnerDep) -> JSONResponse:
+    """Ask for the batch to stop (whichever replica runs it stops it within its poll); the batch as it then
+    stands: cancelling (an ended one, as it ended)."""
+    await store.cancel(caller.tenant, batch_id)
+    runner.wake()
+    return JSONResponse((await store.get(caller.tenant, batch_id)).as_object())

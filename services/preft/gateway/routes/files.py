@@ -1,0 +1,122 @@
+"""OpenAI's Files API: each tenant's own files (``files``), the inputs and outputs of its batches.
+
+    POST   /v1/files               multipart: file, purpose (batch or user_data)
+    GET    /v1/files               purpose, limit (1-10000), after (a file id), order (desc unless asc)
+    GET    /v1/files/{id}
+    GET    /v1/files/{id}/content  the file's bytes
+    DELETE /v1/files/{id}
+
+An upload is checked before anything is stored: its size (`files_max_bytes`: 413 past it; a Content-Length is
+required), its purpose, and for `batch` every line (a 400 naming the first bad one). Batches write their outputs as
+files of purpose `batch_output`. Another tenant's file answers 404, as one that does not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from starlette.datastructures import UploadFile
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from preft.common.errors import InvalidArgument
+from preft.gateway.batch_input import check_lines
+from preft.gateway.deps import CallerDep, FileStoreDep, SettingsDep
+from preft.gateway.errors import LengthRequired, PayloadTooLarge
+from preft.gateway.files import UPLOAD_PURPOSES
+
+router = APIRouter(tags=["files"])
+
+MULTIPART_OVERHEAD_BYTES = 64 * 1024  # what the form's other fields and boundaries may add to the file's bytes
+MAX_FILENAME_CHARS = 255
+MAX_LIST = 10_000
+
+
+def _file_part(form: Any) -> UploadFile:
+    parts = form.getlist("file")
+    if len(parts) != 1 or not isinstance(parts[0], UploadFile):
+        raise InvalidArgument("file: send one file, as the form's file part")
+    upload: UploadFile = parts[0]
+    name = upload.filename or ""
+    if not name or len(name) > MAX_FILENAME_CHARS or any(ord(c) < 32 for c in name):
+        raise InvalidArgument(f"file: the part needs a file name (1-{MAX_FILENAME_CHARS} printable characters)")
+    return upload
+
+
+def _purpose(form: Any) -> str:
+    purpose = form.get("purpose")
+    if not isinstance(purpose, str) or not purpose:
+        raise InvalidArgument("purpose: give the file's purpose (batch or user_data)")
+    if purpose not in UPLOAD_PURPOSES:
+        raise InvalidArgument(f"purpose: this server takes files for {' or '.join(UPLOAD_PURPOSES)}, not {purpose!r}")
+    return purpose
+
+
+@router.post("/v1/files")
+async def upload_file(request: Request, caller: CallerDep, files: FileStoreDep, settings: SettingsDep) -> JSONResponse:
+    limit = settings.files_max_bytes
+    declared = request.headers.get("content-length", "")
+    if not declared.isdigit():
+        raise LengthRequired("send the upload with a Content-Length header")
+    if int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
+        raise PayloadTooLarge(f"The file is larger than {limit} bytes.")
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise InvalidArgument("send the file as multipart/form-data: fields file and purpose")
+    async with request.form(max_files=1, max_fields=8) as form:
+        extra = sorted({k for k in form if k not in ("file", "purpose")})
+        if extra:  # (expires_after, ...: asked for, not done)
+            raise InvalidArgument(f"{extra[0]} is not supported by this server")
+        purpose, upload = _purpose(form), _file_part(form)
+        size = upload.size or 0
+        if size > limit:
+            raise PayloadTooLarge(f"The file is larger than {limit} bytes.")
+        if not size:
+            raise InvalidArgument("file: the file is empty")
+        source = upload.file
+        if purpose == "batch":
+            source.seek(0)
+            await asyncio.to_thread(check_lines, source, settings.batches_max_requests)
+        source.seek(0)
+        created = await files.create(caller.tenant, source, size=size, filename=upload.filename or "", purpose=purpose)
+    return JSONResponse(created)
+
+
+@router.get("/v1/files")
+async def list_files(
+    caller: CallerDep,
+    files: FileStoreDep,
+    purpose: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = MAX_LIST,
+    after: str | None = None,
+    order: Literal["asc", "desc"] = "desc",
+) -> JSONResponse:
+    page = await files.page(caller.tenant, purpose=purpose, after=after, limit=limit, order=order)
+    data = page.files
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": page.has_more,
+        }
+    )
+
+
+@router.get("/v1/files/{file_id}")
+async def retrieve_file(file_id: str, caller: CallerDep, files: FileStoreDep) -> JSONResponse:
+    return JSONResponse(await files.get(caller.tenant, file_id))
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(file_id: str, caller: CallerDep, files: FileStoreDep) -> Response:
+    obj, chunks = await files.content(caller.tenant, file_id)
+    headers = {"content-length": str(obj["bytes"])}
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str, caller: CallerDep, files: FileStoreDep) -> JSONResponse:
+    await files.delete(caller.tenant, file_id)
+    return JSONResponse({"id": file_id, "object": "file", "deleted": True})

@@ -23,7 +23,7 @@ from preft.common.errors import InvalidArgument
 from preft.common.metrics import BATCHES_CREATED
 from preft.gateway.batches import BatchRunner
 from preft.gateway.deps import BatchStoreDep, CallerDep, FileStoreDep, SettingsDep, files_on, json_body
-from preft.gateway.responses import Metadata
+from preft.gateway.responses import Metadata, item_list
 
 router = APIRouter(tags=["batches"])
 
@@ -87,16 +87,7 @@ async def list_batches(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> JSONResponse:
     page = await store.page(caller.tenant, after=after, limit=limit)
-    data = [batch.as_object() for batch in page.batches]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": page.has_more,
-        }
-    )
+    return JSONResponse(item_list([batch.as_object() for batch in page.batches], has_more=page.has_more))
 
 
 @router.get("/v1/batches/{batch_id}")

@@ -25,6 +25,7 @@ from preft.gateway.batch_input import check_lines
 from preft.gateway.deps import CallerDep, FileStoreDep, SettingsDep
 from preft.gateway.errors import LengthRequired, PayloadTooLarge
 from preft.gateway.files import UPLOAD_PURPOSES
+from preft.gateway.responses import item_list
 
 router = APIRouter(tags=["files"])
 
@@ -92,16 +93,7 @@ async def list_files(
     order: Literal["asc", "desc"] = "desc",
 ) -> JSONResponse:
     page = await files.page(caller.tenant, purpose=purpose, after=after, limit=limit, order=order)
-    data = page.files
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": page.has_more,
-        }
-    )
+    return JSONResponse(item_list(page.files, has_more=page.has_more))
 
 
 @router.get("/v1/files/{file_id}")

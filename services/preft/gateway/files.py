@@ -185,15 +185,6 @@ class FileStore:
         except NotFound:
             raise self._missing(file_id) from None
 
-    async def download(self, tenant: str, file_id: str, dest: BinaryIO) -> dict[str, Any]:
-        """Write the file's bytes to `dest`; its file object."""
-        obj = await self.get(tenant, file_id)
-        try:
-            await self._objects.download(self.object_key(tenant, file_id), dest)
-        except NotFound:
-            raise self._missing(file_id) from None
-        return obj
-
     async def delete(self, tenant: str, file_id: str) -> None:
         """Forget the file, then remove its bytes (left behind, and logged, where S3 fails then)."""
         if not FILE_ID.match(file_id):

@@ -22,8 +22,6 @@ from preft.common.errors import InvalidArgument, NotFound, Unavailable
 from preft.common.s3 import s3_errors
 from preft.common.settings import S3Settings
 
-__all__ = ["PREFIX", "BlobStore", "PendingUpload", "StoredBlob", "check_digest", "s3_errors"]
-
 PREFIX = "blobs/sha256/"
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 

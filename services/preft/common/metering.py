@@ -41,11 +41,6 @@ def day_of(unix_s: float) -> date:
     return datetime.fromtimestamp(unix_s, UTC).date()
 
 
-def day_start_s(day: date) -> int:
-    """The Unix time at which a UTC day starts."""
-    return int(datetime(day.year, day.month, day.day, tzinfo=UTC).timestamp())
-
-
 def day_key(tenant: str, day: date) -> str:
     return f"{PREFIX}{tenant}:{day.isoformat()}"
 

@@ -23,7 +23,7 @@ DAY_S, HOUR_S = 86_400, 3_600
 
 
 def _today_start() -> int:
-    return metering.day_start_s(metering.day_of(time.time()))
+    return int(time.time()) // DAY_S * DAY_S
 
 
 def _hour_start() -> int:

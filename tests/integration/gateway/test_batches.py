@@ -253,11 +253,13 @@ def test_a_replica_stopped_mid_batch_is_taken_over_without_answering_a_line_twic
     """The runner's replica stops (its lease left to lapse, as after a crash); another replica takes the batch on
     once the lease lapses, answers only the lines not answered, and the files hold every line once."""
     key = registry.tenant("acme")
-    settings = _batches(s3_bucket, batches_line_concurrency=2, batches_lease_s=3.0, batches_poll_s=0.2)
+    # (a lease of 8 s, and 9 s of work: on a loaded 2-core machine the stop has taken over 3 s, the lines answered
+    # meanwhile, and with less work the batch ended, or with a shorter lease it lapsed, before the stop returned)
+    settings = _batches(s3_bucket, batches_line_concurrency=2, batches_lease_s=8.0, batches_poll_s=0.3)
     first = make_gateway(**settings)
     client = first.openai(key)
-    stub.token_delay_s = 0.05  # (0.2 s a line)
-    created = _start(client, COMPLETIONS, _slow_lines(30))  # (3 s of work: stopped well before its end)
+    stub.token_delay_s = 0.15  # (0.6 s a line)
+    created = _start(client, COMPLETIONS, _slow_lines(30))  # (9 s of work: stopped well before its end)
     _until(lambda: client.batches.retrieve(created.id), lambda b: b.request_counts.completed >= 4)
     runner = first.server.server.config.app.state.batch_runner
 

@@ -19,7 +19,7 @@ from preft.gateway.auth import Caller, KeyAuthenticator
 from preft.gateway.background import BackgroundRuns
 from preft.gateway.batch_store import BatchStore
 from preft.gateway.conversation_store import ConversationStore
-from preft.gateway.errors import PayloadTooLarge, validation_message
+from preft.gateway.errors import LengthRequired, PayloadTooLarge, validation_message
 from preft.gateway.files import FileStore
 from preft.gateway.generation import GenerationService
 from preft.gateway.registry import AsyncRegistry
@@ -109,6 +109,18 @@ def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
         return parsed_body(model, b"".join(parts))
 
     return read
+
+
+def check_multipart_upload(request: Request, *, max_bytes: int, too_large: str, not_multipart: str) -> None:
+    """Refuse an upload before its body is read: 411 without a Content-Length, 413 (`too_large`) past `max_bytes`,
+    400 (`not_multipart`) where it is not multipart/form-data."""
+    declared = request.headers.get("content-length", "")
+    if not declared.isdigit():
+        raise LengthRequired("send the upload with a Content-Length header")
+    if int(declared) > max_bytes:
+        raise PayloadTooLarge(too_large)
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise InvalidArgument(not_multipart)
 
 
 def parsed_body(model: type[M], data: bytes | str) -> M:

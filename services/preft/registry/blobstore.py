@@ -75,7 +75,7 @@ class BlobStore:
             try:
                 return self.s3.head_object(Bucket=self.bucket, Key=self.key(digest))["ContentLength"]
             except botocore.exceptions.ClientError as e:
-                if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                if s3.is_missing(e):
                     return None
                 raise
 

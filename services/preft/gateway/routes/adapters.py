@@ -30,8 +30,7 @@ from starlette.responses import JSONResponse
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
 from preft.common.errors import InvalidArgument
-from preft.gateway.deps import CallerDep, GenerationDep, RegistryDep, SettingsDep, json_body
-from preft.gateway.errors import LengthRequired, PayloadTooLarge
+from preft.gateway.deps import CallerDep, GenerationDep, RegistryDep, SettingsDep, check_multipart_upload, json_body
 from preft.gateway.registry import AsyncRegistry, BlobUpload
 
 router = APIRouter(tags=["adapters"])
@@ -107,13 +106,12 @@ async def upload_adapter(
     """A new version of one of the tenant's adapters (201; 200 where the latest already has this content and mode);
     it counts as one request against the tenant's requests per minute."""
     limit = settings.max_adapter_upload_bytes
-    declared = request.headers.get("content-length", "")
-    if not declared.isdigit():
-        raise LengthRequired("send the upload with a Content-Length header")
-    if int(declared) > limit:
-        raise PayloadTooLarge(f"The upload is larger than {limit} bytes.")
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise InvalidArgument("send the adapter as multipart/form-data: fields name (and mode, alias) and files")
+    check_multipart_upload(
+        request,
+        max_bytes=limit,
+        too_large=f"The upload is larger than {limit} bytes.",
+        not_multipart="send the adapter as multipart/form-data: fields name (and mode, alias) and files",
+    )
     admission = await generation.limiter.admit(caller.tenant, 0)
     async with request.form(max_files=MAX_FILES, max_fields=8) as form:
         name, mode, alias = _field(form, "name"), _field(form, "mode") or "prefill", _field(form, "alias")

@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from preft.common.errors import InvalidArgument
 from preft.gateway.batch_input import check_lines
-from preft.gateway.deps import CallerDep, FileStoreDep, SettingsDep
-from preft.gateway.errors import LengthRequired, PayloadTooLarge
+from preft.gateway.deps import CallerDep, FileStoreDep, SettingsDep, check_multipart_upload
+from preft.gateway.errors import PayloadTooLarge
 from preft.gateway.files import UPLOAD_PURPOSES
 from preft.gateway.responses import item_list
 
@@ -57,13 +57,12 @@ def _purpose(form: Any) -> str:
 @router.post("/v1/files")
 async def upload_file(request: Request, caller: CallerDep, files: FileStoreDep, settings: SettingsDep) -> JSONResponse:
     limit = settings.files_max_bytes
-    declared = request.headers.get("content-length", "")
-    if not declared.isdigit():
-        raise LengthRequired("send the upload with a Content-Length header")
-    if int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
-        raise PayloadTooLarge(f"The file is larger than {limit} bytes.")
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise InvalidArgument("send the file as multipart/form-data: fields file and purpose")
+    check_multipart_upload(
+        request,
+        max_bytes=limit + MULTIPART_OVERHEAD_BYTES,
+        too_large=f"The file is larger than {limit} bytes.",
+        not_multipart="send the file as multipart/form-data: fields file and purpose",
+    )
     async with request.form(max_files=1, max_fields=8) as form:
         extra = sorted({k for k in form if k not in ("file", "purpose")})
         if extra:  # (expires_after, ...: asked for, not done)

@@ -62,6 +62,9 @@ METERING_DROPPED = Counter(
 FILE_BYTES_STORED = Counter(
     "preft_gateway_file_bytes_stored_total", "Bytes of files stored in S3 (uploads and batch outputs)", ["purpose"]
 )
+FILES_EXPIRED = Counter(
+    "preft_gateway_files_expired_total", "Expired files removed by the gateways' sweepers (Redis and S3)", ["purpose"]
+)
 BATCHES_CREATED = Counter("preft_gateway_batches_created_total", "Batches created through POST /v1/batches")
 BATCHES_RUNNING = Gauge("preft_gateway_batches_running", "Batches this gateway replica runs (holds the lease of)")
 BATCHES_ENDED = Counter(

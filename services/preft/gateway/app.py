@@ -22,6 +22,7 @@ from preft.gateway.batches import BatchRunner
 from preft.gateway.conversation_store import ConversationLimits, ConversationStore
 from preft.gateway.engine_client import EngineClient
 from preft.gateway.errors import install_error_handlers
+from preft.gateway.file_sweeper import FileSweeper
 from preft.gateway.files import FileStore
 from preft.gateway.generation import GenerationService
 from preft.gateway.limits import RateLimiter
@@ -139,9 +140,10 @@ def create_app(
                 engine=engine,
                 meter=meter,
             )
-            app.state.file_store = app.state.batch_store = app.state.batch_runner = None
+            app.state.file_store = app.state.batch_store = app.state.batch_runner = app.state.file_sweeper = None
             if settings.s3 is not None:
                 _start_batches(app, settings, r, tok)
+                stack.push_async_callback(app.state.file_sweeper.close)
                 stack.push_async_callback(app.state.batch_runner.close)  # (first to close: its lines use the rest)
             yield
 
@@ -174,11 +176,16 @@ def create_app(
 
 
 def _start_batches(app: FastAPI, settings: GatewaySettings, redis: aioredis.Redis, tokenizer: PromptTokenizer) -> None:
-    """The Files API's store and the batch runner, on the settings' S3 bucket (nothing is sent to S3 yet)."""
+    """The Files API's store, its sweeper of expired files and the batch runner, on the settings' S3 bucket."""
     assert settings.s3 is not None
     objects = ObjectStore(settings.s3)
     files = FileStore(redis, objects, timeout_s=settings.redis_timeout_s, max_per_tenant=settings.files_max_per_tenant)
-    store = BatchStore(redis, timeout_s=settings.redis_timeout_s, keep_s=settings.batches_keep_s)
+    store = BatchStore(
+        redis,
+        timeout_s=settings.redis_timeout_s,
+        keep_s=settings.batches_keep_s,
+        max_open_per_tenant=settings.batches_max_open_per_tenant,
+    )
     answerer = LineAnswerer(
         generation=app.state.generation,
         tokenizer=tokenizer,
@@ -192,13 +199,18 @@ def _start_batches(app: FastAPI, settings: GatewaySettings, redis: aioredis.Redi
         objects,
         answerer,
         max_running=settings.batches_max_running,
+        max_running_per_tenant=settings.batches_max_running_per_tenant,
         line_concurrency=settings.batches_line_concurrency,
         lease_s=settings.batches_lease_s,
         poll_s=settings.batches_poll_s,
         max_requests=settings.batches_max_requests,
+        part_lines=settings.batches_part_lines,
+        part_s=settings.batches_part_s,
     )
     app.state.file_store, app.state.batch_store, app.state.batch_runner = files, store, runner
+    app.state.file_sweeper = FileSweeper(files, period_s=settings.files_sweep_period_s)
     runner.start()
+    app.state.file_sweeper.start()
 
 
 def _load_tokenizer(settings: GatewaySettings) -> PromptTokenizer:

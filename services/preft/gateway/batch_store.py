@@ -2,15 +2,18 @@
 
 Keys, per batch: `preft:batch:<tenant>:<id>` (a hash: `spec`, the JSON of what was asked; `status` and its
 timestamps; the request counts and tokens; the output and error file ids; a failed batch's `errors`),
-`preft:batch-results:<tenant>:<id>` (a hash: each answered line's request index → what goes in the output or the
-error file) and `preft:batch-lease:<tenant>:<id>` (the runner's lease: its replica's token, expiring unless
-renewed). Per tenant, `preft:batches:<tenant>` (its batches by creation, for listing); for all,
-`preft:batches-open` (`<tenant>:<id>` of each batch not ended yet, oldest first: what replicas look for work in).
+`preft:batch-done:<tenant>:<id>` (a bitmap: bit i set once request i's answer is recorded),
+`preft:batch-parts:<tenant>:<id>` (a list: the names of the recorded parts, in the order they were recorded; the
+answers themselves are in S3, ``batch_parts``) and `preft:batch-lease:<tenant>:<id>` (the runner's lease: its
+replica's token, expiring unless renewed). Per tenant, `preft:batches:<tenant>` (its batches by creation, for
+listing) and `preft:batches-open:<tenant>` (its batches not ended yet: what its limits count); for all,
+`preft:batches-open` (`<tenant>:<id>` of each batch not ended yet, oldest first: what replicas look for work in)
+and `preft:batches-started` (each tenant's last batch taken by a runner: whose turn it is).
 
 Every write a runner makes checks its lease in the same script (a fence): a replica that lost its lease (stopped
-for longer than it, say) writes nothing more. A line's result is written once (HSETNX), its counts with it, so a
-line answered twice counts once. A batch that ends forgets its results and lease, leaves the open set, and is kept
-`keep_s` more.
+for longer than it, say) writes nothing more. A part is recorded in one script: each of its lines sets its bit and,
+where the bit was not set, adds to the counts, so a line answered twice counts once. A batch that ends forgets its
+bitmap, parts and lease, leaves the open set, and is kept `keep_s` more.
 """
 
 from __future__ import annotations
@@ -18,18 +21,21 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
+from redis.client import NEVER_DECODE
 
-from preft.common.errors import InvalidArgument, NotFound
+from preft.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from preft.gateway.redis_client import guarded
 
 BATCH_ID = re.compile(r"^batch_[0-9a-f]{32}$")
 OPEN_KEY = "preft:batches-open"
+STARTED_KEY = "preft:batches-started"
 STATUSES_OPEN = ("validating", "in_progress", "finalizing", "cancelling")
+Claim = Literal["taken", "held", "tenant_busy"]  # (tenant_busy: as many of its batches run as may)
 TIMESTAMPS = (
     "in_progress_at",
     "finalizing_at",
@@ -39,7 +45,6 @@ TIMESTAMPS = (
     "cancelling_at",
     "cancelled_at",
 )
-RESULTS_READ = 1000  # results read at a time
 
 # KEYS[1] = the batch; ARGV[1] = now (s). The status it then has (cancelling where it was asked in time), or nil.
 _CANCEL = """
@@ -50,6 +55,34 @@ if status == 'validating' or status == 'in_progress' then
   return 'cancelling'
 end
 return status
+"""
+# KEYS[1] = the batch, KEYS[2] = the tenant's index, KEYS[3] = the open set, KEYS[4] = the tenant's open set;
+# ARGV[1] = its spec (JSON), ARGV[2] = created (ms), ARGV[3] = its id, ARGV[4] = its member in the open set,
+# ARGV[5] = the most batches the tenant may have open. -1 when stored, else the batches it has open.
+_CREATE = """
+local open = redis.call('ZCARD', KEYS[4])
+if open >= tonumber(ARGV[5]) then return open end
+redis.call('HSET', KEYS[1], 'spec', ARGV[1], 'status', 'validating')
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[3])
+return -1
+"""
+# KEYS[1] = the batch's lease, KEYS[2] = when each tenant's batch last started, then the leases of the tenant's
+# other open batches; ARGV[1] = the runner's token, ARGV[2] = the lease (ms), ARGV[3] = the most batches of the
+# tenant that may run at once (0: no limit), ARGV[4] = the tenant, ARGV[5] = now (ms). 1: taken; 0: another runner
+# holds it; -1: the tenant has as many running as it may.
+_CLAIM = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local most = tonumber(ARGV[3])
+if most > 0 then
+  local running = 0
+  for i = 3, #KEYS do running = running + redis.call('EXISTS', KEYS[i]) end
+  if running >= most then return -1 end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
+return 1
 """
 # KEYS[1] = the lease, KEYS[2] = the batch; ARGV[1] = the runner's token, ARGV[2] = the lease (ms). The batch's
 # status, or nil where the lease is not this runner's.
@@ -62,21 +95,33 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
 """
-# KEYS[1] = the lease, KEYS[2] = the batch, KEYS[3] = its results; ARGV[1] = the runner's token, ARGV[2] = the
-# line's request index, ARGV[3] = its result, ARGV[4] = the count it adds to (completed or failed), ARGV[5] and
-# ARGV[6] = its input and output tokens. 1: recorded; 0: recorded before; -1: the lease is not this runner's.
-_RECORD = """
+# KEYS[1] = the lease, KEYS[2] = the batch, KEYS[3] = its done lines (bitmap), KEYS[4] = its parts (list);
+# ARGV[1] = the runner's token, ARGV[2] = the part's name, then four per line: its request index, the count it adds
+# to (completed or failed), its input and output tokens. The lines newly recorded; -1: the lease is not the runner's.
+_RECORD_PART = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-if redis.call('HSETNX', KEYS[3], ARGV[2], ARGV[3]) == 0 then return 0 end
-redis.call('HINCRBY', KEYS[2], ARGV[4], 1)
-redis.call('HINCRBY', KEYS[2], 'input_tokens', ARGV[5])
-redis.call('HINCRBY', KEYS[2], 'output_tokens', ARGV[6])
-return 1
+local names = {'completed', 'failed', 'input_tokens', 'output_tokens'}
+local added = {completed = 0, failed = 0, input_tokens = 0, output_tokens = 0}
+local new = 0
+for i = 3, #ARGV, 4 do
+  if redis.call('SETBIT', KEYS[3], ARGV[i], 1) == 0 then
+    new = new + 1
+    added[ARGV[i + 1]] = added[ARGV[i + 1]] + 1
+    added.input_tokens = added.input_tokens + tonumber(ARGV[i + 2])
+    added.output_tokens = added.output_tokens + tonumber(ARGV[i + 3])
+  end
+end
+for _, name in ipairs(names) do
+  if added[name] > 0 then redis.call('HINCRBY', KEYS[2], name, added[name]) end
+end
+redis.call('RPUSH', KEYS[4], ARGV[2])
+return new
 """
-# KEYS[1] = the lease, KEYS[2] = the batch, KEYS[3] = its results, KEYS[4] = the open set; ARGV[1] = the runner's
-# token, ARGV[2] = the statuses it may move from (space-separated), ARGV[3] = the new status, ARGV[4] = "1" where
-# the batch ends with it, ARGV[5] = how long an ended batch is kept (ms), ARGV[6] = its member in the open set, then
-# field and value pairs to set. {1}: moved; {0, status}: its status was another; {-1}: the lease is not the runner's.
+# KEYS[1] = the lease, KEYS[2] = the batch, KEYS[3] = its done lines, KEYS[4] = the open set, KEYS[5] = the
+# tenant's open set, KEYS[6] = its parts; ARGV[1] = the runner's token, ARGV[2] = the statuses it may move from
+# (space-separated), ARGV[3] = the new status, ARGV[4] = "1" where the batch ends with it, ARGV[5] = how long an
+# ended batch is kept (ms), ARGV[6] = its member in the open set, ARGV[7] = its id, then field and value pairs to
+# set. {1}: moved; {0, status}: its status was another; {-1}: the lease is not the runner's.
 _MOVE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {-1} end
 local status = redis.call('HGET', KEYS[2], 'status')
@@ -86,10 +131,11 @@ for s in string.gmatch(ARGV[2], '%S+') do
 end
 if not allowed then return {0, status or 'gone'} end
 redis.call('HSET', KEYS[2], 'status', ARGV[3])
-for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 if ARGV[4] == '1' then
-  redis.call('DEL', KEYS[1], KEYS[3])
+  redis.call('DEL', KEYS[1], KEYS[3], KEYS[6])
   redis.call('ZREM', KEYS[4], ARGV[6])
+  redis.call('ZREM', KEYS[5], ARGV[7])
   redis.call('PEXPIRE', KEYS[2], ARGV[5])
 end
 return {1}
@@ -180,14 +226,17 @@ def split_member(entry: str) -> tuple[str, str]:
 class BatchStore:
     """Owns the batches' Redis keys; reading or cancelling another tenant's batch is a NotFound."""
 
-    def __init__(self, redis: aioredis.Redis, *, timeout_s: float, keep_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, *, timeout_s: float, keep_s: float, max_open_per_tenant: int) -> None:
         self._redis = redis
         self._timeout_s = timeout_s
         self.keep_s = keep_s
+        self.max_open_per_tenant = max_open_per_tenant
+        self._create = redis.register_script(_CREATE)
+        self._claim = redis.register_script(_CLAIM)
         self._cancel = redis.register_script(_CANCEL)
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
-        self._record = redis.register_script(_RECORD)
+        self._record_part = redis.register_script(_RECORD_PART)
         self._move = redis.register_script(_MOVE)
 
     @staticmethod
@@ -195,8 +244,12 @@ class BatchStore:
         return f"preft:batch:{tenant}:{batch_id}"
 
     @staticmethod
-    def _results_key(tenant: str, batch_id: str) -> str:
-        return f"preft:batch-results:{tenant}:{batch_id}"
+    def _done_key(tenant: str, batch_id: str) -> str:
+        return f"preft:batch-done:{tenant}:{batch_id}"
+
+    @staticmethod
+    def _parts_key(tenant: str, batch_id: str) -> str:
+        return f"preft:batch-parts:{tenant}:{batch_id}"
 
     @staticmethod
     def _lease_key(tenant: str, batch_id: str) -> str:
@@ -205,6 +258,10 @@ class BatchStore:
     @staticmethod
     def _index(tenant: str) -> str:
         return f"preft:batches:{tenant}"
+
+    @staticmethod
+    def _open_index(tenant: str) -> str:
+        return f"preft:batches-open:{tenant}"
 
     @staticmethod
     def _missing(batch_id: str) -> NotFound:
@@ -216,14 +273,18 @@ class BatchStore:
     # -- what the routes do ---------------------------------------------------------------------------------------
 
     async def create(self, tenant: str, spec: dict[str, Any]) -> BatchRecord:
-        """Store a new batch, validating, and make it open (for a runner to take)."""
+        """Store a new batch, validating, and make it open (for a runner to take); ResourceExhausted (nothing
+        stored) where the tenant has as many batches open as it may."""
         fields = {"spec": json.dumps(spec, separators=(",", ":")), "status": "validating"}
-        created_ms = int(time.time() * 1000)
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(self._key(tenant, spec["id"]), mapping=fields)
-        pipe.zadd(self._index(tenant), {spec["id"]: created_ms})
-        pipe.zadd(OPEN_KEY, {member(tenant, spec["id"]): created_ms})
-        await self._guarded(pipe.execute())
+        batch_id = spec["id"]
+        keys = [self._key(tenant, batch_id), self._index(tenant), OPEN_KEY, self._open_index(tenant)]
+        args = [fields["spec"], int(time.time() * 1000), batch_id, member(tenant, batch_id), self.max_open_per_tenant]
+        open_now = await self._guarded(self._create(keys=keys, args=args))
+        if open_now != -1:
+            raise ResourceExhausted(
+                f"this tenant has {open_now} batches not ended yet, as many as it may; wait for one to end, or "
+                "cancel one"
+            )
         return BatchRecord(tenant, spec, fields)
 
     async def get(self, tenant: str, batch_id: str) -> BatchRecord:
@@ -279,8 +340,11 @@ class BatchStore:
         return [split_member(e) for e in entries]
 
     async def forget_open(self, tenant: str, batch_id: str) -> None:
-        """Take a batch whose record is gone out of the open set."""
-        await self._guarded(self._redis.zrem(OPEN_KEY, member(tenant, batch_id)))
+        """Take a batch whose record is gone out of the open sets."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.zrem(OPEN_KEY, member(tenant, batch_id))
+        pipe.zrem(self._open_index(tenant), batch_id)
+        await self._guarded(pipe.execute())
 
     async def held(self, batches: list[tuple[str, str]]) -> list[bool]:
         """Whether some runner holds each batch's lease."""
@@ -289,10 +353,20 @@ class BatchStore:
             pipe.exists(self._lease_key(tenant, batch_id))
         return [bool(n) for n in await self._guarded(pipe.execute())] if batches else []
 
-    async def claim(self, tenant: str, batch_id: str, token: str, lease_s: float) -> bool:
-        """Take the batch's lease where no runner holds it."""
-        key = self._lease_key(tenant, batch_id)
-        return bool(await self._guarded(self._redis.set(key, token, nx=True, px=int(lease_s * 1000))))
+    async def claim(self, tenant: str, batch_id: str, token: str, lease_s: float, *, max_running: int) -> Claim:
+        """Take the batch's lease where no runner holds it and fewer than `max_running` of the tenant's batches run
+        (0: no limit)."""
+        others = [] if max_running <= 0 else await self._guarded(self._redis.zrange(self._open_index(tenant), 0, -1))
+        keys = [self._lease_key(tenant, batch_id), STARTED_KEY]
+        keys += [self._lease_key(tenant, i) for i in others if i != batch_id]
+        args = [token, int(lease_s * 1000), max_running, tenant, int(time.time() * 1000)]
+        return {1: "taken", 0: "held"}.get(await self._guarded(self._claim(keys=keys, args=args)), "tenant_busy")
+
+    async def last_started(self, tenants: Iterable[str]) -> dict[str, int]:
+        """When a batch of each tenant was last taken by a runner (ms; 0 for never)."""
+        names = sorted(set(tenants))
+        started = await self._guarded(self._redis.hmget(STARTED_KEY, names)) if names else []
+        return {tenant: int(ms or 0) for tenant, ms in zip(names, started, strict=True)}
 
     async def renew(self, batches: list[tuple[str, str]], token: str, lease_s: float) -> list[str | None]:
         """Renew this runner's leases; each batch's status (`gone` where its record went), or None where the lease
@@ -307,36 +381,33 @@ class BatchStore:
         """Let go of the lease (where it is this runner's): another replica may take the batch at once."""
         await self._guarded(self._release(keys=[self._lease_key(tenant, batch_id)], args=[token]))
 
-    async def done_lines(self, tenant: str, batch_id: str) -> set[int]:
-        """The request indexes whose result is recorded."""
-        return {int(i) for i in await self._guarded(self._redis.hkeys(self._results_key(tenant, batch_id)))}
+    async def done_lines(self, tenant: str, batch_id: str) -> DoneLines:
+        """The request indexes whose answer is recorded."""
+        bits = await self._guarded(
+            self._redis.execute_command("GET", self._done_key(tenant, batch_id), **{NEVER_DECODE: []})
+        )
+        return DoneLines(bits or b"")
 
-    async def record(self, batch: BatchRecord, token: str, results: Iterable[LineRecord]) -> None:
-        """Record answered lines (each once); LeaseLost where the lease is no longer this runner's."""
-        pipe = self._redis.pipeline(transaction=False)
+    async def record_part(self, batch: BatchRecord, token: str, name: str, lines: Sequence[LineRecord]) -> int:
+        """Record a part written to S3 and its lines (each line's counts once); the lines newly recorded. LeaseLost
+        where the lease is no longer this runner's."""
         keys = [
             self._lease_key(batch.tenant, batch.id),
             self._key(batch.tenant, batch.id),
-            self._results_key(batch.tenant, batch.id),
+            self._done_key(batch.tenant, batch.id),
+            self._parts_key(batch.tenant, batch.id),
         ]
-        any_result = False
-        for r in results:
-            any_result = True
-            result = json.dumps({"to": r.file, "line": r.line}, separators=(",", ":"))
-            args = [token, r.index, result, r.counts_as, r.input_tokens, r.output_tokens]
-            await self._record(keys=keys, args=args, client=pipe)  # (queued)
-        if any_result and -1 in await self._guarded(pipe.execute()):
+        args: list[str | int] = [token, name]
+        for r in lines:
+            args += [r.index, r.counts_as, r.input_tokens, r.output_tokens]
+        new = await self._guarded(self._record_part(keys=keys, args=args))
+        if new == -1:
             raise LeaseLost(batch.id)
+        return new
 
-    async def results(self, tenant: str, batch_id: str, total: int) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """The recorded results in request order, as (file, line), read a slice at a time."""
-        key = self._results_key(tenant, batch_id)
-        for first in range(0, total, RESULTS_READ):
-            fields = [str(i) for i in range(first, min(first + RESULTS_READ, total))]
-            for data in await self._guarded(self._redis.hmget(key, fields)):
-                if data is not None:
-                    result = json.loads(data)
-                    yield result["to"], result["line"]
+    async def parts(self, tenant: str, batch_id: str) -> list[str]:
+        """The names of the batch's recorded parts, in the order they were recorded."""
+        return await self._guarded(self._redis.lrange(self._parts_key(tenant, batch_id), 0, -1))
 
     async def move(
         self,
@@ -353,17 +424,35 @@ class BatchStore:
         keys = [
             self._lease_key(batch.tenant, batch.id),
             self._key(batch.tenant, batch.id),
-            self._results_key(batch.tenant, batch.id),
+            self._done_key(batch.tenant, batch.id),
             OPEN_KEY,
+            self._open_index(batch.tenant),
+            self._parts_key(batch.tenant, batch.id),
         ]
         args: list[str | int] = [token, " ".join(from_statuses), to, "1" if ends else "0", int(self.keep_s * 1000)]
-        args.append(member(batch.tenant, batch.id))
+        args += [member(batch.tenant, batch.id), batch.id]
         for name, value in fields.items():
             args += [name, value]
         reply = await self._guarded(self._move(keys=keys, args=args))
         if reply[0] == -1:
             raise LeaseLost(batch.id)
         return None if reply[0] == 1 else reply[1]
+
+
+@dataclass(frozen=True)
+class DoneLines:
+    """The request indexes whose answer is recorded, as Redis's bitmap holds them (index 0: the first byte's
+    highest bit)."""
+
+    bits: bytes
+
+    def __contains__(self, index: object) -> bool:
+        if not isinstance(index, int) or index < 0 or index >> 3 >= len(self.bits):
+            return False
+        return bool(self.bits[index >> 3] & (0x80 >> (index & 7)))
+
+    def __len__(self) -> int:
+        return sum(byte.bit_count() for byte in self.bits)
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,32 @@
 """Running batches (OpenAI's Batch API) on the gateway's replicas, any of which may run any batch.
 
-A batch is created `validating` and open (``batch_store``). Each replica's runner looks for open batches every
-`poll_s` (at once after a create or a cancel on its own replica) and takes those no runner holds, up to
-`max_running`: taking one is taking its lease, which the runner renews every `poll_s`. A replica that stops lets
-its leases go (a clean shutdown: at once) or lapse (a crash: after `lease_s`); another replica, or the same one
-restarted, then takes the batch on where it was. Each phase can be taken on midway:
+A batch is created `validating` and open (``batch_store``; a tenant has up to `max_open_per_tenant` open). Each
+replica's runner looks for open batches every `poll_s` (at once after a create or a cancel on its own replica) and
+takes those no runner holds, up to `max_running`: taking one is taking its lease, which the runner renews every
+`poll_s`. Tenants take turns (``fair_order``: fewest batches running over all replicas first, then whose batch
+started longest ago), and no tenant runs more than `max_running_per_tenant` at once (counted in the lease's own
+script). A replica that stops lets its leases go (a clean shutdown: at once) or lapse (a crash: after `lease_s`);
+another replica, or the same one restarted, then takes the batch on where it was. Each phase can be taken on midway:
 
 - validating: the input file is copied within S3 to the batch's own `batches/<tenant>/<id>/input.jsonl` (deleting
   the file later does not stop the batch) and checked whole (``batch_input.BatchPlan``): a bad line, a url that
   is not the batch's endpoint or a custom_id used twice fails the batch, with `errors` naming the lines.
 - in_progress: the lines not yet answered are answered (``batch_lines``: as live requests of the endpoint are),
-  `line_concurrency` at a time, each recorded in Redis as soon as it is answered, so a takeover answers only
-  the others (a line in flight when its replica stopped is answered again). A line refused with a 5xx of an outage
-  is tried up to `ATTEMPTS` times. The batch stops taking lines when it is cancelled (lines in flight are stopped)
-  or when its completion window ends (lines in flight are stopped; every line not answered is recorded as
-  `batch_expired`).
-- finalizing, cancelling: the recorded lines are written in request order to the output file (answers) and the
+  `line_concurrency` at a time. Answered lines are written to S3 a part at a time (``batch_parts``: a part is up
+  to `part_lines` lines, written at least every `part_s`) and each part is then recorded in Redis, with its lines'
+  counts; a takeover answers only the lines no recorded part holds. So after a crash the lines in flight are
+  answered again, and so are those answered but not yet in a recorded part: up to a part's worth (`part_lines`, or
+  `part_s` of answers). The counts a batch shows move a part at a time. A line refused with a 5xx of an outage is
+  tried up to `ATTEMPTS` times. The batch stops taking lines when it is cancelled (lines in flight are stopped) or
+  when its completion window ends (lines in flight are stopped; every line not answered is recorded as
+  `batch_expired`, in parts too); the lines answered by then are recorded first.
+- finalizing, cancelling: the recorded parts are merged in request order into the output file (answers) and the
   error file (refusals, expired lines), files of purpose `batch_output` whose ids follow from the batch's (a
-  takeover writes the same files again), and the batch ends: completed, expired or cancelled.
+  takeover writes the same files again), and the batch ends: completed, expired or cancelled. Its objects in S3
+  (the input copy, the parts) are then deleted (left behind, and logged, where S3 fails).
 
-Stopping the gateway stops its runs at once (what they recorded stays) and lets their leases go.
+Stopping the gateway stops its runs at once and lets their leases go; what they answered is recorded where it can
+be within the shutdown's wait (`CLOSE_WAIT_S`), and what they recorded stays.
 """
 
 from __future__ import annotations
@@ -32,17 +39,19 @@ import logging
 import tempfile
 import time
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections import Counter
+from collections.abc import Container, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from preft.common.errors import NotFound, PreftError, Unavailable
 from preft.common.metrics import BATCH_LINES, BATCH_TAKEOVERS, BATCHES_ENDED, BATCHES_RUNNING
-from preft.gateway import batch_input
+from preft.gateway import batch_input, batch_parts
 from preft.gateway.auth import Caller
 from preft.gateway.batch_input import BatchLine, BatchPlan
 from preft.gateway.batch_lines import LineAnswerer
+from preft.gateway.batch_parts import PartWriter
 from preft.gateway.batch_store import STATUSES_OPEN, BatchRecord, BatchStore, LeaseLost, LineRecord
 from preft.gateway.files import OUTPUT_PURPOSE, FileStore
 from preft.gateway.object_store import ObjectStore
@@ -53,8 +62,7 @@ ATTEMPTS = 3  # tries of a line refused for an outage (Redis, the engine): 0.5 s
 RETRY_BACKOFF_S = 0.5
 OPEN_SCAN = 1000  # open batches a runner looks through each round (oldest first)
 READ_BLOCK = 64  # lines read from the input at a time
-RECORD_BLOCK = 500  # expired lines recorded at a time
-CLOSE_WAIT_S = 5.0  # longest a shutdown waits for its stopped runs to let their leases go
+CLOSE_WAIT_S = 5.0  # longest a shutdown waits for its stopped runs to record what they answered, and let go
 INTERNAL_ERROR = {
     "code": "server_error",
     "message": "the batch failed on the gateway before its requests were all answered",
@@ -63,9 +71,14 @@ INTERNAL_ERROR = {
 }
 
 
+def objects_prefix(batch: BatchRecord) -> str:
+    """Where the batch keeps its objects in S3 (its input copy, its parts): all deleted once it ended."""
+    return f"batches/{batch.tenant}/{batch.id}/"
+
+
 def input_key(batch: BatchRecord) -> str:
     """Where the batch keeps its own copy of its input file."""
-    return f"batches/{batch.tenant}/{batch.id}/input.jsonl"
+    return f"{objects_prefix(batch)}input.jsonl"
 
 
 def result_file_id(batch: BatchRecord, name: str) -> str:
@@ -90,7 +103,7 @@ def _requests(path: Path) -> Iterator[BatchLine]:
         yield from batch_input.requests(f)
 
 
-def _next_block(lines: Iterator[BatchLine], done: set[int], count: int) -> list[BatchLine]:
+def _next_block(lines: Iterator[BatchLine], done: Container[int], count: int) -> list[BatchLine]:
     """Up to `count` more lines not answered yet (blocking: reads the input file)."""
     block = []
     for line in lines:
@@ -103,6 +116,20 @@ def _next_block(lines: Iterator[BatchLine], done: set[int], count: int) -> list[
 
 def _now() -> int:
     return int(time.time())
+
+
+def fair_order(
+    waiting: list[tuple[str, str]], running: Counter[str], last_started: dict[str, int]
+) -> list[tuple[str, str]]:
+    """Waiting batches (tenant, id; oldest first) in the order to start them, so that tenants take turns: a
+    tenant's k-th waiting batch ranks as if k + its running ones were ahead of it; on a tie, the tenant whose batch
+    started longest ago goes first, then the oldest batch."""
+    seen: Counter[str] = Counter()
+    ranked = []
+    for age, (tenant, batch_id) in enumerate(waiting):
+        ranked.append((running[tenant] + seen[tenant], last_started.get(tenant, 0), age, tenant, batch_id))
+        seen[tenant] += 1
+    return [(tenant, batch_id) for *_, tenant, batch_id in sorted(ranked)]
 
 
 @dataclass
@@ -129,19 +156,24 @@ class BatchRunner:
         answerer: LineAnswerer,
         *,
         max_running: int,
+        max_running_per_tenant: int,
         line_concurrency: int,
         lease_s: float,
         poll_s: float,
         max_requests: int,
+        part_lines: int,
+        part_s: float,
     ) -> None:
         self._store = store
         self._files = files
         self._objects = objects
         self._answerer = answerer
         self.max_running = max_running
+        self.max_running_per_tenant = max_running_per_tenant
         self.line_concurrency = line_concurrency
         self.lease_s, self.poll_s = lease_s, poll_s
         self.max_requests = max_requests
+        self.part_lines, self.part_s = part_lines, part_s
         self.token = uuid.uuid4().hex  # (this runner's name on the leases it holds)
         self._runs: dict[tuple[str, str], _Run] = {}
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
@@ -157,7 +189,8 @@ class BatchRunner:
         self._wake.set()
 
     async def close(self) -> None:
-        """Stop every run here (what they recorded stays; their leases go, for another replica to take them on)."""
+        """Stop every run here (what they answered is recorded where it can be within `CLOSE_WAIT_S`, what they
+        recorded stays; their leases go, for another replica to take them on)."""
         self._closing = True
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -202,13 +235,26 @@ class BatchRunner:
                 run.cancel.set()
 
     async def _take(self) -> None:
-        """Take open batches that no runner holds, oldest first, while this replica has room."""
+        """Take open batches that no runner holds, in turn across tenants (`fair_order`), while this replica has
+        room and each tenant fewer than `max_running_per_tenant` running."""
         room = self.max_running - len(self._tasks)
         if room <= 0 or self._closing:
             return
-        candidates = [k for k in await self._store.open_batches(OPEN_SCAN) if k not in self._tasks]
-        for (tenant, batch_id), held in zip(candidates, await self._store.held(candidates), strict=True):
-            if held or not await self._store.claim(tenant, batch_id, self.token, self.lease_s):
+        entries = await self._store.open_batches(OPEN_SCAN)
+        held = await self._store.held(entries)
+        running = Counter(tenant for (tenant, _), h in zip(entries, held, strict=True) if h)
+        waiting = [k for k, h in zip(entries, held, strict=True) if not h and k not in self._tasks]
+        last_started = await self._store.last_started(tenant for tenant, _ in waiting)
+        busy: set[str] = set()
+        for tenant, batch_id in fair_order(waiting, running, last_started):
+            if tenant in busy:
+                continue
+            claim = await self._store.claim(
+                tenant, batch_id, self.token, self.lease_s, max_running=self.max_running_per_tenant
+            )
+            if claim == "tenant_busy":
+                busy.add(tenant)
+            if claim != "taken":
                 continue
             if await self._start(tenant, batch_id):
                 room -= 1
@@ -320,7 +366,7 @@ class BatchRunner:
             return run.batch
         if batch.status == "failed":
             BATCHES_ENDED.labels(status="failed").inc()
-            await self._drop_input(batch)
+            await self._drop_objects(batch)
         return batch
 
     async def _answer_lines(self, run: _Run, path: Path) -> BatchRecord:
@@ -329,6 +375,9 @@ class BatchRunner:
         batch = run.batch
         done = await self._store.done_lines(*run.key)
         caller = Caller(batch.tenant, batch.spec["key_id"], offline=True)
+        parts = PartWriter(
+            self._store, self._objects, batch, self.token, part_lines=self.part_lines, part_s=self.part_s
+        )
         lines = _requests(path)
         workers = max(1, self.line_concurrency)
         queue: asyncio.Queue[BatchLine | None] = asyncio.Queue(maxsize=2 * workers)
@@ -343,24 +392,39 @@ class BatchRunner:
         async def work() -> None:
             while (line := await queue.get()) is not None:
                 record = await self._answer(caller, line)
-                await self._store.record(batch, self.token, [record])
+                await parts.add([record])
                 BATCH_LINES.labels(outcome=record.counts_as).inc()
 
         async def answer_all() -> None:
             try:
                 async with asyncio.TaskGroup() as group:
+                    timer = group.create_task(parts.flush_every())
                     group.create_task(feed())
-                    for _ in range(workers):
-                        group.create_task(work())
+                    await asyncio.wait([group.create_task(work()) for _ in range(workers)])
+                    timer.cancel()
             except* Exception as failures:
                 raise failures.exceptions[0] from None
 
-        ending = await self._until_stopped(run, answer_all(), batch.spec["deadline_s"] - time.time())
+        try:
+            ending = await self._until_stopped(run, answer_all(), batch.spec["deadline_s"] - time.time())
+        except asyncio.CancelledError:
+            if self._closing:  # (a clean stop: what was answered is recorded, where it can be within the wait)
+                await self._flush_on_stop(parts)
+            raise
+        await parts.flush()  # (before the batch moves on: every line answered is recorded)
         if ending == "cancelled":
             return await self._reread(run)  # (cancelling: the cancel moved it)
         if ending == "expired":
-            await self._record_expired(run, path)
+            await self._record_expired(run, path, parts)
         return await self._move(run, ("in_progress",), "finalizing", finalizing_at=_now(), ending=ending)
+
+    async def _flush_on_stop(self, parts: PartWriter) -> None:
+        """Record what the run answered, at a clean stop (logged where it cannot be: answered again later)."""
+        held = parts.held
+        try:
+            await parts.flush()
+        except (PreftError, LeaseLost) as e:
+            log.warning("batch %s: %d lines answered were not recorded at the stop: %s", parts.batch_id, held, e)
 
     async def _until_stopped(self, run: _Run, answering: Coroutine[Any, Any, None], remaining_s: float) -> str:
         """Run `answering` until it ends (completed), the batch is cancelled (cancelled), or `remaining_s` pass
@@ -397,17 +461,17 @@ class BatchRunner:
             answer.output_tokens,
         )
 
-    async def _record_expired(self, run: _Run, path: Path) -> None:
-        """Record every line not answered as expired."""
+    async def _record_expired(self, run: _Run, path: Path, parts: PartWriter) -> None:
+        """Record every line not answered as expired (in parts, as answers are)."""
         done = await self._store.done_lines(*run.key)
 
         def unanswered() -> list[tuple[int, str]]:
             return [(line.index, line.custom_id) for line in _requests(path) if line.index not in done]
 
         missing = await asyncio.to_thread(unanswered)
-        for first in range(0, len(missing), RECORD_BLOCK):
-            block = missing[first : first + RECORD_BLOCK]
-            await self._store.record(run.batch, self.token, [LineRecord(i, "error", expired_line(c)) for i, c in block])
+        for index, custom_id in missing:
+            await parts.add([LineRecord(index, "error", expired_line(custom_id))])
+        await parts.flush()
         BATCH_LINES.labels(outcome="expired").inc(len(missing))
 
     async def _finish(self, run: _Run) -> None:
@@ -419,15 +483,20 @@ class BatchRunner:
         ended = await self._move(run, (batch.status,), final, ends=True, **{f"{final}_at": _now()}, **ids)
         if ended.status == final:
             BATCHES_ENDED.labels(status=final).inc()
-            await self._drop_input(ended)
+            await self._drop_objects(ended)
 
     async def _write_files(self, batch: BatchRecord) -> dict[str, str]:
-        """The recorded lines, in request order, as the batch's output and error files; their ids (a file only
-        where it has lines)."""
+        """The recorded parts merged in request order (each line once) as the batch's output and error files; their
+        ids (a file only where it has lines)."""
         ids = {}
-        with tempfile.TemporaryFile() as output, tempfile.TemporaryFile() as errors:
-            async for file, line in self._store.results(batch.tenant, batch.id, batch.count("total")):
-                (output if file == "output" else errors).write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+        names = await self._store.parts(batch.tenant, batch.id)
+        with (
+            tempfile.TemporaryDirectory(prefix="preft-batch-") as work,
+            tempfile.TemporaryFile() as output,
+            tempfile.TemporaryFile() as errors,
+        ):
+            paths = await batch_parts.download(self._objects, batch, names, Path(work))
+            await asyncio.to_thread(batch_parts.merge, paths, output, errors, work_dir=Path(work))
             for name, written in (("output", output), ("error", errors)):
                 size = written.tell()
                 if not size:
@@ -441,13 +510,17 @@ class BatchRunner:
                     purpose=OUTPUT_PURPOSE,
                     file_id=result_file_id(batch, name),
                     limited=False,
+                    expires_after_s=batch.spec.get("output_expires_after_s"),
                 )
                 ids[f"{name}_file_id"] = created["id"]
         return ids
 
-    async def _drop_input(self, batch: BatchRecord) -> None:
-        """Delete the batch's copy of its input (once it ended); left behind, and logged, where S3 fails."""
+    async def _drop_objects(self, batch: BatchRecord) -> None:
+        """Delete the batch's objects in S3 (once it ended: its input copy, its parts, recorded or not); left behind,
+        and logged, where S3 fails."""
         try:
-            await self._objects.delete(input_key(batch))
+            await self._objects.delete_many(await self._objects.list_keys(objects_prefix(batch)))
         except PreftError as e:
-            log.warning("batch %s: its input copy was left in S3: %s", batch.id, e.message)
+            log.warning(
+                "batch %s: its objects were left in S3 (under %s): %s", batch.id, objects_prefix(batch), e.message
+            )

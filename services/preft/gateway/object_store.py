@@ -1,4 +1,4 @@
-"""The gateway's objects in S3 (files' contents): put, read, copy, delete, each boto3 call in a worker thread.
+"""The gateway's objects in S3 (files' contents): put, read, copy, list, delete, each boto3 call in a worker thread.
 
 An object that is not there is a NotFound; an S3 that cannot be reached, or that refuses, is Unavailable (503).
 """
@@ -17,6 +17,7 @@ from preft.common.errors import NotFound, Unavailable
 from preft.common.settings import S3Settings
 
 READ_CHUNK_BYTES = 1024 * 1024
+DELETE_BATCH = 1000  # keys one DeleteObjects call takes at most (S3's limit)
 
 
 @contextlib.contextmanager
@@ -96,3 +97,29 @@ class ObjectStore:
     async def delete(self, key: str) -> None:
         with _errors(key):
             await asyncio.to_thread(self.s3.delete_object, Bucket=self.bucket, Key=key)
+
+    def _list(self, prefix: str) -> list[str]:
+        keys = []
+        with _errors(prefix):
+            for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                keys += [obj["Key"] for obj in page.get("Contents", [])]
+        return keys
+
+    async def list_keys(self, prefix: str) -> list[str]:
+        """The keys of the objects under `prefix` (all of them, a page of S3's at a time)."""
+        return await asyncio.to_thread(self._list, prefix)
+
+    def _delete_many(self, keys: list[str]) -> None:
+        for first in range(0, len(keys), DELETE_BATCH):
+            block = keys[first : first + DELETE_BATCH]
+            with _errors(block[0]):
+                deleted = self.s3.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in block], "Quiet": True}
+                )
+            if failed := deleted.get("Errors"):
+                codes = sorted({e.get("Code", "unknown") for e in failed})
+                raise Unavailable(f"the file store (S3) kept {len(failed)} objects it was asked to delete ({codes})")
+
+    async def delete_many(self, keys: list[str]) -> None:
+        """Delete the objects `keys` (those not there are no error), up to a thousand per request."""
+        await asyncio.to_thread(self._delete_many, keys)

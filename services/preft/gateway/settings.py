@@ -117,11 +117,27 @@ class GatewaySettings(BaseSettings):
     files_max_per_tenant: int = Field(
         10_000, ge=1, description="Files one tenant holds at once (another upload: 429; batch outputs may pass it)"
     )
+    files_sweep_period_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="How often each gateway replica removes expired files (a bounded number each round); an expired "
+        "file answers 404 at once, and counts against its tenant's files until it is removed",
+    )
     batches_max_requests: int = Field(
         50_000, ge=1, description="Requests one batch input file holds at most (more: 400 at upload)"
     )
     batches_max_running: int = Field(
         4, ge=0, description="Batches one gateway replica runs at once (others wait for a replica with room)"
+    )
+    batches_max_running_per_tenant: int = Field(
+        2,
+        ge=0,
+        description="Batches of one tenant run at once over all replicas (0: no limit); the others wait, and waiting "
+        "batches start in turn across tenants, those with the fewest running first",
+    )
+    batches_max_open_per_tenant: int = Field(
+        100, ge=1, description="Batches of one tenant not ended yet (another create: 429)"
     )
     batches_line_concurrency: int = Field(
         8, ge=1, description="Requests of one batch answered at once (batches take no per-minute rate limits)"
@@ -136,6 +152,19 @@ class GatewaySettings(BaseSettings):
     )
     batches_poll_s: float = Field(
         1.0, gt=0, description="How often a replica renews its batches' leases, sees cancels and looks for batches"
+    )
+    batches_part_lines: int = Field(
+        1000,
+        ge=1,
+        le=10_000,
+        description="Answered lines of a running batch written to S3 as one part (and then recorded in Redis) at "
+        "most; lines answered but not yet in a recorded part are answered again after a crash",
+    )
+    batches_part_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often a running batch writes the lines it answered as a part, however few: how late its "
+        "request_counts are at most, and the answers a crash loses at most (fewer, larger parts: raise it)",
     )
     batches_keep_s: float = Field(30 * 86_400.0, gt=0, description="How long a batch is kept after it ended")
 

@@ -27,8 +27,8 @@ RESPONSES = "/v1/responses"
 
 
 def _batches(s3_bucket, **overrides: Any) -> dict[str, Any]:
-    """Gateway settings with files and batches on this test's bucket, polling often."""
-    return {"s3": s3_bucket.settings(), "batches_poll_s": 0.1, **overrides}
+    """Gateway settings with files and batches on this test's bucket, polling and recording answers often."""
+    return {"s3": s3_bucket.settings(), "batches_poll_s": 0.1, "batches_part_s": 0.2, **overrides}
 
 
 def _request(custom_id: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -132,6 +132,7 @@ def test_a_chat_batch_is_answered_as_live_requests_and_refusals_go_to_the_error_
     assert set(outputs) == set(good) and set(errors) == set(bad)
     output_file = client.files.retrieve(done.output_file_id)
     assert (output_file.purpose, output_file.filename) == ("batch_output", f"{done.id}_output.jsonl")
+    assert output_file.expires_at is None  # (no output_expires_after: kept until deleted)
 
     for cid, body in good.items():
         line = outputs[cid]
@@ -214,6 +215,29 @@ def _slow_lines(count: int, url: str = COMPLETIONS) -> list[dict[str, Any]]:
     return [_request(f"line-{i}", url, {"model": BASE, "prompt": [10 + i, 3], "max_tokens": 4}) for i in range(count)]
 
 
+def _recorded(store: redis.Redis, tenant: str, batch_id: str, total: int) -> set[int]:
+    """The request indexes the batch recorded as answered (its bitmap in Redis)."""
+    return {i for i in range(total) if store.getbit(f"preft:batch-done:{tenant}:{batch_id}", i)}
+
+
+def _objects(s3_bucket, prefix: str) -> list[str]:
+    """The keys of the test bucket's objects under `prefix`."""
+    pages = s3_bucket.client().get_paginator("list_objects_v2").paginate(Bucket=s3_bucket.bucket, Prefix=prefix)
+    return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+
+
+def _stray_part(total: int) -> bytes:
+    """A part no runner recorded, as one whose runner stopped between writing it and recording it would be (in the
+    parts' format: `<index> <file> <line>`): an answer of its own for each line."""
+    response = {"status_code": 200, "request_id": "stray", "body": {}}
+    line = {"id": "batch_req_stray", "custom_id": "", "response": response, "error": None}
+    return b"".join(f"{i} output {json.dumps({**line, 'custom_id': f'line-{i}'})}\n".encode() for i in range(total))
+
+
+def _ordered_lines(client: openai.OpenAI, file_id: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
 def _received_lines(stub) -> Counter:
     """How many times the engine received each line (by its prompt's first token)."""
     return Counter(req.prompt_token_ids[0] - 10 for _, req in stub.received)
@@ -271,7 +295,7 @@ def test_a_replica_stopped_mid_batch_is_taken_over_without_answering_a_line_twic
     first.server.stop()
     store = redis.Redis.from_url(redis_url, decode_responses=True)
     assert store.pttl(f"preft:batch-lease:acme:{created.id}") > 0  # (left to lapse)
-    answered_first = {int(i) for i in store.hkeys(f"preft:batch-results:acme:{created.id}")}  # (what it recorded)
+    answered_first = _recorded(store, "acme", created.id, 30)  # (what it recorded)
     assert 4 <= len(answered_first) < 30
     store.close()
 
@@ -287,6 +311,111 @@ def test_a_replica_stopped_mid_batch_is_taken_over_without_answering_a_line_twic
     assert all(received[i] == 1 for i in answered_first), received  # (none of those was answered again)
     assert sum(received.values()) <= 30 + 2  # (at most the two in flight when it stopped, answered again)
     assert REGISTRY.get_sample_value("preft_gateway_batch_takeovers_total") == takeovers + 1
+
+
+def test_a_running_batch_keeps_its_answers_in_s3_parts_and_in_redis_only_what_it_counts(
+    make_gateway, registry, stub, s3_bucket, redis_url
+):
+    """Answers go to S3 a part at a time (a few lines, or a short time); Redis holds which lines are done, the
+    counts and the parts' names, never an answer. A part no runner recorded is ignored; the output is in request
+    order, each line once; the batch's objects in S3 and its keys in Redis but its own are gone once it ended."""
+    key = registry.tenant("acme")
+    settings = _batches(s3_bucket, batches_line_concurrency=2, batches_part_lines=4, batches_part_s=0.5)
+    client = make_gateway(**settings).openai(key)
+    stub.token_delay_s = 0.1  # (0.4 s a line: 6 s of work)
+    created = _start(client, COMPLETIONS, _slow_lines(30))
+    running = _until(lambda: client.batches.retrieve(created.id), lambda b: b.request_counts.completed >= 8)
+    assert running.status == "in_progress", running
+
+    store = redis.Redis.from_url(redis_url)  # (bytes: the bitmap is not text)
+    names = {kind: f"preft:batch{kind}:acme:{created.id}" for kind in ("", "-lease", "-done", "-parts")}
+    keys = {k.decode() for k in store.keys(f"preft:batch*:acme:{created.id}")}
+    assert keys == set(names.values()), keys  # (no results hash)
+    values = [*store.hgetall(names[""]).values(), store.get(names["-lease"]), store.get(names["-done"])]
+    held = b"".join([*values, *store.lrange(names["-parts"], 0, -1)])
+    assert b"line-" not in held and b"batch_req_" not in held and b"choices" not in held  # (no answer in Redis)
+    assert sum(store.memory_usage(k) for k in keys) < 4096
+    prefix = f"batches/acme/{created.id}/parts/"
+    recorded = [f"{prefix}{n.decode()}.part" for n in store.lrange(names["-parts"], 0, -1)]
+    assert len(recorded) >= 2 and set(recorded) <= set(_objects(s3_bucket, prefix))  # (parts in S3 while it runs)
+    s3_bucket.client().put_object(Bucket=s3_bucket.bucket, Key=f"{prefix}stray-000000.part", Body=_stray_part(30))
+
+    done = _ended(client, created.id)
+    counts = done.request_counts
+    assert done.status == "completed" and (counts.total, counts.completed, counts.failed) == (30, 30, 0)
+    lines = _ordered_lines(client, done.output_file_id)
+    assert [line["custom_id"] for line in lines] == [f"line-{i}" for i in range(30)]  # (request order, each once)
+    for line in lines:  # (the answers, not the stray part's)
+        assert line["response"]["body"]["choices"][0]["text"] == _fake_text(stub, line["response"]["request_id"])
+    assert done.usage.output_tokens == 30 * 4 and done.error_file_id is None
+    assert _objects(s3_bucket, f"batches/acme/{created.id}/") == []  # (input copy, parts, the stray: all gone)
+    assert {k.decode() for k in store.keys(f"preft:batch*:acme:{created.id}")} == {names[""]}
+    store.close()
+
+
+def test_a_takeover_answers_again_only_the_lines_no_recorded_part_holds(
+    make_gateway, registry, stub, s3_bucket, redis_url
+):
+    """The runner's replica crashes between writing parts to S3 and recording them: those parts (and a stray one)
+    are ignored and their lines answered again by the replica that takes over; the output holds every line once,
+    and the counts count each line once."""
+    key = registry.tenant("acme")
+    settings = _batches(
+        s3_bucket,
+        batches_line_concurrency=2,
+        batches_lease_s=8.0,  # (as the takeover test above: the stop must return before the work or the lease ends)
+        batches_poll_s=0.3,
+        batches_part_lines=3,
+        batches_part_s=60.0,  # (parts of three lines only)
+    )
+    first = make_gateway(**settings)
+    client = first.openai(key)
+    stub.token_delay_s = 0.15  # (0.6 s a line: 9 s of work)
+    created = _start(client, COMPLETIONS, _slow_lines(30))
+    _until(lambda: client.batches.retrieve(created.id), lambda b: b.request_counts.completed >= 6)
+    runner = first.server.server.config.app.state.batch_runner
+
+    async def crashed(*_: Any) -> None:  # (a crashed replica lets go of nothing)
+        return None
+
+    async def unrecorded(*_: Any) -> int:  # (the part is in S3; the replica crashed before it was recorded)
+        return 0
+
+    runner._store.record_part, runner._store.release = unrecorded, crashed
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    prefix = f"batches/acme/{created.id}/parts/"
+
+    def lost_parts() -> set[str]:
+        names = store.lrange(f"preft:batch-parts:acme:{created.id}", 0, -1)
+        return set(_objects(s3_bucket, prefix)) - {f"{prefix}{n}.part" for n in names}
+
+    _until(lost_parts, bool)
+    first.server.stop()
+    recorded = _recorded(store, "acme", created.id, 30)
+    s3 = s3_bucket.client()
+    lost = {
+        int(line.split(b" ", 1)[0])
+        for part in lost_parts()
+        for line in s3.get_object(Bucket=s3_bucket.bucket, Key=part)["Body"].read().splitlines()
+    }
+    assert lost and not lost & recorded and 6 <= len(recorded) < 30, (lost, recorded)
+    s3.put_object(Bucket=s3_bucket.bucket, Key=f"{prefix}stray-000000.part", Body=_stray_part(30))
+
+    second = make_gateway(**settings)
+    done = _ended(second.openai(key), created.id)
+    counts = done.request_counts
+    assert done.status == "completed" and (counts.total, counts.completed, counts.failed) == (30, 30, 0)
+    lines = _ordered_lines(second.openai(key), done.output_file_id)
+    assert [line["custom_id"] for line in lines] == [f"line-{i}" for i in range(30)]
+    for line in lines:
+        assert line["response"]["body"]["choices"][0]["text"] == _fake_text(stub, line["response"]["request_id"])
+    received = _received_lines(stub)
+    assert all(received[i] == 1 for i in recorded), received
+    assert all(received[i] == 2 for i in lost), received  # (answered before the crash, and again)
+    assert 30 + len(lost) <= sum(received.values()) <= 30 + len(lost) + 2  # (and at most the two in flight)
+    assert done.usage.output_tokens == 30 * 4  # (each line counted once)
+    assert _objects(s3_bucket, f"batches/acme/{created.id}/") == []
+    store.close()
 
 
 def test_stopping_a_gateway_mid_batch_is_quick_and_another_goes_on_at_once(make_gateway, registry, stub, s3_bucket):
@@ -306,6 +435,26 @@ def test_stopping_a_gateway_mid_batch_is_quick_and_another_goes_on_at_once(make_
     done = _ended(third.openai(key), created.id, timeout_s=15)
     assert done.status == "completed" and done.request_counts.completed == 30
     assert second.openai(key).batches.retrieve(created.id).status == "completed"  # (any replica reads it)
+
+
+def test_a_clean_stop_records_the_lines_its_runs_answered(make_gateway, registry, stub, s3_bucket):
+    """No part is due before the stop (parts of a minute): the stop writes and records what was answered, so the
+    replica that goes on answers again at most the lines that were in flight."""
+    key = registry.tenant("acme")
+    settings = _batches(s3_bucket, batches_line_concurrency=2, batches_part_s=60.0)
+    first, second = make_gateway(**settings), make_gateway(**{**settings, "batches_max_running": 0})
+    client = first.openai(key)
+    stub.token_delay_s = 0.1  # (0.4 s a line: 6 s of work)
+    created = _start(client, COMPLETIONS, _slow_lines(30))
+    _until(lambda: len(stub.received), lambda n: n >= 6)
+    assert client.batches.retrieve(created.id).request_counts.completed == 0  # (nothing recorded yet)
+    first.server.stop()
+    left = second.openai(key).batches.retrieve(created.id)
+    assert left.status == "in_progress" and 4 <= left.request_counts.completed < 30, left
+    third = make_gateway(**settings)
+    done = _ended(third.openai(key), created.id)
+    assert done.status == "completed" and done.request_counts.completed == 30
+    assert sum(_received_lines(stub).values()) <= 30 + 2  # (at most the two in flight at the stop, answered again)
 
 
 def test_a_batch_past_its_completion_window_expires(make_gateway, registry, stub, s3_bucket):
@@ -348,6 +497,18 @@ def test_the_monthly_quota_stops_the_batch_lines_once_reached(make_gateway, regi
         error = response["body"]["error"]
         assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
     assert sorted(_received_lines(stub)) == answered  # (the refused lines never reached the engine)
+
+
+def test_a_batch_output_files_expire_as_asked(make_gateway, registry, s3_bucket):
+    client = make_gateway(**_batches(s3_bucket)).openai(registry.tenant("acme"))
+    lines = [_request("good", CHAT, _chat("hi")), _request("bad", CHAT, _chat("x", temperature=7))]
+    created = _start(
+        client, CHAT, lines, extra_body={"output_expires_after": {"anchor": "created_at", "seconds": 7200}}
+    )
+    done = _ended(client, created.id)
+    for file_id in (done.output_file_id, done.error_file_id):
+        written = client.files.retrieve(file_id)
+        assert written.expires_at == written.created_at + 7200
 
 
 def test_bad_batches_fail_with_errors_naming_their_lines(make_gateway, registry, stub, s3_bucket):
@@ -400,7 +561,11 @@ def test_bad_batch_requests_are_refused_and_change_nothing(make_gateway, registr
         ({**body, "endpoint": "/v1/embeddings"}, 400, "endpoint"),
         ({**body, "completion_window": "1h"}, 400, "completion_window"),
         ({**body, "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
-        ({**body, "output_expires_after": {"anchor": "created_at", "seconds": 3600}}, 400, "output_expires_after"),
+        ({**body, "output_expires_after": {"anchor": "created_at", "seconds": 3599}}, 400, "output_expires_after"),
+        ({**body, "output_expires_after": {"anchor": "created_at", "seconds": 2_592_001}}, 400, "seconds"),
+        ({**body, "output_expires_after": {"anchor": "created_at", "seconds": "3600"}}, 400, "seconds"),
+        ({**body, "output_expires_after": {"anchor": "now", "seconds": 3600}}, 400, "anchor"),
+        ({**body, "output_expires_after": {"seconds": 3600}}, 400, "anchor"),
         ({"endpoint": COMPLETIONS, "completion_window": "24h"}, 400, "input_file_id"),
     ]
     for sent, status, says in refused:

@@ -102,6 +102,23 @@ BAD_LINES = [
 ]
 
 
+ANCHOR, SECONDS = "expires_after[anchor]", "expires_after[seconds]"
+BAD_EXPIRES_AFTER = [
+    ({ANCHOR: "created_at"}, "expires_after[seconds]: give both"),
+    ({SECONDS: "3600"}, "expires_after[anchor]: give both"),
+    ({ANCHOR: "last_active_at", SECONDS: "3600"}, "expires_after[anchor]: the only anchor is created_at"),
+    ({ANCHOR: "", SECONDS: "3600"}, "expires_after[anchor]: the only anchor is created_at"),
+    ({ANCHOR: "created_at", SECONDS: "3599"}, "expires_after[seconds]: an integer number of seconds from 3600"),
+    ({ANCHOR: "created_at", SECONDS: "2592001"}, "expires_after[seconds]: an integer"),
+    ({ANCHOR: "created_at", SECONDS: "3600.5"}, "expires_after[seconds]: an integer"),
+    ({ANCHOR: "created_at", SECONDS: "1e4"}, "expires_after[seconds]: an integer"),
+    ({ANCHOR: "created_at", SECONDS: "-3600"}, "expires_after[seconds]: an integer"),
+    ({ANCHOR: "created_at", SECONDS: ""}, "expires_after[seconds]: an integer"),
+    ({ANCHOR: "created_at", SECONDS: ["3600", "7200"]}, "expires_after[seconds]: give it once"),
+    ({"expires_after": '{"anchor": "created_at", "seconds": 3600}'}, "expires_after: send it as the fields"),
+]
+
+
 def test_bad_uploads_are_refused_and_store_nothing(make_gateway, registry, s3_bucket):
     gateway = make_gateway(s3=s3_bucket.settings(), files_max_bytes=4096, batches_max_requests=3)
     key = registry.tenant("acme")
@@ -126,10 +143,8 @@ def test_bad_uploads_are_refused_and_store_nothing(make_gateway, registry, s3_bu
         "file as a field": http.post("/v1/files", data={"purpose": "user_data", "file": "text"}),
         "empty file": http.post("/v1/files", files={"file": ("a.txt", b"")}, data={"purpose": "user_data"}),
         "no file name": http.post("/v1/files", files={"file": ("", b"a")}, data={"purpose": "user_data"}),
-        "expires_after": http.post(
-            "/v1/files",
-            files={"file": ("a.txt", b"a")},
-            data={"purpose": "user_data", "expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"},
+        "unknown field": http.post(
+            "/v1/files", files={"file": ("a.txt", b"a")}, data={"purpose": "user_data", "fine_tune": "yes"}
         ),
         "json": http.post("/v1/files", json={"purpose": "user_data"}),
         "two files": http.post(
@@ -140,7 +155,14 @@ def test_bad_uploads_are_refused_and_store_nothing(make_gateway, registry, s3_bu
         assert answer.status_code == 400, (case, answer.status_code, answer.text)
         assert error_of(answer)["type"] == "invalid_request_error", case
     assert "purpose" in error_of(refused["bad purpose"])["message"]
-    assert "expires_after[anchor] is not supported" in error_of(refused["expires_after"])["message"]
+    assert "fine_tune is not supported" in error_of(refused["unknown field"])["message"]
+    for fields, says in BAD_EXPIRES_AFTER:
+        answer = http.post("/v1/files", files={"file": ("a.txt", b"a")}, data={"purpose": "user_data", **fields})
+        assert answer.status_code == 400, (fields, answer.text)
+        assert error_of(answer)["message"].startswith(says), (fields, answer.text)
+    for expires_after in ({"anchor": "created_at", "seconds": 3599}, {"anchor": "last_active_at", "seconds": 3600}):
+        with pytest.raises(openai.BadRequestError, match=r"expires_after\["):
+            client.files.create(file=("a.txt", b"a"), purpose="batch", expires_after=expires_after)  # type: ignore[arg-type]
     chunked = http.post(
         "/v1/files", content=iter([b"--x\r\n"]), headers={"content-type": "multipart/form-data; boundary=x"}
     )

@@ -27,6 +27,15 @@ def test_settings_from_environment_and_the_placeholder_guard(monkeypatch, tmp_pa
         GatewaySettings(environment="dev", max_model_len=100, max_prompt_tokens=100)
 
 
+def test_the_file_sweep_period(monkeypatch):
+    assert GatewaySettings(environment="dev").files_sweep_period_s == 60.0
+    monkeypatch.setenv("PREFT_GATEWAY__FILES_SWEEP_PERIOD_S", "2.5")
+    assert GatewaySettings(environment="dev").files_sweep_period_s == 2.5
+    for period_s in (0, -1, 3601):
+        with pytest.raises(ValidationError, match="files_sweep_period_s"):
+            GatewaySettings(environment="dev", files_sweep_period_s=period_s)
+
+
 def test_openapi_schema_lists_the_routes(gateway):
     paths = gateway.http().get("/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz", "/readyz", "/metrics"} <= set(paths)

@@ -1,12 +1,15 @@
 """OpenAI's Batch API: a file of requests answered offline, within a completion window (``batches`` runs them).
 
-    POST /v1/batches               {"input_file_id", "endpoint", "completion_window": "24h", "metadata"}
+    POST /v1/batches               {"input_file_id", "endpoint", "completion_window": "24h", "metadata",
+                                    "output_expires_after": {"anchor": "created_at", "seconds": 3600-2592000}}
     GET  /v1/batches               after (a batch id), limit (1-100, default 20): newest first
     GET  /v1/batches/{id}
     POST /v1/batches/{id}/cancel   the batch, cancelling (cancelled once its runner stopped it)
 
 The endpoint is /v1/chat/completions, /v1/completions or /v1/responses; the input file must be one of the tenant's
-of purpose `batch`. Another tenant's batch (or file) answers 404, as one that does not exist.
+of purpose `batch`. `output_expires_after` makes the batch's output and error files expire that long after they
+are written (without it they stay until deleted). A tenant with `batches_max_open_per_tenant` batches not ended yet
+is answered 429 (nothing stored). Another tenant's batch (or file) answers 404, as one that does not exist.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import uuid
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.responses import JSONResponse
 
 from preft.common.errors import InvalidArgument
 from preft.common.metrics import BATCHES_CREATED
 from preft.gateway.batches import BatchRunner
 from preft.gateway.deps import BatchStoreDep, CallerDep, FileStoreDep, SettingsDep, files_on, json_body
+from preft.gateway.files import EXPIRES_AFTER_S
 from preft.gateway.responses import Metadata, item_list
 
 router = APIRouter(tags=["batches"])
@@ -36,6 +40,13 @@ async def get_batch_runner(request: Request) -> BatchRunner:
 BatchRunnerDep = Annotated[BatchRunner, Depends(get_batch_runner)]
 
 
+class ExpiresAfter(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"] = Field(description="The file's creation (the only anchor)")
+    seconds: StrictInt = Field(ge=EXPIRES_AFTER_S[0], le=EXPIRES_AFTER_S[1])
+
+
 class NewBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -43,6 +54,7 @@ class NewBatch(BaseModel):
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     completion_window: Literal["24h"]
     metadata: Metadata | None = None
+    output_expires_after: ExpiresAfter | None = None
 
 
 @router.post("/v1/batches")
@@ -71,6 +83,7 @@ async def create_batch(
         "expires_at": int(deadline_s),
         "deadline_s": deadline_s,
         "metadata": body.metadata or {},
+        "output_expires_after_s": body.output_expires_after.seconds if body.output_expires_after else None,
         "key_id": caller.key_id,
     }
     batch = await store.create(caller.tenant, spec)

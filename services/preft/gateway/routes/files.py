@@ -1,19 +1,24 @@
 """OpenAI's Files API: each tenant's own files (``files``), the inputs and outputs of its batches.
 
-    POST   /v1/files               multipart: file, purpose (batch or user_data)
+    POST   /v1/files               multipart: file, purpose (batch or user_data), and optionally
+                                   expires_after[anchor] (created_at) with expires_after[seconds] (3600-2592000)
     GET    /v1/files               purpose, limit (1-10000), after (a file id), order (desc unless asc)
     GET    /v1/files/{id}
     GET    /v1/files/{id}/content  the file's bytes
     DELETE /v1/files/{id}
 
 An upload is checked before anything is stored: its size (`files_max_bytes`: 413 past it; a Content-Length is
-required), its purpose, and for `batch` every line (a 400 naming the first bad one). Batches write their outputs as
-files of purpose `batch_output`. Another tenant's file answers 404, as one that does not exist.
+required), its purpose, its expires_after, and for `batch` every line (a 400 naming the first bad one). A file
+expires `expires_after[seconds]` after its creation (its `expires_at`); without expires_after, as OpenAI's,
+`batch` files after 30 days and `user_data` files never. An expired file answers 404 at once, and the replicas'
+sweepers remove it (``file_sweeper``). Batches write their outputs as files of purpose `batch_output`. Another
+tenant's file answers 404, as one that does not exist.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -24,7 +29,7 @@ from preft.common.errors import InvalidArgument
 from preft.gateway.batch_input import check_lines
 from preft.gateway.deps import CallerDep, FileStoreDep, SettingsDep, check_multipart_upload
 from preft.gateway.errors import PayloadTooLarge
-from preft.gateway.files import UPLOAD_PURPOSES
+from preft.gateway.files import DEFAULT_EXPIRES_AFTER_S, EXPIRES_AFTER_S, UPLOAD_PURPOSES
 from preft.gateway.responses import item_list
 
 router = APIRouter(tags=["files"])
@@ -32,6 +37,9 @@ router = APIRouter(tags=["files"])
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # what the form's other fields and boundaries may add to the file's bytes
 MAX_FILENAME_CHARS = 255
 MAX_LIST = 10_000
+ANCHOR, SECONDS = "expires_after[anchor]", "expires_after[seconds]"
+FIELDS = ("file", "purpose", ANCHOR, SECONDS)
+DIGITS = re.compile(r"^[0-9]{1,9}$")
 
 
 def _file_part(form: Any) -> UploadFile:
@@ -54,6 +62,31 @@ def _purpose(form: Any) -> str:
     return purpose
 
 
+def _one(form: Any, name: str) -> str | None:
+    values = form.getlist(name)
+    if not values:
+        return None
+    if len(values) > 1 or not isinstance(values[0], str):
+        raise InvalidArgument(f"{name}: give it once, as a form field")
+    return values[0]
+
+
+def _expires_after_s(form: Any, purpose: str) -> int | None:
+    """The seconds after its creation that the file expires (OpenAI's default for the purpose where not given)."""
+    anchor, seconds = _one(form, ANCHOR), _one(form, SECONDS)
+    if anchor is None and seconds is None:
+        return DEFAULT_EXPIRES_AFTER_S.get(purpose)
+    if anchor is None or seconds is None:
+        missing = ANCHOR if anchor is None else SECONDS
+        raise InvalidArgument(f"{missing}: give both {ANCHOR} and {SECONDS}, or neither")
+    if anchor != "created_at":
+        raise InvalidArgument(f"{ANCHOR}: the only anchor is created_at, not {anchor!r}")
+    low, high = EXPIRES_AFTER_S
+    if not DIGITS.match(seconds) or not low <= int(seconds) <= high:
+        raise InvalidArgument(f"{SECONDS}: an integer number of seconds from {low} to {high}, not {seconds!r}")
+    return int(seconds)
+
+
 @router.post("/v1/files")
 async def upload_file(request: Request, caller: CallerDep, files: FileStoreDep, settings: SettingsDep) -> JSONResponse:
     limit = settings.files_max_bytes
@@ -64,10 +97,13 @@ async def upload_file(request: Request, caller: CallerDep, files: FileStoreDep, 
         not_multipart="send the file as multipart/form-data: fields file and purpose",
     )
     async with request.form(max_files=1, max_fields=8) as form:
-        extra = sorted({k for k in form if k not in ("file", "purpose")})
-        if extra:  # (expires_after, ...: asked for, not done)
+        extra = sorted({k for k in form if k not in FIELDS})
+        if "expires_after" in extra:
+            raise InvalidArgument(f"expires_after: send it as the fields {ANCHOR} and {SECONDS}")
+        if extra:
             raise InvalidArgument(f"{extra[0]} is not supported by this server")
         purpose, upload = _purpose(form), _file_part(form)
+        expires_after_s = _expires_after_s(form, purpose)
         size = upload.size or 0
         if size > limit:
             raise PayloadTooLarge(f"The file is larger than {limit} bytes.")
@@ -78,7 +114,14 @@ async def upload_file(request: Request, caller: CallerDep, files: FileStoreDep, 
             source.seek(0)
             await asyncio.to_thread(check_lines, source, settings.batches_max_requests)
         source.seek(0)
-        created = await files.create(caller.tenant, source, size=size, filename=upload.filename or "", purpose=purpose)
+        created = await files.create(
+            caller.tenant,
+            source,
+            size=size,
+            filename=upload.filename or "",
+            purpose=purpose,
+            expires_after_s=expires_after_s,
+        )
     return JSONResponse(created)
 
 

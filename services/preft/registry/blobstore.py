@@ -142,7 +142,7 @@ class BlobStore:
             try:
                 return self.s3.get_object(Bucket=self.bucket, Key=self.key(digest), Range=rng)["Body"].read()
             except botocore.exceptions.ClientError as e:
-                if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                if s3.is_missing(e):
                     raise NotFound(f"blob {digest[:12]} is not in the blob store") from e
                 raise
 

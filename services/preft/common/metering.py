@@ -5,9 +5,10 @@ The gateway writes it (``gateway.metering``); the gateway's usage route and the 
 Layout: one hash per tenant and UTC day, ``preft:usage:<tenant>:<YYYY-MM-DD>``, whose fields are ``<counter>|<model>``:
 the counter one of ``COUNTERS`` and the model as the request resolved it (``owner/name@vN`` for an adapter, the
 served base model's name otherwise). A day's hash expires ``RETENTION_DAYS`` after its last write. The same counts
-by UTC hour, ``preft:usage-hour:<tenant>:<YYYY-MM-DDTHH>``, expire ``HOUR_RETENTION_DAYS`` after theirs. Beside them,
-the tenant's tokens (input and output) of each UTC month, ``preft:usage-month:<tenant>:<YYYY-MM>``, a counter the
-gateway's admission reads against the tenant's `tokens_per_month` quota, kept ``MONTH_TTL_DAYS``.
+by UTC hour, ``preft:usage-hour:<tenant>:<YYYY-MM-DDTHH>``, expire ``HOUR_RETENTION_DAYS`` after theirs, and by UTC
+minute, ``preft:usage-minute:<tenant>:<YYYY-MM-DDTHH:MM>``, ``MINUTE_RETENTION_DAYS`` after theirs. Beside them, the
+tenant's tokens (input and output) of each UTC month, ``preft:usage-month:<tenant>:<YYYY-MM>``, a counter the gateway's
+admission reads against the tenant's `tokens_per_month` quota, kept ``MONTH_TTL_DAYS``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ PREFIX = "preft:usage:"
 COUNTERS = ("requests", "input_tokens", "output_tokens")
 RETENTION_DAYS = 400  # a day's counts stay this long after its last write (a year of history, and a margin)
 HOUR_RETENTION_DAYS = 35  # an hour's counts stay this long after their last write (a month of hourly detail)
-HOUR_S, DAY_S = 3_600, 86_400
+# a minute's counts stay this long after their last write: OpenAI's largest page of minutes (1440) is a day; a second
+# day keeps all of yesterday readable until midnight, at most 2,880 small hashes per tenant
+MINUTE_RETENTION_DAYS = 2
+MINUTE_S, HOUR_S, DAY_S = 60, 3_600, 86_400
 MONTH_TTL_DAYS = 62  # a month's token counter stays this long after its last write (past the month's end)
 MAX_QUERY_DAYS = 366  # the most days one read spans
 
@@ -48,6 +52,11 @@ def day_key(tenant: str, day: date) -> str:
 def hour_key(tenant: str, hour_start_s: int) -> str:
     """The hash of the tenant's counts in the UTC hour starting at `hour_start_s`."""
     return f"preft:usage-hour:{tenant}:{datetime.fromtimestamp(hour_start_s, UTC):%Y-%m-%dT%H}"
+
+
+def minute_key(tenant: str, minute_start_s: int) -> str:
+    """The hash of the tenant's counts in the UTC minute starting at `minute_start_s`."""
+    return f"preft:usage-minute:{tenant}:{datetime.fromtimestamp(minute_start_s, UTC):%Y-%m-%dT%H:%M}"
 
 
 def month_key(tenant: str, day: date) -> str:

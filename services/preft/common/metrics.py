@@ -53,6 +53,10 @@ BACKGROUND_RUNNING = Gauge("preft_gateway_background_responses", "Background res
 BACKGROUND_ENDED = Counter(
     "preft_gateway_background_responses_ended_total", "Background responses ended, by how", ["status"]
 )
+METERING_COARSENED = Counter(
+    "preft_gateway_metering_coarsened_total",
+    "Token usage entries folded from minutes into hours: the meter held its most entries while Redis was unreachable",
+)
 METERING_DROPPED = Counter(
     "preft_gateway_metering_dropped_total",
     "Answered requests left out of the token usage: the meter held its most entries while Redis was unreachable",

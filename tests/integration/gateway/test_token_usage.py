@@ -1,6 +1,6 @@
-"""Per-tenant token metering: every answered generation (whole, streamed, Responses) is counted in Redis by UTC hour,
-day and model, read back through GET /v1/organization/usage/completions in day or hour buckets; failures and other
-tenants are not counted; the meter keeps its counts while Redis is down and sends each batch once."""
+"""Per-tenant token metering: every answered generation (whole, streamed, Responses) is counted in Redis by UTC
+minute, hour, day and model, read back through GET /v1/organization/usage/completions in day, hour or minute buckets;
+failures and other tenants are not counted; the meter keeps its counts while Redis is down and sends each batch once."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from preft.common import metering
@@ -19,7 +20,8 @@ from preft.stack import RedisServer, free_port
 from .conftest import BASE, error_of
 
 ROUTE = "/v1/organization/usage/completions"
-DAY_S, HOUR_S = 86_400, 3_600
+DAY_S, HOUR_S, MINUTE_S = 86_400, 3_600, 60
+COUNTS = ("num_model_requests", "input_tokens", "output_tokens")
 
 
 def _today_start() -> int:
@@ -28,6 +30,21 @@ def _today_start() -> int:
 
 def _hour_start() -> int:
     return int(time.time()) // HOUR_S * HOUR_S
+
+
+def _minute_start() -> int:
+    return int(time.time()) // MINUTE_S * MINUTE_S
+
+
+def _sums(buckets: list[dict[str, Any]], span_s: int = DAY_S) -> dict[tuple[int, str], list[int]]:
+    """The buckets' counts summed per (start of their `span_s`, model)."""
+    sums: dict[tuple[int, str], list[int]] = {}
+    for bucket in buckets:
+        for result in bucket["results"]:
+            into = sums.setdefault((bucket["start_time"] // span_s * span_s, result["model"]), [0, 0, 0])
+            for i, counter in enumerate(COUNTS):
+                into[i] += result[counter]
+    return sums
 
 
 def _usage(http, **params: Any) -> dict[str, Any]:
@@ -88,12 +105,12 @@ def test_answered_generations_are_metered_by_day_and_model(make_gateway, registr
     hours = _usage(http, bucket_width="1h", group_by="model", limit=24)["data"]  # (today's hours: they sum to the day)
     assert [b["end_time"] - b["start_time"] for b in hours] == [HOUR_S] * len(hours)
     assert hours[0]["start_time"] == _today_start() and hours[-1]["start_time"] == _hour_start()
-    hourly: dict[str, list[int]] = {}
-    for result in (r for b in hours for r in b["results"]):
-        sums = hourly.setdefault(result["model"], [0, 0, 0])
-        for i, counter in enumerate(("num_model_requests", "input_tokens", "output_tokens")):
-            sums[i] += result[counter]
-    assert hourly == {m: [r["num_model_requests"], r["input_tokens"], r["output_tokens"]] for m, r in by_model.items()}
+    daily = {(_today_start(), m): [r[c] for c in COUNTS] for m, r in by_model.items()}
+    assert _sums(hours) == daily
+    minutes = _usage(http, bucket_width="1m", group_by="model", limit=1440)["data"]  # (today's minutes: to each hour)
+    assert minutes[0]["start_time"] == _today_start() and minutes[-1]["start_time"] == _minute_start()
+    assert [b["end_time"] - b["start_time"] for b in minutes] == [MINUTE_S] * len(minutes)
+    assert _sums(minutes, HOUR_S) == _sums(hours, HOUR_S) and _sums(minutes) == daily
 
     (theirs,) = _wait_for(gateway.http(beta), 1)  # beta sees its own only
     assert (theirs["num_model_requests"], theirs["input_tokens"], theirs["output_tokens"]) == (1, 2, 7)
@@ -129,17 +146,99 @@ def test_hour_buckets_are_utc_hours_paged_by_limit(gateway, registry):
     assert "cursor" in error_of(http.get(ROUTE, params=day_cursor))["message"]  # (a 1d cursor on 1h)
 
 
+def test_minute_buckets_are_utc_minutes_paged_by_limit(gateway, registry):
+    http = gateway.http(registry.tenant("acme"))
+    minute = _minute_start()
+    start, end = minute - 3 * MINUTE_S + 5, minute + MINUTE_S  # (start within a minute: its bucket starts at :00)
+    params = {"start_time": start, "end_time": end, "bucket_width": "1m", "limit": 2}
+    page = http.get(ROUTE, params=params).json()
+    assert page["has_more"] is True
+    assert [b["start_time"] for b in page["data"]] == [minute - 3 * MINUTE_S, minute - 2 * MINUTE_S]
+    assert all(b["end_time"] - b["start_time"] == MINUTE_S and b["results"] == [] for b in page["data"])
+    rest = http.get(ROUTE, params={**params, "page": page["next_page"]}).json()
+    assert [b["start_time"] for b in rest["data"]] == [minute - MINUTE_S, minute]
+    assert rest["has_more"] is False and rest["next_page"] is None
+
+    day_ago = {"start_time": minute - DAY_S - 90 * MINUTE_S, "end_time": end, "bucket_width": "1m"}
+    first = http.get(ROUTE, params=day_ago).json()  # (60 a page by default)
+    assert len(first["data"]) == 60 and first["has_more"] is True
+    assert first["data"][-1]["start_time"] == minute - DAY_S - 31 * MINUTE_S
+    cursor = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(minute - DAY_S - 30 * MINUTE_S))
+    assert first["next_page"] == cursor
+    widest = http.get(ROUTE, params={**day_ago, "limit": 1440}).json()  # (the most: a day of minutes)
+    assert len(widest["data"]) == 1440 and widest["has_more"] is True
+    last = http.get(ROUTE, params={**day_ago, "limit": 1440, "page": widest["next_page"]}).json()
+    assert [b["start_time"] for b in last["data"]] == list(range(minute - 90 * MINUTE_S, end, MINUTE_S))
+    assert last["has_more"] is False
+
+
+def test_the_minutes_of_an_hour_sum_to_the_hour_per_model(gateway, registry, redis_url):
+    """Counts the meter wrote over the last hour's minutes (its clock set to each) read back per minute and per hour."""
+    http = gateway.http(registry.tenant("acme"))
+    hour = _hour_start() - HOUR_S
+    records = [(0, "m1", 10, 1), (0, "m1", 5, 2), (0, "m2", 3, 3), (17, "m2", 4, 4), (59, "m1", 6, 5), (59, "m2", 1, 0)]
+
+    async def meter_the_hour() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        clock = [0.0]
+        meter = TokenMeter(client, interval_s=60, timeout_s=2.0, max_pending=100, clock=lambda: clock[0])
+        try:
+            for minute, model, input_tokens, output_tokens in records:
+                clock[0] = hour + minute * MINUTE_S + 59.5  # (its last half second: still that minute)
+                meter.record("acme", model, input_tokens, output_tokens)
+            meter.record("beta", "m1", 1_000, 1_000)  # (another tenant's)
+            assert meter.pending == 6  # (one per tenant, minute and model)
+            await meter.flush()
+            ttl = await client.ttl(metering.minute_key("acme", hour + 17 * MINUTE_S))
+            assert metering.MINUTE_RETENTION_DAYS * DAY_S - 60 < ttl <= metering.MINUTE_RETENTION_DAYS * DAY_S
+        finally:
+            await client.aclose()
+
+    asyncio.run(meter_the_hour())
+    params = {"start_time": hour, "group_by": "model"}
+    minutes = http.get(ROUTE, params={**params, "bucket_width": "1m"}).json()  # (60 a page: the hour)
+    assert [b["start_time"] for b in minutes["data"]] == list(range(hour, hour + HOUR_S, MINUTE_S))
+    used = {(b["start_time"] - hour) // MINUTE_S: b["results"] for b in minutes["data"] if b["results"]}
+    assert {m: sorted((r["model"], *(r[c] for c in COUNTS)) for r in rs) for m, rs in used.items()} == {
+        0: [("m1", 2, 15, 3), ("m2", 1, 3, 3)],
+        17: [("m2", 1, 4, 4)],
+        59: [("m1", 1, 6, 5), ("m2", 1, 1, 0)],
+    }
+    (hourly,) = http.get(ROUTE, params={**params, "bucket_width": "1h", "end_time": hour + HOUR_S}).json()["data"]
+    expected = {(hour, "m1"): [3, 21, 8], (hour, "m2"): [3, 8, 7]}
+    assert _sums(minutes["data"], HOUR_S) == _sums([hourly], HOUR_S) == expected
+
+
+def test_a_start_time_before_the_minutes_kept_is_a_400_that_changes_nothing(gateway, registry, redis_url):
+    http = gateway.http(registry.tenant("acme"))
+    kept_s = metering.MINUTE_RETENTION_DAYS * DAY_S
+    client = redis.Redis.from_url(redis_url)
+    try:
+        before = {key: client.type(key) for key in client.scan_iter()}
+        answer = http.get(ROUTE, params={"start_time": int(time.time()) - kept_s - 2 * MINUTE_S, "bucket_width": "1m"})
+        assert answer.status_code == 400
+        message = error_of(answer)["message"]
+        assert f"per-minute usage is kept {metering.MINUTE_RETENTION_DAYS} days" in message
+        assert "bucket_width=1h" in message
+        assert {key: client.type(key) for key in client.scan_iter()} == before
+    finally:
+        client.close()
+    kept = http.get(ROUTE, params={"start_time": int(time.time()) - kept_s + 2 * MINUTE_S, "bucket_width": "1m"})
+    assert kept.status_code == 200 and len(kept.json()["data"]) == 60
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [
         ({}, "start_time"),
-        ({"start_time": 0, "bucket_width": "1m"}, "use 1h or 1d"),
+        ({"start_time": 0, "bucket_width": "1m"}, f"kept {metering.MINUTE_RETENTION_DAYS} days"),
         ({"start_time": 0, "bucket_width": "1h"}, f"kept {metering.HOUR_RETENTION_DAYS} days"),
         ({"start_time": 0, "bucket_width": "1w"}, "bucket_width"),
         ({"start_time": 0, "group_by": "project_id"}, "grouped by model only"),
         ({"start_time": 100, "end_time": 100}, "after start_time"),
         ({"start_time": 0, "limit": 32}, "at most 31"),
         ({"start_time": int(time.time()) - 3_600, "bucket_width": "1h", "limit": 169}, "at most 168"),
+        ({"start_time": int(time.time()) - 3_600, "bucket_width": "1m", "limit": 1441}, "at most 1440"),
         ({"start_time": 0, "page": "tomorrow"}, "cursor"),
         ({"start_time": 0, "end_time": DAY_S, "page": "2001-01-01"}, "outside"),
         ({"start_time": -1}, "start_time"),
@@ -159,41 +258,46 @@ def test_the_meter_keeps_its_counts_while_redis_is_down_and_sends_each_batch_onc
 
     async def scenario() -> None:
         redis = aioredis.Redis.from_url(server.url, decode_responses=True)
-        now = time.time()  # (the meter's clock: every record in one hour)
-        meter = TokenMeter(redis, interval_s=60, timeout_s=0.5, max_pending=2, clock=lambda: now)
-        day = metering.day_key("acme", metering.day_of(now))
+        hour = int(time.time()) // HOUR_S * HOUR_S
+        clock = [hour + 5 * MINUTE_S + 1.0]  # (the meter's: minute 5 of this hour, then 6)
+        meter = TokenMeter(redis, interval_s=60, timeout_s=0.5, max_pending=2, clock=lambda: clock[0])
+        day = metering.day_key("acme", metering.day_of(hour))
+        minute_5, minute_6 = (metering.minute_key("acme", hour + m * MINUTE_S) for m in (5, 6))
+
+        async def rows(key: str) -> dict[str, tuple[int, int, int]]:
+            parsed = metering.parse_day(metering.day_of(hour), await redis.hgetall(key))
+            return {r.model: (r.requests, r.input_tokens, r.output_tokens) for r in parsed}
+
         try:
             meter.record("acme", "m1", 10, 3)
             meter.record("acme", "m1", 5, 1)
             server.stop()
             await meter.flush()  # (refused: kept)
-            meter.record("acme", "m2", 7, 2)  # (a new batch: two entries held, the most)
-            meter.record("acme", "m3", 1, 1)  # (dropped)
+            clock[0] += MINUTE_S
+            meter.record("acme", "m1", 7, 2)  # (the next minute: a new entry, two held, the most)
+            meter.record("acme", "m3", 1, 1)  # (minute 6 folded into its hour, then m3's hour: dropped)
             assert meter.pending == 2
             server.start()
             await meter.flush()
             assert meter.pending == 0
-            rows = {r.model: r for r in metering.parse_day(metering.day_of(now), await redis.hgetall(day))}
-            assert set(rows) == {"m1", "m2"}
-            assert (rows["m1"].requests, rows["m1"].input_tokens, rows["m1"].output_tokens) == (2, 15, 4)
-            assert (rows["m2"].requests, rows["m2"].input_tokens, rows["m2"].output_tokens) == (1, 7, 2)
+            assert await rows(day) == await rows(metering.hour_key("acme", hour)) == {"m1": (3, 22, 6)}
+            assert (await rows(minute_5), await rows(minute_6)) == ({"m1": (2, 15, 4)}, {})  # (6: in the hour)
             assert 0 < await redis.ttl(day) <= metering.RETENTION_DAYS * DAY_S
-            meter.record("acme", "m4", 4, 0)
+            assert 0 < await redis.ttl(minute_5) <= metering.MINUTE_RETENTION_DAYS * DAY_S
+            meter.record("acme", "m4", 4, 0)  # (all sent: by minute again)
             meter.record("acme", "m5", 5, 0)
             assert len(meter._unsent) == 1  # (m4's batch sealed at its one entry, m5's being filled)
             await meter.flush()
             assert meter.pending == 0
-            sent = {r.model: r.input_tokens for r in metering.parse_day(metering.day_of(now), await redis.hgetall(day))}
-            assert (sent["m4"], sent["m5"]) == (4, 5)
+            sent = await rows(minute_6)
+            assert (sent["m4"][1], sent["m5"][1]) == (4, 5)
 
-            hour = int(now) // HOUR_S * HOUR_S
-            batch = Batch({("acme", hour, "m2"): [1, 100, 0]})
+            batch = Batch({("acme", hour + 6 * MINUTE_S, "m1"): [1, 100, 0]})
             keys, args = batch.script_args()
             applied = [await redis.eval(APPLY_LUA, len(keys), *keys, *args) for _ in range(2)]
             assert applied == [1, 0]  # (sent again under its id: not counted twice)
-            assert int(await redis.hget(day, metering.field("input_tokens", "m2"))) == 107
-            hour_rows = metering.parse_day(metering.day_of(hour), await redis.hgetall(metering.hour_key("acme", hour)))
-            assert {r.model: r.input_tokens for r in hour_rows} == {"m1": 15, "m2": 107, "m4": 4, "m5": 5}
+            assert (await rows(day))["m1"] == (await rows(metering.hour_key("acme", hour)))["m1"] == (4, 122, 6)
+            assert (await rows(minute_6))["m1"] == (1, 100, 0)  # (the earlier 7 + 2 went to the hour alone)
             assert 0 < await redis.ttl(metering.hour_key("acme", hour)) <= metering.HOUR_RETENTION_DAYS * DAY_S
         finally:
             await redis.aclose()

@@ -1,12 +1,13 @@
 """GET /v1/organization/usage/completions: the caller's tenant's token usage, in OpenAI's usage API shape.
 
-The tenant is the organization. Usage is kept per UTC day and per UTC hour (``common.metering``; hours for
-``HOUR_RETENTION_DAYS``), so buckets are one day wide (`bucket_width=1d`, OpenAI's default) or one hour (`1h`; `1m`
-is refused) and start on the UTC day or hour that holds `start_time`. `end_time` (exclusive, default now) ends the
-range; `limit` buckets a page (OpenAI's: for days 7 by default and at most 31, for hours 24 and 168), `page` the
-cursor a previous page's `next_page` gave. `group_by=model` gives one result per model, `models` keeps only those;
-the other groupings OpenAI offers (project, user, API key, batch) are refused. A bucket without use has no result.
-The usage of the last few seconds may not be in yet: each gateway replica adds it to Redis every
+The tenant is the organization. Usage is kept per UTC day, hour and minute (``common.metering``; hours for
+``HOUR_RETENTION_DAYS``, minutes for ``MINUTE_RETENTION_DAYS``), so buckets are one day wide (`bucket_width=1d`,
+OpenAI's default), one hour (`1h`) or one minute (`1m`) and start on the UTC day, hour or minute that holds
+`start_time`; a `start_time` before what its width keeps is refused. `end_time` (exclusive, default now) ends the
+range; `limit` buckets a page (OpenAI's: for days 7 by default and at most 31, for hours 24 and 168, for minutes 60
+and 1440), `page` the cursor a previous page's `next_page` gave. `group_by=model` gives one result per model, `models`
+keeps only those; the other groupings OpenAI offers (project, user, API key, batch) are refused. A bucket without use
+has no result. The usage of the last few seconds may not be in yet: each gateway replica adds it to Redis every
 `metering_flush_interval_s`.
 """
 
@@ -30,20 +31,37 @@ router = APIRouter(tags=["usage"])
 
 @dataclass(frozen=True)
 class Width:
-    """A bucket width: its seconds, a page's buckets by default and at most (OpenAI's), and its cursor's format."""
+    """A bucket width: its seconds, a page's buckets by default and at most (OpenAI's), its cursor's format, and how
+    long its hashes are kept."""
 
     seconds: int
     default_limit: int
     max_limit: int
     cursor: str  # (strftime of the page's first bucket start, UTC)
+    kept_days: int | None = None  # (None: the days', longer than a query reaches)
+    noun: str = ""  # (the width in the refusal of a start_time before kept_days)
+    coarser: str = ""  # (the width that refusal points to)
 
     def key(self, tenant: str, start_s: int) -> str:
         if self.seconds == metering.DAY_S:
             return metering.day_key(tenant, metering.day_of(start_s))
-        return metering.hour_key(tenant, start_s)
+        if self.seconds == metering.HOUR_S:
+            return metering.hour_key(tenant, start_s)
+        return metering.minute_key(tenant, start_s)
+
+    def kept_since(self, now_s: float) -> int | None:
+        """The first bucket start whose hash is surely kept at `now_s`: a hash lives `kept_days` past its last
+        write, which is not before its bucket's start."""
+        if self.kept_days is None:
+            return None
+        return -(-(int(now_s) - self.kept_days * metering.DAY_S) // self.seconds) * self.seconds
 
 
-WIDTHS = {"1d": Width(metering.DAY_S, 7, 31, "%Y-%m-%d"), "1h": Width(metering.HOUR_S, 24, 168, "%Y-%m-%dT%H:00Z")}
+WIDTHS = {
+    "1d": Width(metering.DAY_S, 7, 31, "%Y-%m-%d"),
+    "1h": Width(metering.HOUR_S, 24, 168, "%Y-%m-%dT%H:00Z", metering.HOUR_RETENTION_DAYS, "hourly", "1d"),
+    "1m": Width(metering.MINUTE_S, 60, 1440, "%Y-%m-%dT%H:%MZ", metering.MINUTE_RETENTION_DAYS, "per-minute", "1h"),
+}
 
 
 def _list_param(request: Request, name: str) -> list[str]:
@@ -93,8 +111,6 @@ async def completions_usage(
     limit: Annotated[int | None, Query(ge=1)] = None,
     page: str | None = None,
 ) -> JSONResponse:
-    if bucket_width not in WIDTHS:
-        raise InvalidArgument(f"bucket_width {bucket_width!r}: usage is kept per hour and per day; use 1h or 1d")
     width = WIDTHS[bucket_width]
     limit = width.default_limit if limit is None else limit
     if limit > width.max_limit:
@@ -107,11 +123,11 @@ async def completions_usage(
     if end <= start_time:
         raise InvalidArgument("end_time must be after start_time")
     first, last = start_time // width.seconds * width.seconds, (int(end) - 1) // width.seconds * width.seconds
-    kept_since = int(time.time()) // metering.DAY_S * metering.DAY_S - metering.HOUR_RETENTION_DAYS * metering.DAY_S
-    if width.seconds == metering.HOUR_S and first < kept_since:
+    kept_since = width.kept_since(time.time())
+    if kept_since is not None and first < kept_since:
         raise InvalidArgument(
-            f"start_time {start_time}: hourly usage is kept {metering.HOUR_RETENTION_DAYS} days (since {kept_since});"
-            " use bucket_width=1d for older usage"
+            f"start_time {start_time}: {width.noun} usage is kept {width.kept_days} days (since {kept_since});"
+            f" use bucket_width={width.coarser} for older usage"
         )
     start = _page_start(page, width, first, last)
     starts = range(start, min(last, start + (limit - 1) * width.seconds) + 1, width.seconds)

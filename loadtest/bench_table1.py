@@ -336,6 +336,7 @@ def engine_kwargs(args, model: Path, dtype: str, real: bool, *, util: float, lor
         enable_chunked_prefill=True,
         gpu_memory_utilization=util,
         seed=0,
+        scheduling_policy="fcfs",  # as runs 1–170 measured (the serving engine's default is "priority")
     )
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens

@@ -1,5 +1,6 @@
 """The serving engine (vLLM AsyncLLM + plugin) streams the same greedy tokens as the offline engine, in one
-concurrent mixed batch, counts usage right, and frees an aborted request."""
+concurrent mixed batch, counts usage right, frees an aborted request, and admits a live request ahead of queued
+offline ones (the priority scheduling policy, as the serving settings choose)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import torch
 
 from preft.common.errors import InvalidArgument, Unavailable
 from preft.engine.async_engine import AsyncPreftEngine
-from preft.engine.contract import EngineRequest, OutputConstraint
+from preft.engine.contract import LIVE_PRIORITY, OFFLINE_PRIORITY, EngineRequest, OutputConstraint
 from preft.engine.requests import GenerationRequest
+from preft.engine.vllm_engine import engine_kwargs
 from tests.conftest import random_prompt
 from tests.engine.conftest import LOGIT_TIE, LOGPROB_ABS, engine_options
 from tests.reference import reference_generate, reference_logits, reference_prompt_logits
@@ -38,7 +40,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def async_engine(model_dirs, loop):
-    engine = AsyncPreftEngine(engine_options(model_dirs["llama"]))
+    engine = AsyncPreftEngine(engine_options(model_dirs["llama"], scheduling_policy="priority"))  # (as served)
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     started = time.perf_counter()
     loop.run_until_complete(engine.start())
@@ -461,6 +463,40 @@ def test_constrained_text_matches_its_constraint_in_every_mode(async_engine, mod
             if req.constraint.json_schema:
                 jsonschema.validate(value, schema)
     print(f"choices picked: {sorted(picked)}")
+
+
+def test_a_live_request_is_admitted_before_queued_offline_ones(async_engine, loop):
+    """Offline (batch) requests take every sequence slot and more wait; a live request sent after them all gets the
+    next free slot, so it finishes before most of the offline ones that were queued (under fcfs: after them all)."""
+    slots, queued = engine_kwargs(async_engine.options)["max_num_seqs"], 8
+    rng = random.Random(17)
+
+    def request(request_id: str, priority: int) -> EngineRequest:
+        fields = {"prompt_token_ids": random_prompt(rng, 4), "max_tokens": 48, "ignore_eos": True}
+        return EngineRequest(request_id=request_id, priority=priority, **fields)
+
+    offline = [request(f"offline-{i}", OFFLINE_PRIORITY) for i in range(slots + queued)]
+    live = request("live", LIVE_PRIORITY)
+    finished: list[str] = []
+
+    async def run(req: EngineRequest) -> None:
+        chunks = await _collect(async_engine, req, None)
+        assert chunks[-1].usage.completion_tokens == req.max_tokens
+        finished.append(req.request_id)
+
+    async def scenario():
+        before = async_engine.num_unfinished_requests()
+        tasks = [asyncio.create_task(run(req)) for req in offline]
+        while async_engine.num_unfinished_requests() < before + len(offline):  # (each sent to vLLM, in order)
+            await asyncio.sleep(0.005)
+        await asyncio.gather(run(live), *tasks)
+
+    loop.run_until_complete(scenario())
+    waited = {req.request_id for req in offline[slots:]}  # (the last to arrive: no slot was left for them)
+    ahead = [rid for rid in finished[: finished.index("live")] if rid in waited]
+    print(f"live finished {finished.index('live') + 1} of {len(finished)}, after {len(ahead)} of {queued} queued")
+    assert len(ahead) < queued / 2, f"{len(ahead)} of {queued} queued offline requests finished first: {finished}"
+    assert async_engine.num_unfinished_requests() == 0
 
 
 def test_a_dead_engine_answers_unavailable_instead_of_hanging(async_engine, loop):

@@ -10,7 +10,9 @@ import httpx
 import pytest
 
 from preft.engine.contract import (
+    LIVE_PRIORITY,
     MULTIPLEX_HEADER,
+    OFFLINE_PRIORITY,
     EngineChunk,
     EngineRequest,
     EngineResponse,
@@ -101,6 +103,8 @@ def test_errors_become_contract_statuses(replica):
             (body(prompt_token_ids=[10**6]), {}, 400, "invalid_request", "vocabulary"),
             (body(adapter=lying.model_dump()), {MULTIPLEX_HEADER: lying.digest}, 400, "invalid_request", "digest"),
             (body(stream=True, prompt_token_ids=[10**6]), {}, 400, "invalid_request", "vocabulary"),
+            (body(priority=LIVE_PRIORITY - 1), {}, 400, "invalid_request", "priority"),  # (ahead of live requests)
+            (body(priority=OFFLINE_PRIORITY + 1), {}, 400, "invalid_request", "priority"),
         ]
         for data, headers, status, kind, words in cases:
             r = await post(app, data, headers)
@@ -265,6 +269,19 @@ def test_gc_freeze_setting_reaches_the_replica_environment(tmp_path, monkeypatch
         assert gc_freeze.enabled() is enabled, value
     with pytest.raises(ValueError, match="gc_freeze"):
         EngineSettings(model_dir=tmp_path, gc_freeze="sometimes")
+
+
+def test_scheduling_policy_setting_reaches_the_engine_arguments(tmp_path, monkeypatch):
+    from preft.engine.vllm_engine import EngineOptions, engine_kwargs
+
+    served = EngineSettings(model_dir=tmp_path).engine_options()
+    assert served.scheduling_policy == "priority"  # (a batch's lines wait behind live requests)
+    assert engine_kwargs(served)["scheduling_policy"] == "priority"
+    assert engine_kwargs(EngineOptions(model=str(tmp_path)))["scheduling_policy"] == "fcfs"  # (the offline engine)
+    monkeypatch.setenv("PREFT_ENGINE__SCHEDULING_POLICY", "fcfs")
+    assert EngineSettings(model_dir=tmp_path).engine_options().scheduling_policy == "fcfs"
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineSettings(model_dir=tmp_path, scheduling_policy="lifo")
 
 
 def test_every_settings_field_is_described():

@@ -1,7 +1,8 @@
 """The serving engine: vLLM's AsyncLLM with the PreFT plugin, streaming one request at a time as deltas.
 
 This module and `vllm_engine` are the only ones of ours that use vLLM's engine API; both build vLLM's arguments with
-`vllm_engine.engine_kwargs`, so the offline and the serving engine are the same engine.
+`vllm_engine.engine_kwargs`, so the offline and the serving engine are the same engine. Each request goes to vLLM
+with its `priority`: under the "priority" scheduling policy a batch's lines wait behind queued live requests.
 """
 
 from __future__ import annotations
@@ -45,8 +46,20 @@ VLLM_API = (
     "vllm.lora.request:LoRARequest",
     "vllm.platforms:current_platform",
     "vllm.engine.arg_utils:AsyncEngineArgs",
+    # EngineOptions.scheduling_policy, "fcfs" (vLLM's default) or "priority": the same field in 0.26
+    # (arg_utils.py:658, config/scheduler.py:109) and 0.28 (arg_utils.py:670, config/scheduler.py:99)
+    "vllm.engine.arg_utils:EngineArgs.scheduling_policy",
+    # What "priority" selects, alike in 0.26 and 0.28 (read in both sources): waiting requests in a heap by
+    # (priority, arrival time) (request_queue.py:131, Request.__lt__ in request.py 0.26:329, 0.28:337). A waiting
+    # request never preempts a running one: it waits for a sequence slot and KV blocks (scheduler.py 0.26:673,
+    # 0.28:757). A running one short of KV blocks preempts max(running, key=(priority, arrival time)), the newest
+    # offline one first (scheduler.py 0.26:576-579, 0.28:643-646; under "fcfs" the last admitted). Neither release
+    # refuses a non-zero priority under "fcfs": InputProcessor.process_inputs passes it on, the FCFS queue ignores it.
+    "vllm.v1.core.sched.request_queue:SchedulingPolicy.PRIORITY",
     "vllm.v1.engine.async_llm:AsyncLLM.from_engine_args",
-    "vllm.v1.engine.async_llm:AsyncLLM.generate",  # closing its iterator aborts the request (GeneratorExit path)
+    # closing its iterator aborts the request (GeneratorExit path); keyword `priority: int = 0` in 0.26
+    # (async_llm.py:537) and 0.28 (async_llm.py:563)
+    "vllm.v1.engine.async_llm:AsyncLLM.generate",
     "vllm.v1.engine.async_llm:AsyncLLM.add_lora",
     "vllm.v1.engine.async_llm:AsyncLLM.remove_lora",
     "vllm.v1.engine.async_llm:AsyncLLM.list_loras",
@@ -161,6 +174,7 @@ class AsyncPreftEngine:
             params,
             f"{request.request_id}-{secrets.token_hex(4)}",  # unique in vLLM even when a gateway retries
             lora_request=lora,
+            priority=request.priority,
         )
         try:
             async for out in stream:

@@ -9,6 +9,9 @@ Non-streaming answers are one EngineResponse. Streaming answers (`stream: true`)
 EngineChunk lines, the last one with `finish_reason` and `usage` set. Errors are an HTTP status with an
 EngineError body: 400 (the request or adapter is invalid), 503 (the adapter cannot be fetched now, or the replica
 is draining; retrying elsewhere may work), 500 (a bug).
+
+A request's `priority` is vLLM's (lower first): live requests are LIVE_PRIORITY, a batch's lines OFFLINE_PRIORITY, so
+an engine with the priority scheduling policy admits queued live requests before queued batch work.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from preft.vllm_plugin.modes import PositionMode
 
 BASE_MODEL_ID = "base"  # the multiplexed model id of requests without an adapter
 MULTIPLEX_HEADER = "serve_multiplexed_model_id"
+LIVE_PRIORITY = 0  # vLLM's scheduling priority of interactive requests (lower is scheduled first)
+OFFLINE_PRIORITY = 1  # of offline work (a batch's lines): behind every queued live request
 
 
 class AdapterFileSpec(BaseModel):
@@ -208,6 +213,13 @@ class EngineRequest(SamplingOptions):
     adapter: AdapterSpec | None = None
     mode: PositionMode = PositionMode.PREFILL
     tenant: str = Field("", description="For metrics labels only")
+    priority: int = Field(
+        LIVE_PRIORITY,
+        ge=LIVE_PRIORITY,
+        le=OFFLINE_PRIORITY,
+        description="vLLM's scheduling priority, lower first: LIVE_PRIORITY, or OFFLINE_PRIORITY for a batch's lines "
+        "(an engine with the fcfs scheduling policy ignores it)",
+    )
 
     @model_validator(mode="after")
     def _min_within_max(self) -> EngineRequest:

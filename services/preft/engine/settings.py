@@ -7,6 +7,7 @@ Example: `PREFT_ENGINE__MODEL_DIR=/models/llama`, `PREFT_ENGINE__S3__ENDPOINT_UR
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -72,6 +73,13 @@ class EngineSettings(BaseSettings):
     block_size: int | None = Field(None, ge=1, description="KV-cache block in tokens (multiple of 32 on CPU)")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks across requests (adapter-aware keys)")
     seed: int = Field(0, description="Engine seed (sampling with temperature > 0 and no per-request seed)")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "priority",
+        description="How vLLM admits waiting requests: 'priority' by each request's priority, then arrival, so a "
+        "batch's lines (OFFLINE_PRIORITY) wait behind queued live requests and are preempted first when KV-cache "
+        "blocks run out (a running request is never preempted to admit a waiting one); 'fcfs': by arrival alone, "
+        "vLLM's default",
+    )
     cpu_num_threads: int | None = Field(
         None,
         ge=1,
@@ -181,6 +189,7 @@ class EngineSettings(BaseSettings):
             enable_prefix_caching=self.enable_prefix_caching,
             block_size=self.block_size,
             seed=self.seed,
+            scheduling_policy=self.scheduling_policy,
         )
 
     def process_env(self) -> dict[str, str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from preft.adapters import AdapterError, ModelShape
 from preft.engine.catalog import AdapterCatalog, CatalogEntry
@@ -39,6 +39,9 @@ class EngineOptions:
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     tokenizer: bool = True  # False: token-id prompts only, no detokenized text
     seed: int = 0
+    # "priority": vLLM admits waiting requests by their priority (EngineRequest.priority), then arrival; "fcfs"
+    # (vLLM's default, the offline engine's): by arrival alone. The serving engine's settings choose "priority".
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
 
 def _is_cpu() -> bool:
@@ -72,6 +75,7 @@ def engine_kwargs(options: EngineOptions) -> dict[str, Any]:
         load_format=o.load_format,
         skip_tokenizer_init=not o.tokenizer,
         seed=o.seed,
+        scheduling_policy=o.scheduling_policy,
     )
     if o.enable_lora:
         kwargs.update(

@@ -135,7 +135,12 @@ def create_app(
             )
             app.state.generation = GenerationService(
                 settings,
-                limiter=RateLimiter(r, redis_timeout_s=settings.redis_timeout_s),
+                limiter=RateLimiter(
+                    r,
+                    redis_timeout_s=settings.redis_timeout_s,
+                    reservation_lapse_s=settings.quota_reservation_lapse_s,
+                    meter_interval_s=settings.metering_flush_interval_s,
+                ),
                 resolver=resolver,
                 engine=engine,
                 meter=meter,
@@ -206,6 +211,7 @@ def _start_batches(app: FastAPI, settings: GatewaySettings, redis: aioredis.Redi
         max_requests=settings.batches_max_requests,
         part_lines=settings.batches_part_lines,
         part_s=settings.batches_part_s,
+        compact_parts=settings.batches_compact_parts,
     )
     app.state.file_store, app.state.batch_store, app.state.batch_runner = files, store, runner
     app.state.file_sweeper = FileSweeper(files, period_s=settings.files_sweep_period_s)

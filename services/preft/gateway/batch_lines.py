@@ -1,7 +1,7 @@
 """A batch's line answered as a live request to its endpoint is: the same body validation and size limit, then the
 route's own function (`chat_completion`, `completion`, `respond`: model resolution with the tenant's access,
 admission, the engine, token metering), for the batch's creator as an offline caller (no per-minute buckets; the
-monthly quota still refuses).
+line's tokens are reserved against the monthly quota as a live request's are, and a quota without room refuses it).
 
 A line the endpoint refuses (its 4xx or 5xx, as OpenAI's error body) is an answer too: it goes to the error file.
 Only whole answers are given: a line asking to stream (or a response in the background) is refused.

@@ -9,7 +9,8 @@ lines are answered again by whoever takes the batch on.
 
 Finalizing merges the recorded parts by index (`merge`: a k-way merge of files on disk, `MERGE_FAN_IN` at a time,
 so memory does not grow with the batch); an index in two parts is written once, as the part recorded first has it
-(the one its counts came from).
+(the one its counts came from). While the batch runs, ``batch_compaction`` merges runs of its recorded parts
+(``merge_parts``) into one in their place, so that finalizing has few to download.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import itertools
 import json
 import logging
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from operator import itemgetter
 from pathlib import Path
 from typing import IO
@@ -36,6 +37,15 @@ log = logging.getLogger(__name__)
 PART_MAX_BYTES = 8 * 1024 * 1024  # a part's lines held in memory at most, before it is written
 MERGE_FAN_IN = 64  # parts merged at once (files open together); more are merged in rounds
 DOWNLOADS = 8  # parts downloaded at once while finalizing
+
+
+def stop_if_cancelled() -> None:
+    """Raise CancelledError where this task was cancelled and the cancel did not reach it: Python 3.11's
+    `asyncio.wait_for` (which redis-py awaits) returns a result that came with the cancel, dropping the cancel, and a
+    loop that awaits nothing else would then run on."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def parts_prefix(batch: BatchRecord) -> str:
@@ -64,8 +74,10 @@ class PartWriter:
         *,
         part_lines: int,
         part_s: float,
+        on_recorded: Callable[[], None] | None = None,
     ) -> None:
         self._store, self._objects = store, objects
+        self._on_recorded = on_recorded  # (told after each part it records: compaction may be due)
         self._batch, self._token = batch, token
         self.part_lines, self.part_s = part_lines, part_s
         self._run = uuid.uuid4().hex[:16]  # (parts of two runs of one runner never share a name)
@@ -113,6 +125,7 @@ class PartWriter:
         while True:
             await asyncio.sleep(self.part_s)
             await self.flush()
+            stop_if_cancelled()
 
     async def _write(self, held: list[tuple[LineRecord, bytes]]) -> None:
         held.sort(key=lambda pair: pair[0].index)
@@ -125,6 +138,8 @@ class PartWriter:
             with contextlib.suppress(PreftError):  # (never recorded: not left behind, where S3 lets it go)
                 await self._objects.delete(key)
             raise
+        if self._on_recorded is not None:
+            self._on_recorded()
 
 
 async def download(objects: ObjectStore, batch: BatchRecord, names: list[str], into: Path) -> list[Path]:
@@ -164,6 +179,16 @@ def _merged(paths: list[Path]) -> Iterator[tuple[int, bytes]]:
             yield index, rest
 
 
+def merge_parts(paths: list[Path], into: IO[bytes]) -> int:
+    """Write the parts' lines (in the order they were recorded) by request index, each index once, as one part to
+    `into`; the lines written."""
+    written = 0
+    for index, rest in _merged(paths):
+        into.write(b"%d %s" % (index, rest))
+        written += 1
+    return written
+
+
 def merge(
     paths: list[Path], output: IO[bytes], errors: IO[bytes], *, work_dir: Path, fan_in: int = MERGE_FAN_IN
 ) -> None:
@@ -178,8 +203,7 @@ def merge(
             group = paths[first : first + fan_in]
             path = work_dir / f"merged-{round_}-{first:06d}.part"
             with path.open("wb") as f:
-                for index, rest in _merged(group):
-                    f.write(b"%d %s" % (index, rest))
+                merge_parts(group, f)
             for done in group:
                 done.unlink()
             merged.append(path)

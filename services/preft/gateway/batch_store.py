@@ -12,8 +12,10 @@ and `preft:batches-started` (each tenant's last batch taken by a runner: whose t
 
 Every write a runner makes checks its lease in the same script (a fence): a replica that lost its lease (stopped
 for longer than it, say) writes nothing more. A part is recorded in one script: each of its lines sets its bit and,
-where the bit was not set, adds to the counts, so a line answered twice counts once. A batch that ends forgets its
-bitmap, parts and lease, leaves the open set, and is kept `keep_s` more.
+where the bit was not set, adds to the counts, so a line answered twice counts once. A compaction swaps a run of
+recorded parts for their merge (in their place in the list; the same lines) in one script, only where the list still
+holds that run there. A batch that ends forgets its bitmap, parts and lease, leaves the open set, and is kept
+`keep_s` more.
 """
 
 from __future__ import annotations
@@ -116,6 +118,25 @@ for _, name in ipairs(names) do
 end
 redis.call('RPUSH', KEYS[4], ARGV[2])
 return new
+"""
+# KEYS[1] = the lease, KEYS[2] = its parts (list); ARGV[1] = the runner's token, ARGV[2] = the merged part's name,
+# ARGV[3] = where the parts merged are in the list (from 0), then their names in order. 1: the merged part is in their
+# place; 0: the list no longer holds them there (nothing changed); -1: the lease is not the runner's.
+_SWAP_PARTS = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local start = tonumber(ARGV[3])
+local count = #ARGV - 3
+local found = redis.call('LRANGE', KEYS[2], start, start + count - 1)
+if count < 1 or #found ~= count then return 0 end
+for i = 1, count do
+  if found[i] ~= ARGV[i + 3] then return 0 end
+end
+redis.call('LSET', KEYS[2], start, ARGV[2])
+if count > 1 then
+  for i = start + 1, start + count - 1 do redis.call('LSET', KEYS[2], i, '') end
+  redis.call('LREM', KEYS[2], count - 1, '')
+end
+return 1
 """
 # KEYS[1] = the lease, KEYS[2] = the batch, KEYS[3] = its done lines, KEYS[4] = the open set, KEYS[5] = the
 # tenant's open set, KEYS[6] = its parts; ARGV[1] = the runner's token, ARGV[2] = the statuses it may move from
@@ -237,6 +258,7 @@ class BatchStore:
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
         self._record_part = redis.register_script(_RECORD_PART)
+        self._swap_parts = redis.register_script(_SWAP_PARTS)
         self._move = redis.register_script(_MOVE)
 
     @staticmethod
@@ -404,6 +426,16 @@ class BatchStore:
         if new == -1:
             raise LeaseLost(batch.id)
         return new
+
+    async def swap_parts(self, batch: BatchRecord, token: str, start: int, names: Sequence[str], merged: str) -> bool:
+        """Put the part `merged` in place of the recorded parts `names` (at `start` in the list, in order); False,
+        changing nothing, where the list no longer holds them there. LeaseLost where the lease is no longer this
+        runner's. Counts and done lines stay: the merged part holds the same lines."""
+        keys = [self._lease_key(batch.tenant, batch.id), self._parts_key(batch.tenant, batch.id)]
+        swapped = await self._guarded(self._swap_parts(keys=keys, args=[token, merged, start, *names]))
+        if swapped == -1:
+            raise LeaseLost(batch.id)
+        return swapped == 1
 
     async def parts(self, tenant: str, batch_id: str) -> list[str]:
         """The names of the batch's recorded parts, in the order they were recorded."""

@@ -12,14 +12,15 @@ another replica, or the same one restarted, then takes the batch on where it was
   the file later does not stop the batch) and checked whole (``batch_input.BatchPlan``): a bad line, a url that
   is not the batch's endpoint or a custom_id used twice fails the batch, with `errors` naming the lines.
 - in_progress: the lines not yet answered are answered (``batch_lines``: as live requests of the endpoint are),
-  `line_concurrency` at a time. Answered lines are written to S3 a part at a time (``batch_parts``: a part is up
-  to `part_lines` lines, written at least every `part_s`) and each part is then recorded in Redis, with its lines'
-  counts; a takeover answers only the lines no recorded part holds. So after a crash the lines in flight are
-  answered again, and so are those answered but not yet in a recorded part: up to a part's worth (`part_lines`, or
-  `part_s` of answers). The counts a batch shows move a part at a time. A line refused with a 5xx of an outage is
-  tried up to `ATTEMPTS` times. The batch stops taking lines when it is cancelled (lines in flight are stopped) or
-  when its completion window ends (lines in flight are stopped; every line not answered is recorded as
-  `batch_expired`, in parts too); the lines answered by then are recorded first.
+  `line_concurrency` at a time. Answered lines are written to S3 a part at a time (``batch_parts``: a part is up to
+  `part_lines` lines, written at least every `part_s`) and each part is then recorded in Redis, with its lines' counts
+  (while it runs, runs of small parts are merged into one, ``batch_compaction``); a takeover answers only the lines no
+  recorded part holds. So after a crash the lines in flight are answered again, and so are those answered but not yet
+  in a recorded part: up to a part's worth (`part_lines`, or `part_s` of answers). The counts a batch shows move a
+  part at a time. A line refused with a 5xx of an outage is tried up to `ATTEMPTS` times. The batch stops taking lines
+  when it is cancelled (lines in flight are stopped) or when its completion window ends (lines in flight are stopped;
+  every line not answered is recorded as `batch_expired`, in parts too); the lines answered by then are recorded
+  first.
 - finalizing, cancelling: the recorded parts are merged in request order into the output file (answers) and the
   error file (refusals, expired lines), files of purpose `batch_output` whose ids follow from the batch's (a
   takeover writes the same files again), and the batch ends: completed, expired or cancelled. Its objects in S3
@@ -49,10 +50,12 @@ from preft.common.errors import NotFound, PreftError, Unavailable
 from preft.common.metrics import BATCH_LINES, BATCH_TAKEOVERS, BATCHES_ENDED, BATCHES_RUNNING
 from preft.gateway import batch_input, batch_parts
 from preft.gateway.auth import Caller
+from preft.gateway.batch_compaction import Compactor
 from preft.gateway.batch_input import BatchLine, BatchPlan
 from preft.gateway.batch_lines import LineAnswerer
 from preft.gateway.batch_parts import PartWriter
 from preft.gateway.batch_store import STATUSES_OPEN, BatchRecord, BatchStore, LeaseLost, LineRecord
+from preft.gateway.batch_tiers import COMPACT_AT, Tiers
 from preft.gateway.files import OUTPUT_PURPOSE, FileStore
 from preft.gateway.object_store import ObjectStore
 
@@ -163,6 +166,7 @@ class BatchRunner:
         max_requests: int,
         part_lines: int,
         part_s: float,
+        compact_parts: int = COMPACT_AT,
     ) -> None:
         self._store = store
         self._files = files
@@ -174,6 +178,7 @@ class BatchRunner:
         self.lease_s, self.poll_s = lease_s, poll_s
         self.max_requests = max_requests
         self.part_lines, self.part_s = part_lines, part_s
+        self.tiers = Tiers(compact_at=compact_parts)
         self.token = uuid.uuid4().hex  # (this runner's name on the leases it holds)
         self._runs: dict[tuple[str, str], _Run] = {}
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
@@ -375,8 +380,15 @@ class BatchRunner:
         batch = run.batch
         done = await self._store.done_lines(*run.key)
         caller = Caller(batch.tenant, batch.spec["key_id"], offline=True)
+        compactor = Compactor(self._store, self._objects, batch, self.token, tiers=self.tiers)
         parts = PartWriter(
-            self._store, self._objects, batch, self.token, part_lines=self.part_lines, part_s=self.part_s
+            self._store,
+            self._objects,
+            batch,
+            self.token,
+            part_lines=self.part_lines,
+            part_s=self.part_s,
+            on_recorded=compactor.recorded,
         )
         lines = _requests(path)
         workers = max(1, self.line_concurrency)
@@ -398,10 +410,13 @@ class BatchRunner:
         async def answer_all() -> None:
             try:
                 async with asyncio.TaskGroup() as group:
-                    timer = group.create_task(parts.flush_every())
+                    timers = [group.create_task(parts.flush_every())]
+                    if self.tiers.compact_at > 0:
+                        timers.append(group.create_task(compactor.run()))
                     group.create_task(feed())
                     await asyncio.wait([group.create_task(work()) for _ in range(workers)])
-                    timer.cancel()
+                    for timer in timers:  # (compaction too: finalizing merges whatever parts it finds)
+                        timer.cancel()
             except* Exception as failures:
                 raise failures.exceptions[0] from None
 

@@ -1,5 +1,6 @@
-"""One generation's path once its prompt is tokenized: lengths, rate limits, adapter resolution, the engine call,
-and giving unused tokens back. Completions and chat differ only in how they build the prompt and format the answer.
+"""One generation's path once its prompt is tokenized: lengths, rate limits and quota, adapter resolution, the
+engine call, and releasing what was reserved. Completions and chat differ only in how they build the prompt and
+format the answer.
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ from typing import TypeVar
 
 from preft.common.errors import InvalidArgument, Unavailable
 from preft.common.metrics import GATEWAY_OVERHEAD, QUEUE_DEPTH
-from preft.engine.contract import EngineRequest, EngineResponse, Usage, check_min_tokens
+from preft.engine.contract import (
+    LIVE_PRIORITY,
+    OFFLINE_PRIORITY,
+    EngineRequest,
+    EngineResponse,
+    Usage,
+    check_min_tokens,
+)
 from preft.gateway.auth import Caller
 from preft.gateway.engine_client import EngineClient, EngineStream
 from preft.gateway.errors import PayloadTooLarge
@@ -119,8 +127,8 @@ class GenerationService:
         request_id: str,
         vocab_size: int,
     ) -> Job:
-        """Check lengths, take from the tenant's buckets (each prompt, and max_tokens per sample: `n`, or `best_of`),
-        then resolve the model (404/503 give the tokens back)."""
+        """Check lengths, take from the tenant's buckets and reserve against its monthly quota (each prompt, and
+        max_tokens per sample: `n`, or `best_of`), then resolve the model (404/503 give the tokens back)."""
         budgets = [self.max_tokens_for(len(prompt), max_tokens) for prompt in prompts]
         stop, logprobs = body.stop_list(), body.engine_logprobs()  # (400s before anything is reserved)
         logit_bias, constraint, n = body.token_biases(vocab_size), body.constraint(), body.samples()
@@ -131,14 +139,14 @@ class GenerationService:
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         reserved = sum(len(prompt) + n * budget for prompt, budget in zip(prompts, budgets, strict=True))
-        if caller.offline:  # (a batch's line: offline work takes from no per-minute bucket)
-            admission = await self.limiter.admit_offline(caller.tenant)
+        if caller.offline:  # (a batch's line: offline work takes from no per-minute bucket, only the quota)
+            admission = await self.limiter.admit_offline(caller.tenant, reserved, request_id=request_id)
         else:
-            admission = await self.limiter.admit(caller.tenant, reserved)
+            admission = await self.limiter.admit(caller.tenant, reserved, request_id=request_id)
         try:
             resolution = await self.resolver.resolve(caller.tenant, body.model, body.preft_mode)
         except BaseException:
-            self._refund(caller.tenant, admission.tokens_reserved)
+            self._release(admission, unused=admission.tokens_reserved, used=0)
             raise
         request = EngineRequest(
             request_id=request_id,
@@ -169,6 +177,7 @@ class GenerationService:
             adapter=resolution.adapter,
             mode=resolution.mode,
             tenant=caller.tenant,
+            priority=OFFLINE_PRIORITY if caller.offline else LIVE_PRIORITY,
         )
         # each sample a request of its own (the engine batches them; with a seed, seed + j, as vLLM seeds its own)
         requests = [
@@ -222,21 +231,24 @@ class GenerationService:
             raise
 
     def finish(self, job: Job) -> None:
-        """Give back the reserved tokens that were not generated (in the background), and meter an answered job's
-        tokens. Idempotent."""
+        """Meter an answered job's tokens, and release its reservations (in the background): the bucket's tokens
+        that were not generated go back, the monthly quota's shrink to what is metered (``limits``). Idempotent."""
         if job.finished:
             return
         job.finished = True
         IN_FLIGHT.dec()
-        if job.admission.tokens_reserved:  # (offline work reserved nothing)
-            self._refund(job.admission.tenant, job.reserved_generation - job.generated_tokens)
+        used = 0  # (the tokens metered: the monthly quota's reservation holds them until the meter has added them)
         if job.answered and self.meter is not None:
             adapter = job.resolution.adapter
             model = adapter.ref if adapter is not None else self.settings.served_model_name
             self.meter.record(job.admission.tenant, model, job.prompt_tokens, job.generated_tokens)
+            used = job.prompt_tokens + job.generated_tokens
+        unused = job.reserved_generation - job.generated_tokens if job.admission.tokens_reserved else 0
+        self._release(job.admission, unused=unused, used=used)
 
-    def _refund(self, tenant: str, tokens: int) -> None:
-        if tokens > 0:
-            task = asyncio.create_task(self.limiter.refund(tenant, tokens))
+    def _release(self, admission: Admission, *, unused: int, used: int) -> None:
+        """Release what the admission reserved, in the background (nothing to do: no task)."""
+        if unused > 0 or admission.reservation is not None:
+            task = asyncio.create_task(self.limiter.release(admission, unused=unused, used=used))
             self._background.add(task)
             task.add_done_callback(self._background.discard)

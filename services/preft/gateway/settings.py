@@ -101,10 +101,19 @@ class GatewaySettings(BaseSettings):
     metering_flush_interval_s: float = Field(
         1.0, gt=0, description="How often the token usage of answered requests is added to Redis (batched)"
     )
+    quota_reservation_lapse_s: float = Field(
+        3600.0,
+        gt=0,
+        description="How long a request's reservation against its tenant's monthly token quota stands at most: one "
+        "left by a gateway that crashed lapses then (keep it above the longest a request runs: a streamed answer "
+        "running longer loses its reservation, and may take the tenant over its quota by what it uses)",
+    )
     metering_max_pending: int = Field(
         100_000,
         ge=1,
-        description="Token usage entries (tenant, hour, model) held while Redis is unreachable; past it, dropped",
+        description="Token usage entries (tenant, minute, model) held while Redis is unreachable (each minute of an "
+        "outage adds one per tenant and model in use); reaching it, the outage's usage is kept by hour, not minute, "
+        "and past it by hour too, new usage is dropped",
     )
     s3: S3Settings | None = Field(
         None,
@@ -166,6 +175,12 @@ class GatewaySettings(BaseSettings):
         description="How often a running batch writes the lines it answered as a part, however few: how late its "
         "request_counts are at most, and the answers a crash loses at most (fewer, larger parts: raise it)",
     )
+    batches_compact_parts: int = Field(
+        32,
+        ge=0,
+        description="Recorded parts of a running batch from which it merges runs of its small parts into one "
+        "(tiered: a line is rewritten a few times at most), so finalizing downloads few (0: never)",
+    )
     batches_keep_s: float = Field(30 * 86_400.0, gt=0, description="How long a batch is kept after it ended")
 
     @model_validator(mode="after")
@@ -174,6 +189,8 @@ class GatewaySettings(BaseSettings):
             raise ValueError("set PREFT_GATEWAY__REGISTRY_TOKEN: the placeholder token is only allowed in dev")
         if self.batches_poll_s * 2 >= self.batches_lease_s:
             raise ValueError("batches_poll_s must be under half of batches_lease_s (a lease is renewed every poll)")
+        if self.quota_reservation_lapse_s <= self.engine_read_timeout_s:
+            raise ValueError("quota_reservation_lapse_s must be above engine_read_timeout_s (a request runs as long)")
         if self.max_prompt_tokens >= self.max_model_len:
             raise ValueError("max_prompt_tokens must be below max_model_len (one token is left to generate)")
         return self

@@ -17,6 +17,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from preft.api.v1 import registry_pb2 as pb
+from preft.common import metering
 
 from .conftest import BASE, error_of
 
@@ -477,26 +478,30 @@ def test_a_batch_past_its_completion_window_expires(make_gateway, registry, stub
     assert len(stub.received) == sent
 
 
-def test_the_monthly_quota_stops_the_batch_lines_once_reached(make_gateway, registry, stub, s3_bucket):
+def test_the_monthly_quota_stops_the_batch_lines_once_reached(make_gateway, registry, stub, s3_bucket, redis_url):
     key = registry.tenant("acme")
-    limits = pb.TenantLimits(tokens_per_month=24)  # (a line uses 2 + 4 = 6 tokens)
+    limits = pb.TenantLimits(tokens_per_month=26)  # (a line reserves and uses 2 + 4 = 6 tokens: 4 lines fit)
     registry.client.call("SetTenantLimits", pb.SetTenantLimitsRequest(id="acme", limits=limits))
-    gateway = make_gateway(**_batches(s3_bucket, batches_line_concurrency=1), metering_flush_interval_s=0.05)
+    gateway = make_gateway(**_batches(s3_bucket, batches_line_concurrency=8), metering_flush_interval_s=0.05)
     client = gateway.openai(key)
-    stub.token_delay_s = 0.05  # (0.2 s a line: the meter adds each line's tokens before the next few)
+    stub.token_delay_s = 0.05  # (0.2 s a line: 8 lines in flight at once, before anything is metered)
     created = _start(client, COMPLETIONS, _slow_lines(10))
     done = _ended(client, created.id)
     assert done.status == "completed"
     outputs, errors = _lines(client, done.output_file_id), _lines(client, done.error_file_id)
     answered = sorted(int(c.split("-")[1]) for c in outputs)
-    assert 4 <= len(answered) <= 7 and answered == list(range(len(answered)))  # (the first lines, up to the quota)
-    assert set(errors) == {f"line-{i}" for i in range(len(answered), 10)}
+    assert len(answered) == 4  # (as many as their reservations fit, though none was metered when they started)
+    assert set(errors) == {f"line-{i}" for i in range(10)} - {f"line-{i}" for i in answered}
     for line in errors.values():
         response = line["response"]
         assert response["status_code"] == 429, line
         error = response["body"]["error"]
         assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
     assert sorted(_received_lines(stub)) == answered  # (the refused lines never reached the engine)
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    month = metering.month_key("acme", metering.day_of(time.time()))
+    assert _until(lambda: int(store.get(month) or 0), lambda used: used >= 24) == 24  # (the month's tokens: 4 lines)
+    store.close()
 
 
 def test_a_batch_output_files_expire_as_asked(make_gateway, registry, s3_bucket):

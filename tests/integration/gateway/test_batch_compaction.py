@@ -5,7 +5,6 @@ nothing behind; and a batch of a part a line keeps few parts while it runs, and 
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import threading
@@ -20,40 +19,19 @@ import redis.asyncio as aioredis
 from preft.gateway import batch_parts
 from preft.gateway.batch_compaction import Compactor
 from preft.gateway.batch_parts import PartWriter, part_key, parts_prefix
-from preft.gateway.batch_store import BatchRecord, BatchStore, LeaseLost, LineRecord
+from preft.gateway.batch_store import BatchRecord, BatchStore, LeaseLost
 from preft.gateway.batch_tiers import Tiers, tier_of
 from preft.gateway.object_store import ObjectStore
 
 from .conftest import BASE
+from .test_batch_parts import TOKEN, _answer, _run
+from .test_batch_parts import _batch as batch_of
 
-TOKEN = "runner-token"
 COMPLETIONS = "/v1/completions"
 
 
-def _answer(i: int, text: str = "first", file: str = "output") -> LineRecord:
-    line = {"id": f"batch_req_{i}", "custom_id": f"line-{i}", "response": {"body": {"text": text}}, "error": None}
-    return LineRecord(i, file, line, input_tokens=2, output_tokens=3)
-
-
-async def _batch(client: aioredis.Redis, batch_id: str = "batch_" + "2" * 32) -> BatchRecord:
-    """A batch in progress whose lease this test's runner holds (written as BatchStore writes them)."""
-    spec = {"id": batch_id, "endpoint": COMPLETIONS}
-    fields = {"spec": json.dumps(spec), "status": "in_progress", "total": "40"}
-    await client.hset(f"preft:batch:acme:{batch_id}", mapping=fields)
-    await client.set(f"preft:batch-lease:acme:{batch_id}", TOKEN)
-    return BatchRecord("acme", spec, fields)
-
-
-def _run(scenario: Any, redis_url: str, s3_bucket: Any, objects_cls: type[ObjectStore] = ObjectStore) -> None:
-    async def main() -> None:
-        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-        store = BatchStore(client, timeout_s=2.0, keep_s=60.0, max_open_per_tenant=100)
-        try:
-            await scenario(client, store, objects_cls(s3_bucket.settings()))
-        finally:
-            await client.aclose()
-
-    asyncio.run(main())
+async def _batch(client: aioredis.Redis) -> BatchRecord:
+    return await batch_of(client, "batch_" + "2" * 32, total=40)
 
 
 async def _state(client: aioredis.Redis, store: BatchStore, batch: BatchRecord) -> tuple[Any, ...]:

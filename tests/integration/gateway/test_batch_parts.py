@@ -29,21 +29,21 @@ def _answer(i: int, text: str = "first", file: str = "output") -> LineRecord:
     return LineRecord(i, file, _line(i, text), input_tokens=2, output_tokens=3)
 
 
-async def _batch(redis: aioredis.Redis, batch_id: str = "batch_" + "1" * 32) -> BatchRecord:
+async def _batch(redis: aioredis.Redis, batch_id: str = "batch_" + "1" * 32, total: int = 8) -> BatchRecord:
     """A batch in progress whose lease this test's runner holds (written as BatchStore writes them)."""
     spec = {"id": batch_id, "endpoint": "/v1/completions"}
-    fields = {"spec": json.dumps(spec), "status": "in_progress", "total": "8"}
+    fields = {"spec": json.dumps(spec), "status": "in_progress", "total": str(total)}
     await redis.hset(f"preft:batch:acme:{batch_id}", mapping=fields)
     await redis.set(f"preft:batch-lease:acme:{batch_id}", TOKEN)
     return BatchRecord("acme", spec, fields)
 
 
-def _run(scenario: Any, redis_url: str, s3_bucket: Any) -> None:
+def _run(scenario: Any, redis_url: str, s3_bucket: Any, objects_cls: type[ObjectStore] = ObjectStore) -> None:
     async def main() -> None:
         redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
         store = BatchStore(redis, timeout_s=2.0, keep_s=60.0, max_open_per_tenant=100)
         try:
-            await scenario(redis, store, ObjectStore(s3_bucket.settings()))
+            await scenario(redis, store, objects_cls(s3_bucket.settings()))
         finally:
             await redis.aclose()
 

@@ -58,18 +58,37 @@ log = logging.getLogger(__name__)
 
 LAPSE_BATCH = 100  # lapsed reservations one admission takes off at most (the script's work stays bounded)
 HOLD_FLUSHES = 2  # meter flush intervals (plus one Redis deadline) an ended request's used tokens stay reserved
+KEYS_TTL_S = metering.MONTH_TTL_DAYS * metering.DAY_S  # a month's reservation keys, after their last write
+
+# Shared by the admission and release scripts: Redis' clock (ms), and taking `tokens` off a month's reserved counter
+# as entries leave its reservations (the counter goes with the last one).
+RESERVED_LUA = """
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function take_off(counter, entries, tokens)
+  if redis.call('ZCARD', entries) == 0 then
+    redis.call('DEL', counter)
+  elseif tokens ~= 0 then
+    redis.call('DECRBY', counter, tokens)
+  end
+end
+"""
 
 # Shared by both admission scripts; KEYS[3] = the tenant's tokens this UTC month (common.metering.month_key),
 # KEYS[4] / KEYS[5] = that month's reserved tokens / reservations (`reserved_key`, `reservations_key`); ARGV[2] = the
 # reservation's id, ARGV[3] = how long until it lapses (ms), ARGV[4] = the keys' TTL (s).
-QUOTA_LUA = """
+QUOTA_LUA = (
+    RESERVED_LUA
+    + """
 local function lapse(now)
   local gone = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now, 'LIMIT', 0, LAPSE_BATCH)
   if #gone == 0 then return end
   local tokens = 0
   for i = 1, #gone do tokens = tokens + (tonumber(string.match(gone[i], ':(%d+)$')) or 0) end
   redis.call('ZREM', KEYS[5], unpack(gone))
-  if redis.call('ZCARD', KEYS[5]) == 0 then redis.call('DEL', KEYS[4]) else redis.call('DECRBY', KEYS[4], tokens) end
+  take_off(KEYS[4], KEYS[5], tokens)
 end
 -- a refusal where the month's metered and reserved tokens leave no room for `cost` (nor for anything, at 0)
 local function over_quota(quota, cost, now)
@@ -87,11 +106,8 @@ local function reserve(cost, now)
   redis.call('EXPIRE', KEYS[4], tonumber(ARGV[4]))
   redis.call('EXPIRE', KEYS[5], tonumber(ARGV[4]))
 end
-local function clock()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
 """.replace("LAPSE_BATCH", str(LAPSE_BATCH))
+)
 
 # KEYS[1] = preft:tenant:<t> (limits), KEYS[2] = preft:limits:<t> (bucket levels), KEYS[3..5] as QUOTA_LUA's;
 # ARGV[1] = tokens to take (and to reserve, where the tenant has a quota), ARGV[2..4] as QUOTA_LUA's.
@@ -156,7 +172,9 @@ return {'ok', '1'}
 # tokens and reservations; ARGV[1] = tokens to give back to the bucket (never above its size; 0: none), ARGV[2] = the
 # reservation's id, ARGV[3] = its tokens, ARGV[4] = the tokens its request used (held until they are metered),
 # ARGV[5] = the hold (ms), ARGV[6] = the keys' TTL (s). A reservation already lapsed is left alone.
-REFUND_LUA = """
+REFUND_LUA = (
+    RESERVED_LUA
+    + """
 local give = tonumber(ARGV[1])
 if give > 0 then
   local tpm = tonumber(redis.call('HGET', KEYS[1], 'tokens_per_min'))
@@ -167,18 +185,13 @@ if #KEYS < 4 then return 1 end
 local cost, used = tonumber(ARGV[3]), tonumber(ARGV[4])
 if redis.call('ZREM', KEYS[4], ARGV[2] .. ':' .. cost) == 0 then return 0 end
 if used > 0 then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[5]), ARGV[2] .. ':' .. used)
+  redis.call('ZADD', KEYS[4], clock() + tonumber(ARGV[5]), ARGV[2] .. ':' .. used)
   redis.call('EXPIRE', KEYS[4], tonumber(ARGV[6]))
 end
-if redis.call('ZCARD', KEYS[4]) == 0 then
-  redis.call('DEL', KEYS[3])
-elseif cost ~= used then
-  redis.call('DECRBY', KEYS[3], cost - used)
-end
+take_off(KEYS[3], KEYS[4], cost - used)
 return 1
 """
+)
 
 
 def reserved_key(tenant: str, day: date) -> str:
@@ -271,7 +284,7 @@ class RateLimiter:
         raise self._refusal(tenant, tokens, res)
 
     def _args(self, tokens: int, entry_id: str) -> list[str | int]:
-        return [tokens, entry_id, self._lapse_ms, metering.MONTH_TTL_DAYS * metering.DAY_S]
+        return [tokens, entry_id, self._lapse_ms, KEYS_TTL_S]
 
     def _refusal(self, tenant: str, tokens: int, res: list[str]) -> PreftError:
         """Why the admission script refused."""
@@ -303,8 +316,7 @@ class RateLimiter:
             keys, args = _keys(admission.tenant)[:2], [unused]
         else:
             keys = [*_keys(admission.tenant)[:2], *reservation.keys]
-            hold_ms, ttl_s = int(self.hold_s * 1000), metering.MONTH_TTL_DAYS * metering.DAY_S
-            args = [unused, reservation.entry_id, reservation.tokens, max(used, 0), hold_ms, ttl_s]
+            args = [unused, reservation.entry_id, reservation.tokens, max(used, 0), int(self.hold_s * 1000), KEYS_TTL_S]
         try:
             await guarded(self._refund(keys=keys, args=args), self._timeout_s)
         except Unavailable:

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from preft.gateway.batch_parts import encode, merge, stop_if_cancelled
+from preft.gateway.batch_parts import encode, merge
 from preft.gateway.batch_store import DoneLines, LineRecord
+from preft.gateway.redis_client import stop_if_cancelled
 
 
 def _line(custom_id: str, text: str = "") -> dict[str, Any]:

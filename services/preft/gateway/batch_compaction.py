@@ -24,10 +24,11 @@ from pathlib import Path
 
 from preft.common.errors import PreftError
 from preft.gateway import batch_parts
-from preft.gateway.batch_parts import part_key, stop_if_cancelled
+from preft.gateway.batch_parts import part_key
 from preft.gateway.batch_store import BatchRecord, BatchStore, LeaseLost
 from preft.gateway.batch_tiers import Pick, Tiers, merged_name
 from preft.gateway.object_store import ObjectStore
+from preft.gateway.redis_client import stop_if_cancelled
 
 log = logging.getLogger(__name__)
 

@@ -31,21 +31,13 @@ from typing import IO
 from preft.common.errors import PreftError
 from preft.gateway.batch_store import BatchRecord, BatchStore, LeaseLost, LineRecord
 from preft.gateway.object_store import ObjectStore
+from preft.gateway.redis_client import stop_if_cancelled
 
 log = logging.getLogger(__name__)
 
 PART_MAX_BYTES = 8 * 1024 * 1024  # a part's lines held in memory at most, before it is written
 MERGE_FAN_IN = 64  # parts merged at once (files open together); more are merged in rounds
 DOWNLOADS = 8  # parts downloaded at once while finalizing
-
-
-def stop_if_cancelled() -> None:
-    """Raise CancelledError where this task was cancelled and the cancel did not reach it: Python 3.11's
-    `asyncio.wait_for` (which redis-py awaits) returns a result that came with the cancel, dropping the cancel, and a
-    loop that awaits nothing else would then run on."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def parts_prefix(batch: BatchRecord) -> str:

@@ -42,3 +42,12 @@ async def guarded(operation: Awaitable[T], timeout_s: float) -> T:
             return await operation
     except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as e:
         raise Unavailable("the gateway's metadata store (Redis) is unavailable; retry later") from e
+
+
+def stop_if_cancelled() -> None:
+    """Raise CancelledError where this task was cancelled and the cancel did not reach it: Python 3.11's
+    `asyncio.wait_for` (which redis-py awaits) returns a result that came with the cancel, dropping the cancel, and a
+    loop that awaits nothing else would then run on."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -55,7 +55,7 @@ from preft.gateway.batch_input import BatchLine, BatchPlan
 from preft.gateway.batch_lines import LineAnswerer
 from preft.gateway.batch_parts import PartWriter
 from preft.gateway.batch_store import STATUSES_OPEN, BatchRecord, BatchStore, LeaseLost, LineRecord
-from preft.gateway.batch_tiers import COMPACT_AT, Tiers
+from preft.gateway.batch_tiers import Tiers
 from preft.gateway.files import OUTPUT_PURPOSE, FileStore
 from preft.gateway.object_store import ObjectStore
 
@@ -166,7 +166,7 @@ class BatchRunner:
         max_requests: int,
         part_lines: int,
         part_s: float,
-        compact_parts: int = COMPACT_AT,
+        compact_parts: int,
     ) -> None:
         self._store = store
         self._files = files

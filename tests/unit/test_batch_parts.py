@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import io
 import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from preft.gateway.batch_parts import encode, merge
 from preft.gateway.batch_store import DoneLines, LineRecord
-from preft.gateway.redis_client import stop_if_cancelled
 
 
 def _line(custom_id: str, text: str = "") -> dict[str, Any]:
@@ -73,21 +68,3 @@ def test_done_lines_read_redis_bitmaps_highest_bit_first():
     assert [i for i in range(40) if i in done] == [0, 7, 17] and len(done) == 3
     assert -1 not in done and 10_000 not in done and "0" not in done
     assert 0 not in DoneLines(b"")
-
-
-def test_a_cancel_a_task_did_not_see_is_raised_at_the_next_check():
-    async def swallowing() -> str:
-        with contextlib.suppress(asyncio.CancelledError):  # (as Python 3.11's wait_for can drop it, in redis-py)
-            await asyncio.sleep(10)
-        stop_if_cancelled()
-        return "ran on"
-
-    async def main() -> None:
-        stop_if_cancelled()  # (not cancelled: nothing)
-        task = asyncio.create_task(swallowing())
-        await asyncio.sleep(0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(main())

@@ -28,7 +28,6 @@ from preft.gateway.batch_parts import part_key
 from preft.gateway.batch_store import BatchRecord, BatchStore, LeaseLost
 from preft.gateway.batch_tiers import Pick, Tiers, merged_name
 from preft.gateway.object_store import ObjectStore
-from preft.gateway.redis_client import stop_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,7 @@ class Compactor:
             self._due.clear()
             try:
                 while await self.compact_once():
-                    stop_if_cancelled()
+                    pass
             except LeaseLost:
                 raise
             except PreftError as e:
@@ -72,13 +71,11 @@ class Compactor:
                     "batch %s: compacting its parts failed; not compacted any more in this run", self._batch.id
                 )
                 return
-            stop_if_cancelled()
 
     async def compact_once(self) -> bool:
         """One compaction, where one is due; whether it was done (another may be due)."""
         names = await self._store.parts(self._batch.tenant, self._batch.id)
         self._known = len(names)
-        stop_if_cancelled()
         pick = self.tiers.pick(names)
         if pick is None:
             return False

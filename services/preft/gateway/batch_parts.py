@@ -31,7 +31,6 @@ from typing import IO
 from preft.common.errors import PreftError
 from preft.gateway.batch_store import BatchRecord, BatchStore, LeaseLost, LineRecord
 from preft.gateway.object_store import ObjectStore
-from preft.gateway.redis_client import stop_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +116,6 @@ class PartWriter:
         while True:
             await asyncio.sleep(self.part_s)
             await self.flush()
-            stop_if_cancelled()
 
     async def _write(self, held: list[tuple[LineRecord, bytes]]) -> None:
         held.sort(key=lambda pair: pair[0].index)

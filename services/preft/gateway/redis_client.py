@@ -36,18 +36,19 @@ def connect(settings: RedisSettings, timeout_s: float) -> aioredis.Redis:
 
 
 async def guarded(operation: Awaitable[T], timeout_s: float) -> T:
-    """Await a Redis operation; a connection error or a missed deadline becomes Unavailable (503)."""
+    """Await a Redis operation; a connection error or a missed deadline becomes Unavailable (503).
+
+    A cancel that arrived during the operation is raised even where the operation returned: Python 3.11's
+    `asyncio.wait_for`, which redis-py awaits, returns a reply that came with the cancel and drops the cancel, so a
+    loop that awaits only Redis would run on. Only a cancel new to this await counts: a task that caught an earlier
+    cancel (a shutdown path writing its last state) still gets its replies."""
+    task = asyncio.current_task()
+    cancels = task.cancelling() if task is not None else 0
     try:
         async with asyncio.timeout(timeout_s):
-            return await operation
+            result = await operation
     except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as e:
         raise Unavailable("the gateway's metadata store (Redis) is unavailable; retry later") from e
-
-
-def stop_if_cancelled() -> None:
-    """Raise CancelledError where this task was cancelled and the cancel did not reach it: Python 3.11's
-    `asyncio.wait_for` (which redis-py awaits) returns a result that came with the cancel, dropping the cancel, and a
-    loop that awaits nothing else would then run on."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
+    if task is not None and task.cancelling() > cancels:
         raise asyncio.CancelledError
+    return result

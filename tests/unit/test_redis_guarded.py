@@ -1,0 +1,75 @@
+"""`guarded`: a cancel that came with a Redis reply is raised, not dropped; an earlier, caught cancel is not."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from preft.common.errors import Unavailable
+from preft.gateway.redis_client import guarded
+
+
+async def _reply_despite_cancel(started: asyncio.Event) -> str:
+    """What Python 3.11's `wait_for` does where the reply and the cancel come together: the cancel is dropped."""
+    started.set()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.sleep(10)
+    return "reply"
+
+
+def test_a_cancel_dropped_by_the_operation_is_raised():
+    ran_on: list[str] = []
+
+    async def writer(started: asyncio.Event) -> None:
+        ran_on.append(await guarded(_reply_despite_cancel(started), 30))  # (a loop awaiting only Redis would run on)
+
+    async def main() -> None:
+        started = asyncio.Event()
+        task = asyncio.create_task(writer(started))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    assert ran_on == []
+
+
+def test_a_task_that_caught_an_earlier_cancel_still_gets_its_replies():
+    async def reply() -> str:
+        await asyncio.sleep(0)
+        return "written"
+
+    async def shutting_down(started: asyncio.Event) -> str:
+        try:
+            started.set()
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return await guarded(reply(), 5)  # (its last state, written on the way out)
+        return "not cancelled"
+
+    async def main() -> str:
+        started = asyncio.Event()
+        task = asyncio.create_task(shutting_down(started))
+        await started.wait()
+        task.cancel()
+        return await task
+
+    assert asyncio.run(main()) == "written"
+
+
+def test_outages_and_missed_deadlines_are_unavailable():
+    async def refused() -> None:
+        raise RedisConnectionError("refused")
+
+    async def main() -> None:
+        with pytest.raises(Unavailable):
+            await guarded(refused(), 5)
+        with pytest.raises(Unavailable):
+            await guarded(asyncio.sleep(10), 0.05)
+        assert await guarded(asyncio.sleep(0, result=7), 5) == 7
+
+    asyncio.run(main())

@@ -79,6 +79,15 @@ BATCHES_ENDED = Counter(
 BATCH_LINES = Counter(
     "preft_gateway_batch_lines_total", "Batch requests answered, by outcome (completed, failed, expired)", ["outcome"]
 )
+BATCH_SLOTS_HELD = Gauge(
+    "preft_gateway_batch_slots_held",
+    "Slots of the fleet's cap on batch requests at the engines (batches_max_lines_in_flight) this replica holds",
+)
+BATCH_SLOTS_WAIT = Histogram(
+    "preft_gateway_batch_slots_wait_seconds",
+    "How long a batch line waited for its slots of the fleet's cap (0 where it took them at once)",
+    buckets=(0.001, 0.01, 0.1, 0.5, 1, 5, 15, 60, 300),
+)
 BATCH_TAKEOVERS = Counter(
     "preft_gateway_batch_takeovers_total", "Batches this replica took on after another replica had begun them"
 )

@@ -29,6 +29,7 @@ from preft.gateway.limits import RateLimiter
 from preft.gateway.metering import TokenMeter
 from preft.gateway.object_store import ObjectStore
 from preft.gateway.observability import RequestMetricsMiddleware
+from preft.gateway.offline_slots import OfflineSlots
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.resolution import AdapterResolver
 from preft.gateway.response_store import ResponseStore
@@ -198,11 +199,19 @@ def _start_batches(app: FastAPI, settings: GatewaySettings, redis: aioredis.Redi
         background_runs=app.state.background_runs,
         conversation_store=app.state.conversation_store,
     )
+    slots = OfflineSlots(
+        redis,
+        cap=settings.batches_max_lines_in_flight,
+        lease_s=settings.batches_lease_s,
+        poll_s=settings.batches_poll_s,
+        timeout_s=settings.redis_timeout_s,
+    )
     runner = BatchRunner(
         store,
         files,
         objects,
         answerer,
+        slots,
         max_running=settings.batches_max_running,
         max_running_per_tenant=settings.batches_max_running_per_tenant,
         line_concurrency=settings.batches_line_concurrency,

@@ -63,6 +63,23 @@ def _usage(body: dict[str, Any]) -> tuple[int, int]:
     )
 
 
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
+def engine_requests(url: str, body: dict[str, Any]) -> int:
+    """The engine requests a line's body asks for: prompts × samples on completions (`best_of` samples where it is
+    larger than `n`), `n` on chat, one response on Responses; a field that is not a count reads as 1 (the endpoint
+    refuses such a line before the engine)."""
+    if url == "/v1/completions":
+        prompt = body.get("prompt")
+        prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+        return prompts * max(_count(body.get("n")), _count(body.get("best_of")))
+    if url == "/v1/chat/completions":
+        return _count(body.get("n"))
+    return 1
+
+
 class LineAnswerer:
     """Owns how each batch endpoint answers a line: the endpoint's body and route function, and their collaborators."""
 

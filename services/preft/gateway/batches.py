@@ -12,15 +12,16 @@ another replica, or the same one restarted, then takes the batch on where it was
   the file later does not stop the batch) and checked whole (``batch_input.BatchPlan``): a bad line, a url that
   is not the batch's endpoint or a custom_id used twice fails the batch, with `errors` naming the lines.
 - in_progress: the lines not yet answered are answered (``batch_lines``: as live requests of the endpoint are),
-  `line_concurrency` at a time. Answered lines are written to S3 a part at a time (``batch_parts``: a part is up to
-  `part_lines` lines, written at least every `part_s`) and each part is then recorded in Redis, with its lines' counts
-  (while it runs, runs of small parts are merged into one, ``batch_compaction``); a takeover answers only the lines no
-  recorded part holds. So after a crash the lines in flight are answered again, and so are those answered but not yet
-  in a recorded part: up to a part's worth (`part_lines`, or `part_s` of answers). The counts a batch shows move a
-  part at a time. A line refused with a 5xx of an outage is tried up to `ATTEMPTS` times. The batch stops taking lines
-  when it is cancelled (lines in flight are stopped) or when its completion window ends (lines in flight are stopped;
-  every line not answered is recorded as `batch_expired`, in parts too); the lines answered by then are recorded
-  first.
+  `line_concurrency` at a time, each holding one of the fleet's slots for batch lines while it is at the engine
+  (``offline_slots``: live traffic keeps the rest of the engines' room). Answered lines are written to S3 a part at a
+  time (``batch_parts``: a part is up to `part_lines` lines, written at least every `part_s`) and each part is then
+  recorded in Redis, with its lines' counts (while it runs, runs of small parts are merged into one,
+  ``batch_compaction``); a takeover answers only the lines no recorded part holds. So after a crash the lines in
+  flight are answered again, and so are those answered but not yet in a recorded part: up to a part's worth
+  (`part_lines`, or `part_s` of answers). The counts a batch shows move a part at a time. A line refused with a 5xx of
+  an outage is tried up to `ATTEMPTS` times. The batch stops taking lines when it is cancelled (lines in flight are
+  stopped) or when its completion window ends (lines in flight are stopped; every line not answered is recorded as
+  `batch_expired`, in parts too); the lines answered by then are recorded first.
 - finalizing, cancelling: the recorded parts are merged in request order into the output file (answers) and the
   error file (refusals, expired lines), files of purpose `batch_output` whose ids follow from the batch's (a
   takeover writes the same files again), and the batch ends: completed, expired or cancelled. Its objects in S3
@@ -52,12 +53,13 @@ from preft.gateway import batch_input, batch_parts
 from preft.gateway.auth import Caller
 from preft.gateway.batch_compaction import Compactor
 from preft.gateway.batch_input import BatchLine, BatchPlan
-from preft.gateway.batch_lines import LineAnswerer
+from preft.gateway.batch_lines import LineAnswerer, engine_requests
 from preft.gateway.batch_parts import PartWriter
 from preft.gateway.batch_store import STATUSES_OPEN, BatchRecord, BatchStore, LeaseLost, LineRecord
 from preft.gateway.batch_tiers import Tiers
 from preft.gateway.files import OUTPUT_PURPOSE, FileStore
 from preft.gateway.object_store import ObjectStore
+from preft.gateway.offline_slots import OfflineSlots
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +159,7 @@ class BatchRunner:
         files: FileStore,
         objects: ObjectStore,
         answerer: LineAnswerer,
+        slots: OfflineSlots,
         *,
         max_running: int,
         max_running_per_tenant: int,
@@ -172,6 +175,7 @@ class BatchRunner:
         self._files = files
         self._objects = objects
         self._answerer = answerer
+        self._slots = slots
         self.max_running = max_running
         self.max_running_per_tenant = max_running_per_tenant
         self.line_concurrency = line_concurrency
@@ -212,6 +216,7 @@ class BatchRunner:
     async def _loop(self) -> None:
         while True:
             try:
+                await self._slots.renew()
                 await self._renew()
                 await self._take()
             except PreftError as e:
@@ -462,7 +467,8 @@ class BatchRunner:
     async def _answer(self, caller: Caller, line: BatchLine) -> LineRecord:
         """The line answered by its endpoint (tried again where an outage refused it), as it is recorded."""
         for attempt in range(ATTEMPTS):
-            answer = await self._answerer.answer(caller, line.url, line.body)
+            async with self._slots.slots(engine_requests(line.url, line.body)):
+                answer = await self._answerer.answer(caller, line.url, line.body)
             if not answer.retryable or attempt == ATTEMPTS - 1:
                 break
             await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)

@@ -52,7 +52,7 @@ import redis.asyncio as aioredis
 from preft.common import metering
 from preft.common.errors import PermissionDenied, PreftError, Unavailable
 from preft.gateway.errors import InvalidApiKey, QuotaExceeded, RateLimited
-from preft.gateway.redis_client import guarded
+from preft.gateway.redis_client import CLOCK_LUA, guarded
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +62,9 @@ KEYS_TTL_S = metering.MONTH_TTL_DAYS * metering.DAY_S  # a month's reservation k
 
 # Shared by the admission and release scripts: Redis' clock (ms), and taking `tokens` off a month's reserved counter
 # as entries leave its reservations (the counter goes with the last one).
-RESERVED_LUA = """
-local function clock()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+RESERVED_LUA = (
+    CLOCK_LUA
+    + """
 local function take_off(counter, entries, tokens)
   if redis.call('ZCARD', entries) == 0 then
     redis.call('DEL', counter)
@@ -75,6 +73,7 @@ local function take_off(counter, entries, tokens)
   end
 end
 """
+)
 
 # Shared by both admission scripts; KEYS[3] = the tenant's tokens this UTC month (common.metering.month_key),
 # KEYS[4] / KEYS[5] = that month's reserved tokens / reservations (`reserved_key`, `reservations_key`); ARGV[2] = the

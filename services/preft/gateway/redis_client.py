@@ -22,6 +22,15 @@ from preft.common.settings import RedisSettings
 T = TypeVar("T")
 
 
+# Redis' clock in ms, for scripts that score entries by when they lapse: `local now = clock()`.
+CLOCK_LUA = """
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+
 def connect(settings: RedisSettings, timeout_s: float) -> aioredis.Redis:
     """A pooled client (connections open lazily) whose socket timeouts never exceed the operation deadline."""
     socket_timeout_s = min(settings.socket_timeout_s, timeout_s)

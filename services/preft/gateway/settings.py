@@ -151,6 +151,13 @@ class GatewaySettings(BaseSettings):
     batches_line_concurrency: int = Field(
         8, ge=1, description="Requests of one batch answered at once (batches take no per-minute rate limits)"
     )
+    batches_max_lines_in_flight: int = Field(
+        32,
+        ge=0,
+        description="Batch requests at the engines at once over all gateway replicas (0: no limit beyond each "
+        "replica's own); keep it below the engines' room, replicas × max_ongoing_requests, so that live requests "
+        "never queue behind batch lines",
+    )
     batches_completion_window_s: float = Field(
         86_400.0,
         gt=0,

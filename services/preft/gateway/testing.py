@@ -3,10 +3,10 @@
 Used by tests/integration/gateway and loadtest/bench_gateway.py; not part of a deployment. The stub has no
 model: it answers `max_tokens` deterministic fake tokens (` w<id>` each; asked for logprobs, token i's is -(i+1)/8,
 less seed/64 where seeded, its top alternatives the next ids, each 1 lower; prompt token i + 1's likewise, unseeded,
-asked for prompt logprobs),
-optionally `token_delay_s` apart (or a scripted `reply`), records what it received, and can be told to fail its next
-requests with a given status (before any byte) or to break a stream after some chunks. It refuses requests whose
-multiplexing header does not match the adapter's digest, so tests catch a gateway that routes wrongly. Serve it with
+asked for prompt logprobs), optionally `token_delay_s` apart (or a scripted `reply`), records what it received (and
+how many requests of each priority it answered at once), and can be told to fail its next requests with a given
+status (before any byte) or to break a stream after some chunks. It refuses requests whose multiplexing header does
+not match the adapter's digest, so tests catch a gateway that routes wrongly. Serve it with
 `uvicorn --factory preft.gateway.testing:create_stub_engine`.
 """
 
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +68,9 @@ class StubEngine:
     tokenizer: Any = None
     received: list[tuple[str, EngineRequest]] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
+    # requests being answered now, and the most at once, by priority (live 0, offline 1)
+    in_flight: Counter[int] = field(default_factory=Counter)
+    most_in_flight: Counter[int] = field(default_factory=Counter)
 
     def fail_next(
         self, status: int | None = 503, times: int = 1, *, after_chunks: int | None = None, replica_lost: bool = False
@@ -144,8 +149,9 @@ class StubEngine:
             return _error(status, _KINDS.get(status, "internal"), "injected failure")
         ids = self.tokens(req)
         if not req.stream:
-            if self.token_delay_s:
-                await asyncio.sleep(self.token_delay_s * len(ids))
+            with self._answering(req):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s * len(ids))
             usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids))
             logprobs = self.logprobs(req, ids)
             out = EngineResponse(
@@ -159,7 +165,21 @@ class StubEngine:
             return Response(out.model_dump_json(), media_type="application/json")
         return StreamingResponse(self._stream(req, ids, failure), media_type="application/x-ndjson")
 
+    @contextmanager
+    def _answering(self, req: EngineRequest):
+        self.in_flight[req.priority] += 1
+        self.most_in_flight[req.priority] = max(self.most_in_flight[req.priority], self.in_flight[req.priority])
+        try:
+            yield
+        finally:
+            self.in_flight[req.priority] -= 1
+
     async def _stream(self, req: EngineRequest, ids: list[int], failure: Failure | None):
+        with self._answering(req):
+            async for piece in self._pieces(req, ids, failure):
+                yield piece
+
+    async def _pieces(self, req: EngineRequest, ids: list[int], failure: Failure | None):
         logprobs, texts = self.logprobs(req, ids), self.texts(ids)
         for i, t in enumerate(ids):
             if failure is not None and i >= (failure.after_chunks or 0):

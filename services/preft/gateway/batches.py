@@ -12,15 +12,15 @@ another replica, or the same one restarted, then takes the batch on where it was
   the file later does not stop the batch) and checked whole (``batch_input.BatchPlan``): a bad line, a url that
   is not the batch's endpoint or a custom_id used twice fails the batch, with `errors` naming the lines.
 - in_progress: the lines not yet answered are answered (``batch_lines``: as live requests of the endpoint are),
-  `line_concurrency` at a time, each holding one of the fleet's slots for batch lines while it is at the engine
-  (``offline_slots``: live traffic keeps the rest of the engines' room). Answered lines are written to S3 a part at a
-  time (``batch_parts``: a part is up to `part_lines` lines, written at least every `part_s`) and each part is then
-  recorded in Redis, with its lines' counts (while it runs, runs of small parts are merged into one,
-  ``batch_compaction``); a takeover answers only the lines no recorded part holds. So after a crash the lines in
-  flight are answered again, and so are those answered but not yet in a recorded part: up to a part's worth
-  (`part_lines`, or `part_s` of answers). The counts a batch shows move a part at a time. A line refused with a 5xx of
-  an outage is tried up to `ATTEMPTS` times. The batch stops taking lines when it is cancelled (lines in flight are
-  stopped) or when its completion window ends (lines in flight are stopped; every line not answered is recorded as
+  `line_concurrency` at a time, each holding a slot of the fleet's cap on batch requests per engine request it makes
+  while it is at the engine (``offline_slots``: live traffic keeps the rest of the engines' room). Answered lines are
+  written to S3 a part at a time (``batch_parts``: a part is up to `part_lines` lines, written at least every
+  `part_s`) and each part is then recorded in Redis, with its lines' counts (while it runs, runs of small parts are
+  merged into one, ``batch_compaction``); a takeover answers only the lines no recorded part holds. So after a crash
+  the lines in flight are answered again, and so are those answered but not yet in a recorded part: up to a part's
+  worth (`part_lines`, or `part_s` of answers). The counts a batch shows move a part at a time. A line refused with a
+  5xx of an outage is tried up to `ATTEMPTS` times. The batch stops taking lines when it is cancelled (lines in flight
+  are stopped) or when its completion window ends (lines in flight are stopped; every line not answered is recorded as
   `batch_expired`, in parts too); the lines answered by then are recorded first.
 - finalizing, cancelling: the recorded parts are merged in request order into the output file (answers) and the
   error file (refusals, expired lines), files of purpose `batch_output` whose ids follow from the batch's (a

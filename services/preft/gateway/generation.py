@@ -13,14 +13,7 @@ from typing import TypeVar
 
 from preft.common.errors import InvalidArgument, Unavailable
 from preft.common.metrics import GATEWAY_OVERHEAD, QUEUE_DEPTH
-from preft.engine.contract import (
-    LIVE_PRIORITY,
-    OFFLINE_PRIORITY,
-    EngineRequest,
-    EngineResponse,
-    Usage,
-    check_min_tokens,
-)
+from preft.engine.contract import EngineRequest, EngineResponse, Usage, check_min_tokens
 from preft.gateway.auth import Caller
 from preft.gateway.engine_client import EngineClient, EngineStream
 from preft.gateway.errors import PayloadTooLarge
@@ -177,7 +170,7 @@ class GenerationService:
             adapter=resolution.adapter,
             mode=resolution.mode,
             tenant=caller.tenant,
-            priority=OFFLINE_PRIORITY if caller.offline else LIVE_PRIORITY,
+            priority=body.engine_priority(offline=caller.offline),
         )
         # each sample a request of its own (the engine batches them; with a seed, seed + j, as vLLM seeds its own)
         requests = [

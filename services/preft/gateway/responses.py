@@ -24,7 +24,7 @@ from preft.common.errors import InvalidArgument
 from preft.engine.contract import EngineChunk, EngineResponse, JsonSchema, Usage
 from preft.gateway.logprobs import chat_logprobs
 from preft.gateway.reasoning import Thinking
-from preft.gateway.schemas import VLLM_FIELDS_NOT_SUPPORTED, GenerationBody, ReasoningEffort
+from preft.gateway.schemas import VLLM_FIELDS_NOT_SUPPORTED, GenerationBody, ReasoningEffort, ServiceTier, tier_served
 from preft.gateway.tools import MAX_TOOLS, ToolCall, ToolCallFormat, ToolPlan, ToolStream
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -43,7 +43,9 @@ INCLUDE_NOT_PRODUCED = frozenset(
 # Fields of a Responses request that OpenAI defines and this server does not do: refused when asked for (not null)
 NOT_SUPPORTED = ("prompt",)
 # The generation fields a Responses request gives in its own way (or not at all: `n`)
-CHAT_ONLY = frozenset({"model", "max_tokens", "stream", "stream_options", "n", "response_format", "user"})
+CHAT_ONLY = frozenset(
+    {"model", "max_tokens", "stream", "stream_options", "n", "response_format", "user", "service_tier"}
+)
 # The vLLM and PreFT extensions a Responses request may carry, as on chat (sampling options, `preft_mode`, ...)
 EXTENSIONS = (frozenset(GenerationBody.model_fields) - CHAT_ONLY) | {"chat_template_kwargs", *VLLM_FIELDS_NOT_SUPPORTED}
 
@@ -158,6 +160,7 @@ class ResponsesBody(BaseModel):
     )
     background: bool | None = Field(None, description="Answer at once (queued) and run it; poll GET /v1/responses/{id}")
     reasoning: ReasoningConfig | None = None
+    service_tier: ServiceTier = None
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -204,6 +207,7 @@ class ResponsesBody(BaseModel):
             "top_logprobs": self.top_logprobs if self.logprobs else None,
             "user": self.user,
             "reasoning_effort": self.reasoning.effort if self.reasoning else None,
+            "service_tier": self.service_tier,
         }
         return extensions | {k: v for k, v in fields.items() if v is not None}
 
@@ -390,6 +394,7 @@ class ResponseShape:
             "top_p": 1.0 if body.top_p is None else body.top_p,
             "truncation": body.truncation or "disabled",
             "user": body.user,
+            "service_tier": tier_served(body.service_tier),
         }
 
     def response(

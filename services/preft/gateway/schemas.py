@@ -6,7 +6,8 @@ send new optional fields over time. Extensions, sent by OpenAI clients through `
 - `preft_mode`: "prefill" | "all", the adapter's position mode (only where the operator allows it),
 - `ignore_eos`: keep generating after the end-of-sequence token (benchmarks),
 - `structured_outputs`: vLLM's constraint object (one of json, json_object, regex, choice, grammar), where
-  OpenAI's `response_format` (JSON only) is not enough.
+  OpenAI's `response_format` (JSON only) is not enough,
+- `service_tier` on completions (OpenAI's field of chat and Responses requests): see `ServiceTier`.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from preft.common.errors import InvalidArgument
 from preft.engine.contract import (
+    LIVE_PRIORITY,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIASES,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
+    OFFLINE_PRIORITY,
     BadWord,
     JsonSchema,
     LogitBias,
@@ -47,6 +50,23 @@ VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
 }
+
+
+# OpenAI's processing tier of a request (its values; scale, priority and fast are tiers this server does not have)
+ServiceTier = Annotated[
+    Literal["auto", "default", "flex", "scale", "priority", "fast"] | None,
+    Field(
+        description="flex: the request's engine requests wait behind other live requests at the engine (slower when "
+        "the engine is busy; rate limits as any); the others, or none, are served as default"
+    ),
+]
+ServedTier = Literal["default", "flex"]
+
+
+def tier_served(asked: str | None) -> ServedTier:
+    """The tier a request is served in, as its answer names it: flex where it asked for flex, else default (scale,
+    priority and fast too, as OpenAI serves projects without those tiers)."""
+    return "flex" if asked == "flex" else "default"
 
 
 class StreamOptions(BaseModel):
@@ -165,6 +185,16 @@ class GenerationBody(BaseModel):
     )
     preft_mode: PositionMode | None = Field(None, description="PreFT extension: the adapter's position mode")
     ignore_eos: bool = Field(False, description="PreFT extension: do not stop at the end-of-sequence token")
+    service_tier: ServiceTier = None
+
+    @property
+    def tier_used(self) -> ServedTier:
+        return tier_served(self.service_tier)
+
+    def engine_priority(self, *, offline: bool) -> int:
+        """vLLM's scheduling priority of the request's engine requests: a batch's line (`offline`) or a flex request
+        waits behind live requests."""
+        return OFFLINE_PRIORITY if offline or self.tier_used == "flex" else LIVE_PRIORITY
 
     def truncated(self, prompt_ids: list[int], max_prompt_tokens: int) -> list[int]:
         """The prompt's tokens as truncate_prompt_tokens keeps them (all when it is not given)."""

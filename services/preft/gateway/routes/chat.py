@@ -18,7 +18,7 @@ from preft.gateway.generation import GenerationService, Job, total_usage
 from preft.gateway.logprobs import chat_logprobs
 from preft.gateway.observability import started_s
 from preft.gateway.reasoning import Thinking, ThinkSplitter
-from preft.gateway.schemas import ChatBody
+from preft.gateway.schemas import ChatBody, ServedTier
 from preft.gateway.sse import stream_response, usage_dict
 from preft.gateway.tokenization import PromptTokenizer
 from preft.gateway.tools import ToolCallFormat, ToolPlan, ToolStream
@@ -30,7 +30,7 @@ PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens whose text says whether the t
 
 class ChatChunks:
     """Stream events of a chat completion: the role first, then content deltas (or, under a tool plan, what each
-    choice's ToolStream lets out), then the finish reason."""
+    choice's ToolStream lets out), then the finish reason; each names the tier it is served in."""
 
     def __init__(
         self,
@@ -40,8 +40,15 @@ class ChatChunks:
         plan: ToolPlan | None = None,
         call_format: ToolCallFormat = "hermes",
         thinking: Thinking | None = None,
+        service_tier: ServedTier = "default",
     ) -> None:
-        self.head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+        self.head = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+            "service_tier": service_tier,
+        }
         self.include_usage = include_usage
         self.plan, self.call_format, self.thinking = plan, call_format, thinking
         self.tool_streams: dict[int, ToolStream] = {}
@@ -190,7 +197,7 @@ async def chat_completion(
     headers = {"x-request-id": request_id, **job.admission.headers()}
     if body.stream:
         streams = await generation.open_streams(job, started_s=started_s)
-        render = ChatChunks(request_id, body.model, body.include_usage, plan, call_format, thinking)
+        render = ChatChunks(request_id, body.model, body.include_usage, plan, call_format, thinking, body.tier_used)
         return stream_response(generation, job, streams, render, include_usage=body.include_usage, headers=headers)
     outs = await generation.complete(job, started_s=started_s)
     choices = []
@@ -208,5 +215,6 @@ async def chat_completion(
             total_usage([out.usage for out in outs], job.samples),  # (the prompt once, every choice's tokens)
             None if thinking is None else sum(thinking.tokens(o.text, o.token_ids, tokenizer.decode) for o in outs),
         ),
+        "service_tier": body.tier_used,
     }
     return JSONResponse(answer, headers=headers)

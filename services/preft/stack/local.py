@@ -295,11 +295,12 @@ class LocalStack:
             what="engine",
         )
 
-    def _start_gateway(self) -> None:
-        env = {
+    def gateway_env(self, port: int) -> dict[str, str]:
+        """A gateway's settings on this stack, listening on `port` (the stack's own, or another beside it)."""
+        return {
             "PREFT_GATEWAY__ENVIRONMENT": "prod",
             "PREFT_GATEWAY__HOST": LOOPBACK,
-            "PREFT_GATEWAY__PORT": str(self.ports.gateway),
+            "PREFT_GATEWAY__PORT": str(port),
             "PREFT_GATEWAY__REDIS__URL": self.redis.url,
             "PREFT_GATEWAY__REGISTRY_ADDRESS": f"{LOOPBACK}:{self.ports.registry}",
             "PREFT_GATEWAY__REGISTRY_TOKEN": self.admin_token,
@@ -311,6 +312,9 @@ class LocalStack:
             "PREFT_GATEWAY__RESPONSES_STORE_TTL_S": "3600",  # (this machine's own data: keep responses an hour)
             **self._s3_env("PREFT_GATEWAY__"),  # (the Files and Batch APIs: files/ and batches/ beside the blobs)
         }
+
+    def _start_gateway(self) -> None:
+        env = self.gateway_env(self.ports.gateway)
         self.gateway.spawn([sys.executable, "-m", "preft.gateway"], cwd=self.state_dir, env=env)
         wait_until(
             lambda: httpx.get(f"http://{LOOPBACK}:{self.ports.gateway}/healthz", timeout=2).status_code == 200,

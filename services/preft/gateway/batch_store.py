@@ -356,9 +356,9 @@ class BatchStore:
 
     # -- what runners do ------------------------------------------------------------------------------------------
 
-    async def open_batches(self, count: int) -> list[tuple[str, str]]:
-        """(tenant, batch id) of up to `count` batches not ended yet, oldest first."""
-        entries = await self._guarded(self._redis.zrange(OPEN_KEY, 0, count - 1))
+    async def open_batches(self, count: int, *, start: int = 0) -> list[tuple[str, str]]:
+        """(tenant, batch id) of up to `count` batches not ended yet, oldest first, from the `start`-th."""
+        entries = await self._guarded(self._redis.zrange(OPEN_KEY, start, start + count - 1))
         return [split_member(e) for e in entries]
 
     async def forget_open(self, tenant: str, batch_id: str) -> None:

@@ -189,6 +189,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
+        self._scan_from = 0  # (where in the open batches, oldest first, the next round looks)
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._loop(), name="preft-batches")
@@ -246,11 +247,14 @@ class BatchRunner:
 
     async def _take(self) -> None:
         """Take open batches that no runner holds, in turn across tenants (`fair_order`), while this replica has
-        room and each tenant fewer than `max_running_per_tenant` running."""
+        room and each tenant fewer than `max_running_per_tenant` running; `OPEN_SCAN` open batches at a time, oldest
+        first: where those give nothing to take (all running, or their tenants at their limit), the next round looks at
+        the next `OPEN_SCAN`, so newer batches are not starved behind a long backlog."""
         room = self.max_running - len(self._tasks)
         if room <= 0 or self._closing:
             return
-        entries = await self._store.open_batches(OPEN_SCAN)
+        entries = await self._store.open_batches(OPEN_SCAN, start=self._scan_from)
+        self._scan_from = self._scan_from + OPEN_SCAN if len(entries) == OPEN_SCAN else 0
         held = await self._store.held(entries)
         running = Counter(tenant for (tenant, _), h in zip(entries, held, strict=True) if h)
         waiting = [k for k, h in zip(entries, held, strict=True) if not h and k not in self._tasks]
@@ -267,6 +271,7 @@ class BatchRunner:
             if claim != "taken":
                 continue
             if await self._start(tenant, batch_id):
+                self._scan_from = 0  # (something to take here: the oldest first again)
                 room -= 1
                 if room <= 0:
                     return

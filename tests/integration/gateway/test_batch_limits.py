@@ -11,6 +11,8 @@ import openai
 import pytest
 import redis
 
+from preft.gateway import batches as batches_module
+
 from .conftest import BASE
 from .test_batches import COMPLETIONS, _batches, _ended, _request, _start, _until, _upload
 
@@ -87,3 +89,20 @@ def test_no_tenant_runs_more_batches_at_once_than_it_may_over_all_replicas(
         client.close()
     assert most == 1 and beside  # (one of acme's at a time, beta's beside it)
     assert _until(lambda: replicas[1].openai(beta).batches.retrieve(other.id), lambda b: b.status == "completed")
+
+
+def test_a_backlog_past_one_scan_does_not_starve_newer_tenants(make_gateway, registry, stub, s3_bucket, monkeypatch):
+    """acme's open batches fill the runner's first look (`OPEN_SCAN`, here 3) and may run one at a time; beta's batch,
+    created after them all, starts beside acme's first, not after acme's whole backlog."""
+    monkeypatch.setattr(batches_module, "OPEN_SCAN", 3)
+    acme, beta = registry.tenant("acme"), registry.tenant("beta")
+    creator = make_gateway(**_batches(s3_bucket, batches_max_running=0))
+    backlog = [_start(creator.openai(acme), COMPLETIONS, _lines_of(i, 8)) for i in range(5)]
+    newer = _start(creator.openai(beta), COMPLETIONS, _lines_of(5, 1))
+    stub.token_delay_s = 0.05  # (0.2 s a line, 1.6 s a batch of acme's)
+    runner = make_gateway(**_batches(s3_bucket, batches_max_running_per_tenant=1, batches_line_concurrency=1))
+    assert _ended(runner.openai(beta), newer.id).status == "completed"
+    done = [_completed(runner.openai(acme), b.id) for b in backlog]
+    assert done.count(True) <= 2, done  # (beta's ended while acme's backlog still ran)
+    for batch in backlog:
+        assert _ended(runner.openai(acme), batch.id).status == "completed"

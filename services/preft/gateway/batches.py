@@ -217,8 +217,8 @@ class BatchRunner:
     async def _loop(self) -> None:
         while True:
             try:
+                await self._renew()  # (first: a failure of what follows never costs a batch its lease)
                 await self._slots.renew()
-                await self._renew()
                 await self._take()
             except PreftError as e:
                 log.warning("batches: this round was cut short: %s", e.message)

@@ -4,6 +4,7 @@ engine and the gateway each served by uvicorn on 127.0.0.1 in a thread, and the 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,3 +208,12 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
     assert set(body) == {"error"}, body
     assert {"message", "type", "code"} <= set(body["error"]), body
     return body["error"]
+
+
+def until(read: Callable[[], Any], done: Callable[[Any], bool], *, timeout_s: float, poll_s: float = 0.05) -> Any:
+    """`read()` once `done` holds of it, polled every `poll_s`; fails with the last value read after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not done(value := read()):
+        assert time.monotonic() < deadline, value
+        time.sleep(poll_s)
+    return value

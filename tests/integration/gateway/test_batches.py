@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import openai
@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 from preft.api.v1 import registry_pb2 as pb
 from preft.common import metering
 
-from .conftest import BASE, error_of
+from .conftest import BASE, error_of, until
 
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 CHAT = "/v1/chat/completions"
@@ -49,16 +49,11 @@ def _start(client: openai.OpenAI, url: str, lines: list[dict[str, Any]], **kw: A
     return client.batches.create(input_file_id=_upload(client, lines), endpoint=url, completion_window="24h", **kw)
 
 
-def _until(read: Callable[[], Any], done: Callable[[Any], bool], timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not done(value := read()):
-        assert time.monotonic() < deadline, value
-        time.sleep(0.05)
-    return value
+_until = partial(until, timeout_s=30.0)
 
 
 def _ended(client: openai.OpenAI, batch_id: str, timeout_s: float = 30.0):
-    return _until(lambda: client.batches.retrieve(batch_id), lambda b: b.status not in OPEN, timeout_s)
+    return _until(lambda: client.batches.retrieve(batch_id), lambda b: b.status not in OPEN, timeout_s=timeout_s)
 
 
 def _lines(client: openai.OpenAI, file_id: str | None) -> dict[str, dict[str, Any]]:
@@ -85,7 +80,7 @@ def _today_usage(http, requests: int) -> dict[str, dict[str, Any]]:
     def read() -> list[dict[str, Any]]:
         return http.get(route, params={"start_time": start, "group_by": "model"}).json()["data"][-1]["results"]
 
-    results = _until(read, lambda rs: sum(r["num_model_requests"] for r in rs) >= requests, 10)
+    results = _until(read, lambda rs: sum(r["num_model_requests"] for r in rs) >= requests, timeout_s=10)
     return {r["model"]: r for r in results}
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from functools import partial
 
 import httpx
 import pytest
@@ -22,7 +22,7 @@ from preft.gateway.limits import LAPSE_BATCH, Admission, RateLimiter, Reservatio
 from preft.gateway.redis_client import connect
 from preft.stack import free_port
 
-from .conftest import BASE, error_of
+from .conftest import BASE, error_of, until
 
 BODY = {"model": BASE, "prompt": [5, 6, 7, 8], "max_tokens": 8}  # (4 + 8 = 12 tokens reserved, and used)
 FAST = {"metering_flush_interval_s": 0.05}
@@ -47,12 +47,7 @@ def _keys(tenant: str) -> tuple[str, str, str]:
     return metering.month_key(tenant, day), reserved_key(tenant, day), reservations_key(tenant, day)
 
 
-def _until(read: Callable[[], Any], done: Callable[[Any], bool], timeout_s: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not done(value := read()):
-        assert time.monotonic() < deadline, value
-        time.sleep(0.02)
-    return value
+_until = partial(until, timeout_s=10.0, poll_s=0.02)
 
 
 def _now_ms(store: redis.Redis) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 
 import openai
 import pytest
@@ -13,7 +14,7 @@ import redis
 
 from preft.engine.contract import OutputConstraint
 
-from .conftest import BASE, error_of
+from .conftest import BASE, error_of, until
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [
@@ -281,13 +282,7 @@ def test_stored_responses_continue_conversations(make_gateway, registry, stub, t
         make_gateway().openai(acme).responses.create(model=BASE, previous_response_id=second.id, input="hi")
 
 
-def _until(read, done, timeout_s: float = 15.0):
-    """`read()` once `done` holds of it (polled)."""
-    deadline = time.monotonic() + timeout_s
-    while not done(value := read()):
-        assert time.monotonic() < deadline, value
-        time.sleep(0.05)
-    return value
+_until = partial(until, timeout_s=15.0)
 
 
 def test_background_responses_run_and_are_polled(make_gateway, registry, stub, tokenizer, redis_url):

@@ -192,19 +192,20 @@ def _start_batches(app: FastAPI, settings: GatewaySettings, redis: aioredis.Redi
         keep_s=settings.batches_keep_s,
         max_open_per_tenant=settings.batches_max_open_per_tenant,
     )
-    answerer = LineAnswerer(
-        generation=app.state.generation,
-        tokenizer=tokenizer,
-        response_store=app.state.response_store,
-        background_runs=app.state.background_runs,
-        conversation_store=app.state.conversation_store,
-    )
     slots = OfflineSlots(
         redis,
         cap=settings.batches_max_lines_in_flight,
         lease_s=settings.batches_lease_s,
         poll_s=settings.batches_poll_s,
         timeout_s=settings.redis_timeout_s,
+    )
+    answerer = LineAnswerer(
+        generation=app.state.generation,
+        tokenizer=tokenizer,
+        response_store=app.state.response_store,
+        background_runs=app.state.background_runs,
+        conversation_store=app.state.conversation_store,
+        slots=slots,
     )
     runner = BatchRunner(
         store,

@@ -2,6 +2,8 @@
 route's own function (`chat_completion`, `completion`, `respond`: model resolution with the tenant's access,
 admission, the engine, token metering), for the batch's creator as an offline caller (no per-minute buckets; the
 line's tokens are reserved against the monthly quota as a live request's are, and a quota without room refuses it).
+The route runs holding a slot of the fleet's cap on batch requests (``offline_slots``) per engine request the parsed
+body makes: prompts × samples.
 
 A line the endpoint refuses (its 4xx or 5xx, as OpenAI's error body) is an answer too: it goes to the error file.
 Only whole answers are given: a line asking to stream (or a response in the background) is refused.
@@ -26,6 +28,7 @@ from preft.gateway.conversation_store import ConversationStore
 from preft.gateway.deps import parsed_body
 from preft.gateway.errors import PayloadTooLarge, error_body, error_code
 from preft.gateway.generation import GenerationService
+from preft.gateway.offline_slots import OfflineSlots
 from preft.gateway.response_store import ResponseStore
 from preft.gateway.responses import ResponsesBody
 from preft.gateway.routes.chat import chat_completion
@@ -63,23 +66,6 @@ def _usage(body: dict[str, Any]) -> tuple[int, int]:
     )
 
 
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
-
-
-def engine_requests(url: str, body: dict[str, Any]) -> int:
-    """The engine requests a line's body asks for: prompts × samples on completions (`best_of` samples where it is
-    larger than `n`), `n` on chat, one response on Responses; a field that is not a count reads as 1 (the endpoint
-    refuses such a line before the engine)."""
-    if url == "/v1/completions":
-        prompt = body.get("prompt")
-        prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
-        return prompts * max(_count(body.get("n")), _count(body.get("best_of")))
-    if url == "/v1/chat/completions":
-        return _count(body.get("n"))
-    return 1
-
-
 class LineAnswerer:
     """Owns how each batch endpoint answers a line: the endpoint's body and route function, and their collaborators."""
 
@@ -91,8 +77,10 @@ class LineAnswerer:
         response_store: ResponseStore,
         background_runs: BackgroundRuns,
         conversation_store: ConversationStore,
+        slots: OfflineSlots,
     ) -> None:
         self._generation = generation
+        self._slots = slots
         self._tokenizer = tokenizer
         self._responses = response_store
         self._runs = background_runs
@@ -139,23 +127,26 @@ class LineAnswerer:
     async def _chat(self, caller: Caller, data: str) -> Response:
         body = parsed_body(ChatBody, data)
         self._whole(body.stream)
-        return await chat_completion(caller, body, self._generation, self._tokenizer, started_s=time.perf_counter())
+        async with self._slots.slots(body.samples()):
+            return await chat_completion(caller, body, self._generation, self._tokenizer, started_s=time.perf_counter())
 
     async def _completion(self, caller: Caller, data: str) -> Response:
         body = parsed_body(CompletionBody, data)
         self._whole(body.stream)
-        return await completion(caller, body, self._generation, self._tokenizer, started_s=time.perf_counter())
+        async with self._slots.slots(len(body.prompts()) * body.samples()):
+            return await completion(caller, body, self._generation, self._tokenizer, started_s=time.perf_counter())
 
     async def _response(self, caller: Caller, data: str) -> Response:
         body = parsed_body(ResponsesBody, data)
         self._whole(body.stream, body.background)
-        return await respond(
-            caller,
-            body,
-            self._generation,
-            self._tokenizer,
-            self._responses,
-            self._runs,
-            self._conversations,
-            started_s=time.perf_counter(),
-        )
+        async with self._slots.slots(1):
+            return await respond(
+                caller,
+                body,
+                self._generation,
+                self._tokenizer,
+                self._responses,
+                self._runs,
+                self._conversations,
+                started_s=time.perf_counter(),
+            )

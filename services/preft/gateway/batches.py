@@ -53,7 +53,7 @@ from preft.gateway import batch_input, batch_parts
 from preft.gateway.auth import Caller
 from preft.gateway.batch_compaction import Compactor
 from preft.gateway.batch_input import BatchLine, BatchPlan
-from preft.gateway.batch_lines import LineAnswerer, engine_requests
+from preft.gateway.batch_lines import LineAnswerer
 from preft.gateway.batch_parts import PartWriter
 from preft.gateway.batch_store import STATUSES_OPEN, BatchRecord, BatchStore, LeaseLost, LineRecord
 from preft.gateway.batch_tiers import Tiers
@@ -472,8 +472,7 @@ class BatchRunner:
     async def _answer(self, caller: Caller, line: BatchLine) -> LineRecord:
         """The line answered by its endpoint (tried again where an outage refused it), as it is recorded."""
         for attempt in range(ATTEMPTS):
-            async with self._slots.slots(engine_requests(line.url, line.body)):
-                answer = await self._answerer.answer(caller, line.url, line.body)
+            answer = await self._answerer.answer(caller, line.url, line.body)
             if not answer.retryable or attempt == ATTEMPTS - 1:
                 break
             await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)

@@ -336,7 +336,7 @@ def engine_kwargs(args, model: Path, dtype: str, real: bool, *, util: float, lor
         enable_chunked_prefill=True,
         gpu_memory_utilization=util,
         seed=0,
-        scheduling_policy="fcfs",  # as runs 1–170 measured (the serving engine's default is "priority")
+        scheduling_policy=args.scheduling_policy,
     )
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -1049,6 +1049,12 @@ def main() -> None:
         "always run)",
     )
     ap.add_argument("--skip-all-mode", action="store_true", help="leave out the PreFT engine's LoRA `all` pass")
+    ap.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="vLLM's scheduling policy: fcfs as runs 1–172 measured; priority as the serving engine runs",
+    )
     ap.add_argument("--profile-dir", type=Path, default=None, help="write torch profiler summaries here")
     ap.add_argument(
         "--profile-trace", action="store_true", help="also each profiled pass's timeline (trace-TAG.json.gz)"

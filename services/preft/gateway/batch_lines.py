@@ -1,7 +1,8 @@
 """A batch's line answered as a live request to its endpoint is: the same body validation and size limit, then the
 route's own function (`chat_completion`, `completion`, `respond`: model resolution with the tenant's access,
-admission, the engine, token metering), for the batch's creator as an offline caller (no per-minute buckets; the
-line's tokens are reserved against the monthly quota as a live request's are, and a quota without room refuses it).
+admission, the engine), for the batch's creator as an offline caller (no per-minute buckets; the line's tokens are
+reserved against the monthly quota as a live request's are, and a quota without room refuses it). Its tokens are held
+from the meter and metered with the part that records the line, so a line answered again after a crash counts once.
 The route runs holding a slot of the fleet's cap on batch requests (``offline_slots``) per engine request the parsed
 body makes: prompts × samples.
 
@@ -11,6 +12,7 @@ Only whole answers are given: a line asking to stream (or a response in the back
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -27,7 +29,8 @@ from preft.gateway.background import BackgroundRuns
 from preft.gateway.conversation_store import ConversationStore
 from preft.gateway.deps import parsed_body
 from preft.gateway.errors import PayloadTooLarge, error_body, error_code
-from preft.gateway.generation import GenerationService
+from preft.gateway.generation import GenerationService, held_metering
+from preft.gateway.metering import Metered
 from preft.gateway.offline_slots import OfflineSlots
 from preft.gateway.response_store import ResponseStore
 from preft.gateway.responses import ResponsesBody
@@ -50,6 +53,7 @@ class LineAnswer:
     input_tokens: int = 0
     output_tokens: int = 0
     retryable: bool = False  # (a 5xx of an outage: trying again later may answer it)
+    metered: tuple[Metered, ...] = ()  # its generations' tokens, held from the meter: they go with the line's part
 
     @property
     def ok(self) -> bool:
@@ -92,7 +96,13 @@ class LineAnswerer:
         }
 
     async def answer(self, caller: Caller, url: str, body: dict[str, Any]) -> LineAnswer:
-        """The endpoint's answer to the line's body (never raises for what the endpoint refuses)."""
+        """The endpoint's answer to the line's body (never raises for what the endpoint refuses), with its generations'
+        tokens held from the meter: they are metered with the part that records the line (``batch_store``), once."""
+        with held_metering(later_s=self._generation.settings.batches_part_s) as held:
+            answer = await self._answer(caller, url, body)
+        return dataclasses.replace(answer, metered=tuple(held.entries))
+
+    async def _answer(self, caller: Caller, url: str, body: dict[str, Any]) -> LineAnswer:
         try:
             data = json.dumps(body, separators=(",", ":"))
             limit = self._generation.settings.max_request_bytes

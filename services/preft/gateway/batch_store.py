@@ -12,7 +12,8 @@ and `preft:batches-started` (each tenant's last batch taken by a runner: whose t
 
 Every write a runner makes checks its lease in the same script (a fence): a replica that lost its lease (stopped
 for longer than it, say) writes nothing more. A part is recorded in one script: each of its lines sets its bit and,
-where the bit was not set, adds to the counts, so a line answered twice counts once. A compaction swaps a run of
+where the bit was not set, adds to the counts and its generations' tokens to the tenant's usage (the meter's keys), so
+a line answered twice counts once and is metered once. A compaction swaps a run of
 recorded parts for their merge (in their place in the list; the same lines) in one script, only where the list still
 holds that run there. A batch that ends forgets its bitmap, parts and lease, leaves the open set, and is kept
 `keep_s` more.
@@ -30,7 +31,9 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 from redis.client import NEVER_DECODE
 
+from preft.common import metering
 from preft.common.errors import InvalidArgument, NotFound, ResourceExhausted
+from preft.gateway.metering import MONTH_TTL_S, WINDOW_TTLS_S, Metered, window_keys
 from preft.gateway.redis_client import guarded
 
 BATCH_ID = re.compile(r"^batch_[0-9a-f]{32}$")
@@ -97,24 +100,58 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
 """
-# KEYS[1] = the lease, KEYS[2] = the batch, KEYS[3] = its done lines (bitmap), KEYS[4] = its parts (list);
-# ARGV[1] = the runner's token, ARGV[2] = the part's name, then four per line: its request index, the count it adds
-# to (completed or failed), its input and output tokens. The lines newly recorded; -1: the lease is not the runner's.
+# KEYS[1] = the lease, KEYS[2] = the batch, KEYS[3] = its done lines (bitmap), KEYS[4] = its parts (list), KEYS[5..7]
+# = the tenant's usage hashes of this minute, hour and day, KEYS[8] = its month's token counter; ARGV[1] = the
+# runner's token, ARGV[2] = the part's name, ARGV[3..6] = the TTLs (s) of KEYS[5..8], ARGV[7] = how many models the
+# lines were metered on, then per model its three usage fields (requests, input and output tokens); then per line its
+# request index, the count it adds to (completed or failed), its input and output tokens, how many generations it
+# metered, and per generation its model's number (from 1), input and output tokens. A line not recorded before adds
+# to the batch's counts and its generations to the usage (the meter's layout, ``metering.APPLY_LUA``). The lines
+# newly recorded; -1: the lease is not the runner's.
 _RECORD_PART = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local names = {'completed', 'failed', 'input_tokens', 'output_tokens'}
 local added = {completed = 0, failed = 0, input_tokens = 0, output_tokens = 0}
+local fields, metered = {}, {}
+local a = 8
+for m = 1, tonumber(ARGV[7]) do
+  fields[m] = {ARGV[a], ARGV[a + 1], ARGV[a + 2]}; a = a + 3
+end
 local new = 0
-for i = 3, #ARGV, 4 do
-  if redis.call('SETBIT', KEYS[3], ARGV[i], 1) == 0 then
+while a <= #ARGV do
+  local generations = tonumber(ARGV[a + 4])
+  if redis.call('SETBIT', KEYS[3], ARGV[a], 1) == 0 then
     new = new + 1
-    added[ARGV[i + 1]] = added[ARGV[i + 1]] + 1
-    added.input_tokens = added.input_tokens + tonumber(ARGV[i + 2])
-    added.output_tokens = added.output_tokens + tonumber(ARGV[i + 3])
+    added[ARGV[a + 1]] = added[ARGV[a + 1]] + 1
+    added.input_tokens = added.input_tokens + tonumber(ARGV[a + 2])
+    added.output_tokens = added.output_tokens + tonumber(ARGV[a + 3])
+    for g = a + 5, a + 2 + 3 * generations, 3 do
+      local m = tonumber(ARGV[g])
+      local counts = metered[m] or {0, 0, 0}
+      counts[1] = counts[1] + 1
+      counts[2] = counts[2] + tonumber(ARGV[g + 1])
+      counts[3] = counts[3] + tonumber(ARGV[g + 2])
+      metered[m] = counts
+    end
   end
+  a = a + 5 + 3 * generations
 end
 for _, name in ipairs(names) do
   if added[name] > 0 then redis.call('HINCRBY', KEYS[2], name, added[name]) end
+end
+local tokens = 0
+for m, counts in pairs(metered) do
+  for k = 5, 7 do
+    for c = 1, 3 do
+      if counts[c] > 0 then redis.call('HINCRBY', KEYS[k], fields[m][c], counts[c]) end
+    end
+  end
+  tokens = tokens + counts[2] + counts[3]
+end
+if next(metered) then
+  for k = 5, 7 do redis.call('EXPIRE', KEYS[k], tonumber(ARGV[k - 2])) end
+  redis.call('INCRBY', KEYS[8], tokens)
+  redis.call('EXPIRE', KEYS[8], tonumber(ARGV[6]))
 end
 redis.call('RPUSH', KEYS[4], ARGV[2])
 return new
@@ -411,17 +448,27 @@ class BatchStore:
         return DoneLines(bits or b"")
 
     async def record_part(self, batch: BatchRecord, token: str, name: str, lines: Sequence[LineRecord]) -> int:
-        """Record a part written to S3 and its lines (each line's counts once); the lines newly recorded. LeaseLost
-        where the lease is no longer this runner's."""
+        """Record a part written to S3 and its lines: each line's counts once, and its generations' tokens on the
+        tenant's usage once (this minute's, as the meter counts), however often the line was answered; the lines newly
+        recorded. LeaseLost where the lease is no longer this runner's."""
+        now = int(time.time())
+        windows = window_keys(batch.tenant, now // metering.MINUTE_S * metering.MINUTE_S)
         keys = [
             self._lease_key(batch.tenant, batch.id),
             self._key(batch.tenant, batch.id),
             self._done_key(batch.tenant, batch.id),
             self._parts_key(batch.tenant, batch.id),
+            *(windows[width] for width in ("minute", "hour", "day")),
+            metering.month_key(batch.tenant, metering.day_of(now)),
         ]
-        args: list[str | int] = [token, name]
+        models = list(dict.fromkeys(m.model for r in lines for m in r.metered))
+        number = {model: n for n, model in enumerate(models, 1)}
+        args: list[str | int] = [token, name, *(WINDOW_TTLS_S[w] for w in ("minute", "hour", "day")), MONTH_TTL_S]
+        args += [len(models), *(metering.field(c, model) for model in models for c in metering.COUNTERS)]
         for r in lines:
-            args += [r.index, r.counts_as, r.input_tokens, r.output_tokens]
+            args += [r.index, r.counts_as, r.input_tokens, r.output_tokens, len(r.metered)]
+            for m in r.metered:
+                args += [number[m.model], m.input_tokens, m.output_tokens]
         new = await self._guarded(self._record_part(keys=keys, args=args))
         if new == -1:
             raise LeaseLost(batch.id)
@@ -496,6 +543,7 @@ class LineRecord:
     line: dict[str, Any]
     input_tokens: int = 0
     output_tokens: int = 0
+    metered: tuple[Metered, ...] = ()  # its generations' tokens, for the tenant's usage (``generation.held_metering``)
 
     @property
     def counts_as(self) -> str:

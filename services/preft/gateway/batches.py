@@ -18,7 +18,9 @@ another replica, or the same one restarted, then takes the batch on where it was
   `part_s`) and each part is then recorded in Redis, with its lines' counts (while it runs, runs of small parts are
   merged into one, ``batch_compaction``); a takeover answers only the lines no recorded part holds. So after a crash
   the lines in flight are answered again, and so are those answered but not yet in a recorded part: up to a part's
-  worth (`part_lines`, or `part_s` of answers). The counts a batch shows move a part at a time. A line refused with a
+  worth (`part_lines`, or `part_s` of answers). The counts a batch shows move a part at a time, and so does the
+  tenant's metered usage: a line's tokens go to it in the script that records the line (``batch_lines``), so a line
+  answered twice is metered once, and a line stopped midway (cancel, expiry, a crash) not at all. A line refused with a
   5xx of an outage is tried up to `ATTEMPTS` times. The batch stops taking lines when it is cancelled (lines in flight
   are stopped) or when its completion window ends (lines in flight are stopped; every line not answered is recorded as
   `batch_expired`, in parts too); the lines answered by then are recorded first.
@@ -58,6 +60,7 @@ from preft.gateway.batch_parts import PartWriter
 from preft.gateway.batch_store import STATUSES_OPEN, BatchRecord, BatchStore, LeaseLost, LineRecord
 from preft.gateway.batch_tiers import Tiers
 from preft.gateway.files import OUTPUT_PURPOSE, FileStore
+from preft.gateway.metering import Metered
 from preft.gateway.object_store import ObjectStore
 from preft.gateway.offline_slots import OfflineSlots
 
@@ -471,8 +474,10 @@ class BatchRunner:
 
     async def _answer(self, caller: Caller, line: BatchLine) -> LineRecord:
         """The line answered by its endpoint (tried again where an outage refused it), as it is recorded."""
+        metered: tuple[Metered, ...] = ()  # (every attempt's: one refused midway may have generated)
         for attempt in range(ATTEMPTS):
             answer = await self._answerer.answer(caller, line.url, line.body)
+            metered += answer.metered
             if not answer.retryable or attempt == ATTEMPTS - 1:
                 break
             await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
@@ -484,6 +489,7 @@ class BatchRunner:
             {**entry, "error": None},
             answer.input_tokens,
             answer.output_tokens,
+            metered,
         )
 
     async def _record_expired(self, run: _Run, path: Path, parts: PartWriter) -> None:

@@ -6,8 +6,10 @@ format the answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -18,13 +20,38 @@ from preft.gateway.auth import Caller
 from preft.gateway.engine_client import EngineClient, EngineStream
 from preft.gateway.errors import PayloadTooLarge
 from preft.gateway.limits import Admission, RateLimiter
-from preft.gateway.metering import TokenMeter
+from preft.gateway.metering import Metered, TokenMeter
 from preft.gateway.resolution import AdapterResolver, Resolution
 from preft.gateway.schemas import GenerationBody
 from preft.gateway.settings import GatewaySettings
 
 IN_FLIGHT = QUEUE_DEPTH.labels(service="gateway")
 T = TypeVar("T")
+
+
+@dataclass
+class HeldMetering:
+    """The tokens of the generations that ended inside ``held_metering``, kept from the meter for the caller, which
+    meters them where it records their answer: a batch line's go with its part (``batch_store``), so a line answered
+    again after a crash is metered once. `later_s`: how much later than the meter they may count (the quota
+    reservation holds them that much longer)."""
+
+    later_s: float
+    entries: list[Metered] = field(default_factory=list)
+
+
+_HELD: ContextVar[HeldMetering | None] = ContextVar("preft_held_metering", default=None)
+
+
+@contextlib.contextmanager
+def held_metering(later_s: float) -> Iterator[HeldMetering]:
+    """Hold the tokens of the generations that end inside (in this task, or tasks it starts) from the meter."""
+    held = HeldMetering(later_s)
+    token = _HELD.set(held)
+    try:
+        yield held
+    finally:
+        _HELD.reset(token)
 
 
 @dataclass
@@ -231,17 +258,21 @@ class GenerationService:
         job.finished = True
         IN_FLIGHT.dec()
         used = 0  # (the tokens metered: the monthly quota's reservation holds them until the meter has added them)
+        held = _HELD.get()
         if job.answered and self.meter is not None:
             adapter = job.resolution.adapter
             model = adapter.ref if adapter is not None else self.settings.served_model_name
-            self.meter.record(job.admission.tenant, model, job.prompt_tokens, job.generated_tokens)
+            if held is None:
+                self.meter.record(job.admission.tenant, model, job.prompt_tokens, job.generated_tokens)
+            else:
+                held.entries.append(Metered(model, job.prompt_tokens, job.generated_tokens))
             used = job.prompt_tokens + job.generated_tokens
         unused = job.reserved_generation - job.generated_tokens if job.admission.tokens_reserved else 0
-        self._release(job.admission, unused=unused, used=used)
+        self._release(job.admission, unused=unused, used=used, later_s=held.later_s if held is not None else 0.0)
 
-    def _release(self, admission: Admission, *, unused: int, used: int) -> None:
+    def _release(self, admission: Admission, *, unused: int, used: int, later_s: float = 0.0) -> None:
         """Release what the admission reserved, in the background (nothing to do: no task)."""
         if unused > 0 or admission.reservation is not None:
-            task = asyncio.create_task(self.limiter.release(admission, unused=unused, used=used))
+            task = asyncio.create_task(self.limiter.release(admission, unused=unused, used=used, later_s=later_s))
             self._background.add(task)
             task.add_done_callback(self._background.discard)

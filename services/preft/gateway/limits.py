@@ -24,10 +24,11 @@ still counts until later admissions take it off, refusing early, not late).
 
 When a request ends (answered, failed, client gone, cancelled), its entry shrinks to the tokens the meter will add to
 the month (prompt + generated where it was answered, else none) and is held `hold_s` (a few meter flush intervals
-and a Redis deadline) before it lapses. Dropped at once, it would leave a gap, between the request's end and the
-meter's next flush, where its tokens count nowhere and concurrent requests could go over the quota. Held, they count
-twice for a moment (held and metered), so a tenant near its quota may be refused slightly early, never late: unless
-the meter's counts reach Redis later than the hold (Redis unreachable for the meter), or a request runs longer than
+and a Redis deadline; a batch line's `batches_part_s` more: its tokens are metered with its part) before it lapses.
+Dropped at once, it would leave a gap, between the request's end and the meter's next flush, where its tokens count
+nowhere and concurrent requests could go over the quota. Held, they count twice for a moment (held and metered), so a
+tenant near its quota may be refused slightly early, never late: unless the meter's counts reach Redis later than the
+hold (Redis unreachable for the meter, or S3 for a batch's part), or a request runs longer than
 `reservation_lapse_s` (its entry lapsed: the release finds nothing to change). The release rides on the bucket
 refund's script call; one that fails (Redis down) is logged, and the entry lapses. Reservations belong to the month
 they were made in: its keys expire `common.metering.MONTH_TTL_DAYS` after their last write, as its counter does; a
@@ -303,10 +304,11 @@ class RateLimiter:
             )
         return InvalidApiKey(f"tenant {tenant!r} no longer exists")
 
-    async def release(self, admission: Admission, *, unused: int, used: int) -> None:
+    async def release(self, admission: Admission, *, unused: int, used: int, later_s: float = 0.0) -> None:
         """Give `unused` tokens back to the bucket, and shrink the request's quota reservation (if any) to the `used`
-        tokens the meter will add, held `hold_s`; best effort (a failure only makes the limits stricter for a while:
-        the bucket refills, the reservation lapses)."""
+        tokens the meter will add, held `hold_s` (and `later_s` more, where they reach the meter that much later: a
+        batch line's, with its part); best effort (a failure only makes the limits stricter for a while: the bucket
+        refills, the reservation lapses)."""
         unused = max(unused, 0)
         reservation = admission.reservation
         if reservation is None:
@@ -315,7 +317,8 @@ class RateLimiter:
             keys, args = _keys(admission.tenant)[:2], [unused]
         else:
             keys = [*_keys(admission.tenant)[:2], *reservation.keys]
-            args = [unused, reservation.entry_id, reservation.tokens, max(used, 0), int(self.hold_s * 1000), KEYS_TTL_S]
+            hold_ms = int((self.hold_s + later_s) * 1000)
+            args = [unused, reservation.entry_id, reservation.tokens, max(used, 0), hold_ms, KEYS_TTL_S]
         try:
             await guarded(self._refund(keys=keys, args=args), self._timeout_s)
         except Unavailable:

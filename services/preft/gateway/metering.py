@@ -56,7 +56,35 @@ end
 return 1
 """
 
+
+@dataclass(frozen=True)
+class Metered:
+    """An answered generation's tokens for the meter, on its model (the adapter's ref, or the served base model)."""
+
+    model: str
+    input_tokens: int
+    output_tokens: int
+
+
 Entry = tuple[str, int, str]  # tenant, the UTC minute's start (Unix s; an hour's in a batch of hours), model
+WINDOW_TTLS_S = {  # how long each width's hashes stay after their last write
+    "minute": metering.MINUTE_RETENTION_DAYS * metering.DAY_S,
+    "hour": metering.HOUR_RETENTION_DAYS * metering.DAY_S,
+    "day": metering.RETENTION_DAYS * metering.DAY_S,
+}
+MONTH_TTL_S = metering.MONTH_TTL_DAYS * metering.DAY_S
+
+
+def window_keys(tenant: str, minute: int, *, minutes: bool = True) -> dict[str, str]:
+    """The hashes that counts of `tenant`'s UTC minute starting at `minute` add to, by width (``WINDOW_TTLS_S``): its
+    hour's and day's, and its minute's unless `minutes` is off (a batch of hours, `minute` then an hour's start)."""
+    keys = {
+        "hour": metering.hour_key(tenant, minute // metering.HOUR_S * metering.HOUR_S),
+        "day": metering.day_key(tenant, metering.day_of(minute)),
+    }
+    if minutes:
+        keys["minute"] = metering.minute_key(tenant, minute)
+    return keys
 
 
 @dataclass
@@ -71,30 +99,18 @@ class Batch:
     def script_args(self) -> tuple[list[str], list[str | int]]:
         """The apply script's keys and arguments: each entry's counts on its minute's, hour's and day's hashes (the
         minutes of one hour or day summed into one increment per field) and its tokens on its month's counter."""
-        ttls = {
-            "minute": metering.MINUTE_RETENTION_DAYS * metering.DAY_S,
-            "hour": metering.HOUR_RETENTION_DAYS * metering.DAY_S,
-            "day": metering.RETENTION_DAYS * metering.DAY_S,
-        }
         hashes: dict[str, tuple[int, dict[str, int]]] = {}  # key: (TTL, increment per field)
         by_month: dict[str, int] = {}
         for (tenant, minute, model), values in self.counts.items():
-            day = metering.day_of(minute)
-            keys = {
-                "hour": metering.hour_key(tenant, minute // metering.HOUR_S * metering.HOUR_S),
-                "day": metering.day_key(tenant, day),
-            }
-            if not self.hours:
-                keys["minute"] = metering.minute_key(tenant, minute)
-            for width, key in keys.items():
-                increments = hashes.setdefault(key, (ttls[width], {}))[1]
+            for width, key in window_keys(tenant, minute, minutes=not self.hours).items():
+                increments = hashes.setdefault(key, (WINDOW_TTLS_S[width], {}))[1]
                 for counter, value in zip(metering.COUNTERS, values, strict=True):
                     if value:
                         name = metering.field(counter, model)
                         increments[name] = increments.get(name, 0) + value
-            month = metering.month_key(tenant, day)
+            month = metering.month_key(tenant, metering.day_of(minute))
             by_month[month] = by_month.get(month, 0) + values[1] + values[2]
-        args: list[str | int] = [BATCH_MEMORY_S, len(hashes), metering.MONTH_TTL_DAYS * metering.DAY_S]
+        args: list[str | int] = [BATCH_MEMORY_S, len(hashes), MONTH_TTL_S]
         for ttl, increments in hashes.values():
             args += [ttl, len(increments), *(item for pair in increments.items() for item in pair)]
         return [BATCH_PREFIX + self.batch_id, *hashes, *by_month], args + list(by_month.values())

@@ -5,17 +5,21 @@ parts each line once, as the part recorded first has it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
+from preft.common import metering
 from preft.gateway import batch_parts
 from preft.gateway.batch_parts import PartWriter, part_key, parts_prefix
 from preft.gateway.batch_store import BatchRecord, BatchStore, LeaseLost, LineRecord
+from preft.gateway.metering import Metered
 from preft.gateway.object_store import ObjectStore
 
 TOKEN = "runner-token"
@@ -67,6 +71,50 @@ def test_a_recorded_part_counts_each_line_once_and_only_under_the_lease(redis_ur
         await store.move(batch, TOKEN, from_statuses=("in_progress",), to="completed", ends=True)
         assert await redis.keys("preft:batch*") == [f"preft:batch:acme:{batch.id}"]  # (bitmap, parts, lease: gone)
         assert await store.parts("acme", batch.id) == [] and len(await store.done_lines("acme", batch.id)) == 0
+
+    _run(scenario, redis_url, s3_bucket)
+
+
+def test_a_recorded_part_meters_its_new_lines_generations_once_on_the_tenants_usage(redis_url, s3_bucket):
+    """A line's generations reach the tenant's usage (minute, hour, day, month: the meter's layout) with the part that
+    records the line, in the same script: a line answered again and recorded again adds nothing, nor does a part
+    refused for the lease; lines with no generation (refused, expired) add no request."""
+
+    async def scenario(redis: aioredis.Redis, store: BatchStore, _: ObjectStore) -> None:
+        batch = await _batch(redis)
+        base, adapter = Metered("base", 10, 4), Metered("acme/pre@v1", 7, 2)
+        first = [
+            dataclasses.replace(_answer(0), metered=(base,)),
+            dataclasses.replace(_answer(1), metered=(adapter, adapter)),  # (two generations: a Responses tool turn)
+            _answer(2, file="error"),
+        ]
+        before = int(time.time())
+        assert await store.record_part(batch, TOKEN, "a", first) == 3
+        again = [dataclasses.replace(_answer(1, "again"), metered=(Metered("base", 99, 99),))]
+        assert (
+            await store.record_part(batch, TOKEN, "b", [*again, dataclasses.replace(_answer(3), metered=(base,))]) == 1
+        )
+        with pytest.raises(LeaseLost):
+            await store.record_part(batch, "another-runner", "c", [dataclasses.replace(_answer(4), metered=(base,))])
+        after = int(time.time())
+
+        day = metering.day_of(after)
+        rows = {r.model: r for r in metering.parse_day(day, await redis.hgetall(metering.day_key("acme", day)))}
+        assert rows == {
+            "base": metering.ModelUsage(day, "base", requests=2, input_tokens=20, output_tokens=8),
+            "acme/pre@v1": metering.ModelUsage(day, "acme/pre@v1", requests=2, input_tokens=14, output_tokens=4),
+        }
+        minutes = {m // 60 * 60 for m in (before, after)}
+        in_minutes = [await redis.hgetall(metering.minute_key("acme", m)) for m in sorted(minutes)]
+        assert sum(int(f.get("requests|base", 0)) for f in in_minutes) == 2
+        hour = await redis.hgetall(metering.hour_key("acme", after // 3600 * 3600))
+        assert (hour.get("requests|acme/pre@v1"), hour.get("output_tokens|base")) == ("2", "8")
+        month = metering.month_key("acme", day)
+        assert int(await redis.get(month)) == 20 + 8 + 14 + 4  # (what admission checks a monthly quota against)
+        for key in (month, metering.day_key("acme", day)):
+            assert await redis.ttl(key) > 30 * metering.DAY_S
+        got = await store.get("acme", batch.id)
+        assert (got.count("completed"), got.count("failed")) == (3, 1)
 
     _run(scenario, redis_url, s3_bucket)
 

@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY
 
 from preft.api.v1 import registry_pb2 as pb
 from preft.common import metering
+from preft.gateway.limits import reservations_key
 
 from .conftest import BASE, error_of, until
 
@@ -354,7 +355,7 @@ def test_a_takeover_answers_again_only_the_lines_no_recorded_part_holds(
 ):
     """The runner's replica crashes between writing parts to S3 and recording them: those parts (and a stray one)
     are ignored and their lines answered again by the replica that takes over; the output holds every line once,
-    and the counts count each line once."""
+    and the counts and the tenant's metered usage count each line once."""
     key = registry.tenant("acme")
     settings = _batches(
         s3_bucket,
@@ -410,6 +411,8 @@ def test_a_takeover_answers_again_only_the_lines_no_recorded_part_holds(
     assert all(received[i] == 2 for i in lost), received  # (answered before the crash, and again)
     assert 30 + len(lost) <= sum(received.values()) <= 30 + len(lost) + 2  # (and at most the two in flight)
     assert done.usage.output_tokens == 30 * 4  # (each line counted once)
+    (metered,) = _today_usage(second.http(key), 30).values()  # (metered with the parts: each line once too)
+    assert (metered["num_model_requests"], metered["output_tokens"]) == (30, 30 * 4), metered
     assert _objects(s3_bucket, f"batches/acme/{created.id}/") == []
     store.close()
 
@@ -496,6 +499,38 @@ def test_the_monthly_quota_stops_the_batch_lines_once_reached(make_gateway, regi
     store = redis.Redis.from_url(redis_url, decode_responses=True)
     month = metering.month_key("acme", metering.day_of(time.time()))
     assert _until(lambda: int(store.get(month) or 0), lambda used: used >= 24) == 24  # (the month's tokens: 4 lines)
+    store.close()
+
+
+def test_a_batch_lines_tokens_stay_reserved_until_its_part_meters_them(
+    make_gateway, registry, stub, s3_bucket, redis_url
+):
+    """A line's tokens reach the month's count with the part that records it, up to `batches_part_s` after its answer:
+    its quota reservation holds them until then, so at no moment do they count nowhere."""
+    key = registry.tenant("acme")
+    limits = pb.TenantLimits(tokens_per_month=100)
+    registry.client.call("SetTenantLimits", pb.SetTenantLimitsRequest(id="acme", limits=limits))
+    settings = _batches(s3_bucket, batches_part_s=6.0, batches_line_concurrency=1)
+    gateway = make_gateway(**settings, metering_flush_interval_s=0.05)  # (a hold of 2.1 s: 0.1 + the Redis deadline)
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    day = metering.day_of(time.time())
+    month, reservations = metering.month_key("acme", day), reservations_key("acme", day)
+
+    def now_ms() -> int:
+        seconds, micros = store.time()
+        return seconds * 1000 + micros // 1000
+
+    def held() -> list[tuple[str, float]]:  # (entries of ended requests: lapsing soon, not an hour after admission)
+        soon = now_ms() + 60_000
+        return [(m, lapses) for m, lapses in store.zrange(reservations, 0, -1, withscores=True) if lapses < soon]
+
+    stub.token_delay_s = 0.5  # (2 s a line, one at a time: the first part is recorded 4 s after the first answer)
+    created = _start(gateway.openai(key), COMPLETIONS, _slow_lines(4))
+    ((member, lapses_ms),) = _until(held, bool, poll_s=0.02)
+    assert member.endswith(":6") and store.get(month) is None  # (answered, 2 + 4 tokens; its part not recorded yet)
+    assert _until(lambda: int(store.get(month) or 0), lambda used: used > 0, poll_s=0.02) % 6 == 0
+    assert lapses_ms > now_ms()  # (still held when the part metered it)
+    assert _ended(gateway.openai(key), created.id).status == "completed"
     store.close()
 
 

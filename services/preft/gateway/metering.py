@@ -11,6 +11,9 @@ sent are folded into (tenant, hour, model) entries, which add to the hours, days
 records that follow until everything held is sent (``preft_gateway_metering_coarsened_total``), so an outage of days
 keeps those counts whole; only where the hours fill `max_pending` too are new records dropped, from every count
 alike (``preft_gateway_metering_dropped_total``). A clean shutdown sends what is left once more.
+
+A batch's lines do not pass through the meter: their tokens (``Metered``) are added to the same keys by the script
+that records the part holding them (``batch_store``), once per line however often it was answered.
 """
 
 from __future__ import annotations

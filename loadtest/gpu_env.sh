@@ -5,8 +5,24 @@
 # With `bash loadtest/gpu_env.sh --wheels .gpu/extra` (here, before the transfer) it downloads instead the few
 # packages the serving engine's tests import beyond vLLM's (the image may lack them); carried in `.gpu/extra`, they
 # are installed there into /tmp/extra, to go last on PYTHONPATH (the image's own packages first).
+# With `bash loadtest/gpu_env.sh --split .gpu` (here, after ../shared/gpu/bundle.sh) it cuts the vLLM bundle into three
+# parts of 29 MiB and makes .gpu/setup.sh wait for all three: with this tree (~20 MiB) a call carries 64 MiB at most,
+# so the transfer is call 1 `part_aa` + `whl1`, call 2 `part_ab` + `extra`, call 3 `part_ac` + `whl` + `extra`.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+if [ "${1:-}" = "--split" ]; then
+  dir=${2:?folder}
+  whole=$(mktemp)
+  cat "$dir"/part_a? > "$whole"  # (part_aa, part_ab[, part_ac]: in order)
+  rm -f "$dir"/part_a?
+  split -b 29M -a 1 "$whole" "$dir/part_a"
+  rm -f "$whole"
+  grep -q '\[ -f /root/stage/part_ac \]' "$dir/setup.sh" ||
+    sed -i 's#\[ -f /root/stage/part_ab \] \&\&#[ -f /root/stage/part_ab ] \&\& [ -f /root/stage/part_ac ] \&\&#' "$dir/setup.sh"
+  grep -q '\[ -f /root/stage/part_ac \]' "$dir/setup.sh" || { echo "$dir/setup.sh: no unpack condition to extend" >&2; exit 1; }
+  ls -l "$dir"/part_a?
+  exit 0
+fi
 if [ "${1:-}" = "--wheels" ]; then
   for p in pydantic-settings python-dotenv redis prometheus-client psutil; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 from pydantic import SecretStr
 
 from preft.api.v1 import adapter_pb2 as apb
@@ -217,3 +218,9 @@ def until(read: Callable[[], Any], done: Callable[[Any], bool], *, timeout_s: fl
         assert time.monotonic() < deadline, value
         time.sleep(poll_s)
     return value
+
+
+def redis_now_ms(store: redis.Redis) -> int:
+    """Redis' clock in ms (what the quota scripts score reservations by), from a synchronous client."""
+    seconds, micros = store.time()
+    return seconds * 1000 + micros // 1000

@@ -20,7 +20,7 @@ from preft.api.v1 import registry_pb2 as pb
 from preft.common import metering
 from preft.gateway.limits import reservations_key
 
-from .conftest import BASE, error_of, until
+from .conftest import BASE, error_of, redis_now_ms, until
 
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 CHAT = "/v1/chat/completions"
@@ -516,12 +516,8 @@ def test_a_batch_lines_tokens_stay_reserved_until_its_part_meters_them(
     day = metering.day_of(time.time())
     month, reservations = metering.month_key("acme", day), reservations_key("acme", day)
 
-    def now_ms() -> int:
-        seconds, micros = store.time()
-        return seconds * 1000 + micros // 1000
-
     def held() -> list[tuple[str, float]]:  # (entries of ended requests: lapsing soon, not an hour after admission)
-        soon = now_ms() + 60_000
+        soon = redis_now_ms(store) + 60_000
         return [(m, lapses) for m, lapses in store.zrange(reservations, 0, -1, withscores=True) if lapses < soon]
 
     stub.token_delay_s = 0.5  # (2 s a line, one at a time: the first part is recorded 4 s after the first answer)
@@ -529,7 +525,7 @@ def test_a_batch_lines_tokens_stay_reserved_until_its_part_meters_them(
     ((member, lapses_ms),) = _until(held, bool, poll_s=0.02)
     assert member.endswith(":6") and store.get(month) is None  # (answered, 2 + 4 tokens; its part not recorded yet)
     assert _until(lambda: int(store.get(month) or 0), lambda used: used > 0, poll_s=0.02) % 6 == 0
-    assert lapses_ms > now_ms()  # (still held when the part metered it)
+    assert lapses_ms > redis_now_ms(store)  # (still held when the part metered it)
     assert _ended(gateway.openai(key), created.id).status == "completed"
     store.close()
 

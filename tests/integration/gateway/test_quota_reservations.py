@@ -22,7 +22,7 @@ from preft.gateway.limits import LAPSE_BATCH, Admission, RateLimiter, Reservatio
 from preft.gateway.redis_client import connect
 from preft.stack import free_port
 
-from .conftest import BASE, error_of, until
+from .conftest import BASE, error_of, redis_now_ms, until
 
 BODY = {"model": BASE, "prompt": [5, 6, 7, 8], "max_tokens": 8}  # (4 + 8 = 12 tokens reserved, and used)
 FAST = {"metering_flush_interval_s": 0.05}
@@ -48,11 +48,6 @@ def _keys(tenant: str) -> tuple[str, str, str]:
 
 
 _until = partial(until, timeout_s=10.0, poll_s=0.02)
-
-
-def _now_ms(store: redis.Redis) -> int:
-    seconds, micros = store.time()
-    return seconds * 1000 + micros // 1000
 
 
 def test_concurrent_requests_on_two_replicas_are_admitted_as_far_as_their_reservations_fit(
@@ -114,10 +109,10 @@ def test_an_ended_request_frees_what_it_did_not_use_and_holds_the_rest_briefly(m
     )
     assert int(store.get(reserved)) == 6
     hold_ms = (2 * gateway.settings.metering_flush_interval_s + gateway.settings.redis_timeout_s) * 1000
-    assert 0 < lapses_ms - _now_ms(store) <= hold_ms
+    assert 0 < lapses_ms - redis_now_ms(store) <= hold_ms
     # once metered and past the hold, only the metered 6 count: a request needing all the other 94 fits
     assert _until(lambda: int(store.get(month) or 0), lambda used: used >= 6) == 6
-    time.sleep((lapses_ms - _now_ms(store)) / 1000 + 0.05)
+    time.sleep((lapses_ms - redis_now_ms(store)) / 1000 + 0.05)
     stub.reply, stub.token_delay_s = None, 0.0
     assert http.post("/v1/completions", json=big).status_code == 200
     assert _until(lambda: int(store.get(month) or 0), lambda used: used >= 100) == 100
@@ -128,7 +123,7 @@ def test_a_crashed_gateways_reservations_lapse(make_gateway, registry, store):
     _set_quota(registry, "acme", 100)
     http = make_gateway(**FAST).http(key)
     month, reserved, reservations = _keys("acme")
-    now_ms = _now_ms(store)
+    now_ms = redis_now_ms(store)
     # a gateway that crashed left 60 reserved, lapsed a second ago; another replica's request holds 30, in flight
     store.zadd(reservations, {"cmpl-crashed:60": now_ms - 1000, "cmpl-elsewhere:30": now_ms + 60_000})
     store.set(reserved, 90)

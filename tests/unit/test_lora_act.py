@@ -111,3 +111,24 @@ def test_the_kernel_without_lora_tokens_is_the_plain_activation(lora_kernels_int
     out = torch.empty(70, INTER)
     lora_act.lora_silu_and_mul(out, gate_up, x, a, b, g.empty_groups())
     torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:])
+
+
+def test_where_the_gluon_fold_cannot_build_triton_s_fold_serves_and_says_why(
+    lora_kernels_interpreted, monkeypatch, caplog
+):
+    x, gate_up, a, b, groups = _case(TOKEN_SLOTS, len(TOKEN_SLOTS))
+    if "fold" not in lora_kernels.picked(gate_up):
+        pytest.skip("this choice does not fold the LoRA into the activation kernel")
+    expected = _reference(x, gate_up, a, b, TOKEN_SLOTS)
+    monkeypatch.setattr(lora_act, "gluon_folds", lambda *args: True)  # (as on a Hopper GPU)
+    monkeypatch.setattr(lora_act, "_GLUON_ARCHS", {})
+
+    def cannot_build(*args):
+        raise RuntimeError("this Triton's Gluon has no warpgroup_mma")
+
+    monkeypatch.setattr(lora_act, "_launch_gluon", cannot_build)
+    out = torch.empty(gate_up.shape[0], INTER)
+    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert lora_act._GLUON_ARCHS[gate_up.get_device()] is False  # (gluon_folds then says no on that device)
+    assert "the Gluon fold is unavailable (RuntimeError: this Triton's Gluon has no warpgroup_mma)" in caplog.text

@@ -1,6 +1,6 @@
 """The Gluon fold (``lora_fold_gluon``): compiled here for sm_90 as a Hopper GPU runs it, and run where there is one.
 
-What the kernel is for (loadtest/RUNS.md "Runs 178–186"): Triton's fold takes gate, up and h through shared memory
+What the kernel is for (loadtest/RUNS.md "Runs 178–187"): Triton's fold takes gate, up and h through shared memory
 between their loaded layout and wgmma's accumulator's; this one loads gate and up and stores h in 16-byte vectors
 straight in the accumulator's layout, and stages only B's tiles in shared memory. Off a Hopper GPU the compile tests
 run (Triton ships ptxas); the numeric tests need one (the device tool's H100 or H200).
@@ -121,7 +121,7 @@ def test_on_a_hopper_gpu_it_folds_as_the_triton_kernel_does(monkeypatch, dtype, 
     expected = torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
     # A sum in another order may round gate or up a unit apart, which moves h by a unit of gate's and up's scale
     # (~1) even where h is near 0; against the float32 reference, h's own rounding adds to that (on an H100, fp16:
-    # both kernels 3.7734 where the reference has 3.7694, two units of h apart; "Runs 178–186" in loadtest/RUNS.md)
+    # both kernels 3.7734 where the reference has 3.7694, two units of h apart; "Runs 178–187" in loadtest/RUNS.md)
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
     torch.testing.assert_close(outs["gluon"], expected, rtol=4 * ulp, atol=2 * ulp)
     torch.testing.assert_close(outs["gluon"], outs["fold"], rtol=2 * ulp, atol=2 * ulp)  # (Triton's sums' order)

@@ -70,7 +70,8 @@ logger = logging.getLogger(__name__)
 FOLD_MAX_RANK = 64  # the highest rank the fold measured faster (run 119, in 32-wide chunks); above, the expand adds it
 RANK_CHUNK = 32  # rank columns per product at most (16 at ranks ≤ 16): z's and B's tiles stay this size at any rank
 # The Gluon fold's launch (``gluon``): 64 rows (one warpgroup) by 256 columns a program, the rank in one product a
-# slot; the fastest of run 182 on Qwen2.5-0.5B and Llama-3.1-8B at ranks 8 and 64 (loadtest/RUNS.md "Runs 178–186")
+# slot; the fastest of runs 182 and 187 on Qwen2.5-0.5B and Llama-3.1-8B at ranks 8 and 64 (loadtest/RUNS.md
+# "Runs 178–187")
 GLUON_TILES = Tiles(rows=64, cols=256, warps=4, stages=1, cols_first=True)
 _GLUON_ARCHS: dict[int, bool] = {}  # device index -> a Hopper GPU (wgmma), as the Gluon fold needs
 

@@ -18,7 +18,7 @@ block's slots, gate + Δ rounded once to gate_up's dtype; its outputs are as clo
 the Triton kernel's (the same largest difference in every cell of runs 181–183, within two units of the last place
 of them in tests/unit/test_lora_fold_gluon.py). On the H200 (run 183: a step of 16,384 tokens, device time a call)
 against the Triton fold: Qwen2.5-0.5B 224 against 253 µs at rank 64, 159 against 193 at rank 8; Llama-3.1-8B 636
-against 728 and 459 against 545 (loadtest/RUNS.md "Runs 178–186"). Steps without LoRA tokens keep the Triton
+against 728 and 459 against 545 (loadtest/RUNS.md "Runs 178–187"). Steps without LoRA tokens keep the Triton
 kernel's plain variant.
 """
 

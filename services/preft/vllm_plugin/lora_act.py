@@ -331,44 +331,36 @@ def gluon_folds(gate_up: torch.Tensor, z: torch.Tensor, b: tuple, rank_aligned: 
 
 
 def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> None:
-    tiles = k._TILES["act"]
     rows, inter = gate_up.shape[0], out.shape[1]
     b_gate, b_up = b
     strides = (b_gate.stride(0), b_gate.stride(1), b_gate.stride(2)) if b_gate.dim() == 3 else (0, 0, 0)
     # (the expand's RANK_ALIGNED; B's pointers are specialized on their alignment)
     rank_aligned = strides[2] == 1 and k.z_vectors(z.data_ptr(), groups.rank, stride_z, strides[0], strides[1])
+    # the call's own arguments, the same for either kernel, and what of them decides Triton's variant
+    values = (out, gate_up, z, out.stride(0), gate_up.stride(0), stride_z, rows)
+    call = k._args(
+        values, (out.dtype, out.data_ptr() % 16, gate_up.dtype, gate_up.data_ptr() % 16, z.dtype, *values[3:5])
+    )
     if not groups.empty and gluon_folds(gate_up, z, b, rank_aligned):
         try:
-            _launch_gluon(out, gate_up, z, stride_z, b, strides[:2], groups)
+            _launch_gluon(call, rows, inter, b, strides[:2], groups)
             return
         except Exception as e:  # (a Triton whose Gluon cannot build the kernel: Triton's fold serves from now on)
             _GLUON_ARCHS[gate_up.get_device()] = False
             logger.warning("preft: the Gluon fold is unavailable (%s: %s); the Triton fold serves", type(e).__name__, e)
+    tiles = k._TILES["act"]
     step = row_block_tables(groups, tiles.rows, RANK_CHUNK)
     values = (b_gate, b_up, *strides, inter, tiles.rows, tiles.cols, k._precision(b_gate.dtype))
     module = k._args(values, (b_gate.dtype, b_gate.data_ptr() % 16, b_up.data_ptr() % 16, *values[2:]))
-    out_ptr, gu_ptr, z_ptr = out.data_ptr(), gate_up.data_ptr(), z.data_ptr()
-    call = (out.stride(0), gate_up.stride(0), stride_z, rows)
     grid = (-(-rows // tiles.rows), -(-inter // tiles.cols))
     order = (rank_aligned, tiles.cols_first, not groups.empty)
     _ACT(
         grid[::-1] if tiles.cols_first else grid,
-        (
-            out.dtype,
-            out_ptr % 16,
-            gate_up.dtype,
-            gu_ptr % 16,
-            z.dtype,
-            *call[:2],
-            step.key,
-            module.key,
-            tiles.warps,
-            *order,
-        ),
-        (out, gate_up, z, *call, *step.tensors, *module.tensors, *order),
+        (*call.key, step.key, module.key, tiles.warps, *order),
+        (*call.tensors, *step.tensors, *module.tensors, *order),
         tiles.warps,
         tiles.stages,
-        (out_ptr, gu_ptr, z_ptr, *call, *step.addresses, *module.addresses, *order),
+        (*call.addresses, *step.addresses, *module.addresses, *order),
     )
 
 
@@ -376,29 +368,18 @@ if lora_fold_gluon.gluon is not None:
     _FOLD = triton_launch.Launcher(lora_fold_gluon.fold_kernel)
 
 
-def _launch_gluon(out, gate_up, z, stride_z: int, b: tuple, b_strides: tuple, groups: g.SlotGroups) -> None:
-    """The fold on the Gluon kernel (``gluon_folds``), in ``GLUON_TILES``: the rank in one product a slot."""
+def _launch_gluon(call: k._Args, rows: int, inter: int, b: tuple, b_strides: tuple, groups: g.SlotGroups) -> None:
+    """The fold on the Gluon kernel (``gluon_folds``), in ``GLUON_TILES``: the rank in one product a slot (`call`:
+    ``_launch``'s run of the call's own arguments)."""
     tiles = GLUON_TILES
     step = row_block_tables(groups, tiles.rows, None)
-    rows, inter = gate_up.shape[0], out.shape[1]
     values = (*b, *b_strides, inter, tiles.rows, tiles.cols)
     module = k._args(values, (b[0].dtype, *values[2:]))
-    call = (out.stride(0), gate_up.stride(0), stride_z, rows)
-    grid = (-(-inter // tiles.cols), -(-rows // tiles.rows))
     _FOLD(
-        grid,
-        (
-            out.dtype,
-            out.data_ptr() % 16,
-            gate_up.dtype,
-            gate_up.data_ptr() % 16,
-            *call[:2],
-            step.key,
-            module.key,
-            tiles.warps,
-        ),
-        (out, gate_up, z, *call, *step.tensors, *module.tensors),
+        (-(-inter // tiles.cols), -(-rows // tiles.rows)),
+        (*call.key, step.key, module.key, tiles.warps),
+        (*call.tensors, *step.tensors, *module.tensors),
         tiles.warps,
         tiles.stages,
-        (out.data_ptr(), gate_up.data_ptr(), z.data_ptr(), *call, *step.addresses, *module.addresses),
+        (*call.addresses, *step.addresses, *module.addresses),
     )

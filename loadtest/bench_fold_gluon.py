@@ -1,13 +1,13 @@
 """The fold on the Gluon kernel (``lora_fold_gluon``) against the Triton fold (``lora_act``), on the GPU machine.
 
-    python3 -m loadtest.bench_fold_gluon --models qwen05,llama8b --ranks 64,8 --out $OUT/gpu-fold-gluon
+    python3 -m loadtest.bench_fold_gluon --models qwen05,llama8b --ranks 64,32,16,8 --out $OUT/gpu-fold-gluon
 
 On a full prefill step of each model's gate/up projection (16,384 tokens in groups of 1,024 from 512 slots, as
 ``bench_lora_act``), device time a call (``bench_lora_kernels.device_us``: CUDA graph replays) of
 ``lora_act.lora_silu_and_mul`` with ``gluon`` picked and not (the Triton fold in its default shape), the Gluon
-kernel in each launch shape of ``SHAPES`` (the engine's, ``lora_act.GLUON_TILES``, first), each with how far its
-output is from the LoRA added into gate/up by the expand then activated (gate_up random, so that the products are
-added to something). Needs a Hopper GPU (elsewhere the Triton fold serves both).
+kernel in the engine's shape for the rank (``lora_act.GLUON_SHAPES``) and in each shape of ``SHAPES``, each with how
+far its output is from the LoRA added into gate/up by the expand then activated (gate_up random, so that the
+products are added to something). Needs a Hopper GPU (elsewhere the Triton fold serves both).
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from loadtest.bench_lora_kernels import device_us, step
 from loadtest.bench_lora_launch import per_model_main
 from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_act, lora_kernels
-from preft.vllm_plugin.tiles import Tiles
 
-# the Gluon kernel's launch shapes: rows 16 a warp (64 a warpgroup), columns a program in tiles of 64
-SHAPES = [lora_act.GLUON_TILES] + [Tiles(r, c, r // 16, 1, True) for r, c in ((64, 128), (128, 256))]
+# the Gluon kernel's other launch shapes: 64 rows (a warpgroup) by 256-1,024 columns, rings of 2 and 3 stages
+SHAPES = [lora_act.GluonShape(64, cols, stages) for cols in (256, 512, 1024) for stages in (2, 3)]
 
 
 def bench(model: str, rank: int, iters: int) -> dict:
@@ -40,22 +39,22 @@ def bench(model: str, rank: int, iters: int) -> dict:
         lora_act.lora_silu_and_mul(out, gate_up.clone(), x, a, b, groups)
     reference = out.float()
 
-    def cell() -> dict:
+    def cell(label: str) -> None:
         out.zero_()
         found = {"us": device_us(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups), device, iters)}
         found["max_rel_diff"] = float((out.float() - reference).abs().max() / reference.abs().max())
         found["plain_us"] = device_us(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, none), device, iters)
-        return found
+        row[label] = found
+        print(model, rank, label, json.dumps(found), flush=True)
 
     with lora_kernels.using("expand", "shrink", "act", "fold"), folding_at(rank):
-        row["triton"] = cell()
-    print(model, rank, "triton", json.dumps(row["triton"]), flush=True)
+        cell("triton")
+    tile = lora_act.rank_tile(rank, None)
     with lora_kernels.using("expand", "shrink", "act", "fold", "gluon"), folding_at(rank):
-        for tiles in SHAPES:
-            label = f"gluon {tiles.label}"
-            with mock.patch.object(lora_act, "GLUON_TILES", tiles):
-                row[label] = cell()
-            print(model, rank, label, json.dumps(row[label]), flush=True)
+        cell(f"gluon {lora_act.GLUON_SHAPES[tile].label} (the engine's)")
+        for shape in SHAPES:
+            with mock.patch.dict(lora_act.GLUON_SHAPES, {tile: shape}):
+                cell(f"gluon {shape.label}")
     timed = [label for label, found in row.items() if isinstance(found, dict) and "us" in found]
     row["best"] = min(timed, key=lambda label: row[label]["us"])
     return row

@@ -1,9 +1,10 @@
 """The Gluon fold (``lora_fold_gluon``): compiled here for sm_90 as a Hopper GPU runs it, and run where there is one.
 
-What the kernel is for (loadtest/RUNS.md "Runs 178–187"): Triton's fold takes gate, up and h through shared memory
-between their loaded layout and wgmma's accumulator's; this one loads gate and up and stores h in 16-byte vectors
-straight in the accumulator's layout, and stages only B's tiles in shared memory. Off a Hopper GPU the compile tests
-run (Triton ships ptxas); the numeric tests need one (the device tool's H100 or H200).
+What the kernel is for (loadtest/RUNS.md "Runs 178–190"): Triton's fold takes gate, up and h through shared memory
+between their loaded layout and wgmma's accumulator's, and waits on each tile's loads; this one copies every operand
+by cp.async in 16-byte vectors into a ring of buffers tiles ahead of its products, reads gate and up from it and
+stores h in 16-byte vectors straight in the accumulator's layout. Off a Hopper GPU the compile tests run (Triton
+ships ptxas); the numeric tests need one (the device tool's H100 or H200).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ if lora_fold_gluon.gluon is None:
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-TILES = lora_act.GLUON_TILES
 # What the engine's calls specialize on (as tests/unit/test_lora_kernels_ptx.py's): bf16 tensors, 16-aligned
 # pointers but z's and the tables', strides and widths that the model makes multiples of 16
 TENSORS = ("out_ptr", "gu_ptr", "z_ptr", "bg_ptr", "bu_ptr")
@@ -34,7 +34,8 @@ ALIGNED = ("out_ptr", "gu_ptr", "bg_ptr", "bu_ptr", "stride_out", "stride_gu", "
 def _compiled(block_k: int):
     fn = lora_fold_gluon.fold_kernel
     names = fn.arg_names
-    constexprs = {"BLOCK_K": block_k, "BLOCK_M": TILES.rows, "BLOCK_N": TILES.cols}
+    shape = lora_act.GLUON_SHAPES[block_k]
+    constexprs = {"BLOCK_K": block_k, "BLOCK_M": shape.rows, "BLOCK_N": shape.cols, "STAGES": shape.stages}
     signature = {
         name: "constexpr" if name in constexprs else ("*bf16" if name in TENSORS else "*i64")
         if name.endswith("_ptr") else "i32"
@@ -46,21 +47,25 @@ def _compiled(block_k: int):
         {(names.index(k),): v for k, v in constexprs.items()},
         {(names.index(k),): [["tt.divisibility", 16]] for k in ALIGNED},
     )
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": TILES.warps})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": shape.warps})
 
 
 @pytest.mark.parametrize("block_k", [16, 32, 64])  # (the padded rank's tile: one product a slot)
-def test_it_compiles_for_hopper_with_gate_up_and_h_in_16_byte_vectors_and_only_b_in_shared_memory(block_k):
+def test_it_compiles_for_hopper_with_every_copy_async_and_gate_up_and_h_in_16_byte_vectors(block_k):
     compiled = _compiled(block_k)
     ptx = compiled.asm["ptx"]
     accesses = Counter(re.findall(r"(?:ld|st)\.(?:global|shared)[.a-z0-9]*", ptx))
-    # each thread's share of a 64 × 64 tile of h: 32 elements, four 16-byte stores; of gate and up four loads each
+    copies = Counter(re.findall(r"cp\.async\.[a-z.]+ \[[^]]*\], \[[^]]*\], (\w+)", ptx))
+    # each thread's share of a 64 × 64 tile of h: 32 elements, four 16-byte stores; of gate and up four reads each
+    # from the ring; gate, up, B and z reach it by 16-byte copies alone (no load of them into registers)
     assert accesses["st.global.v4.b32"] == 4
-    assert accesses["ld.global.v4.b32"] >= 8
+    assert accesses["ld.shared.v4.b32"] == 8
+    assert "ld.global.v4.b32" not in accesses and set(copies) == {"0x10"}
     assert not [a for a in accesses if a.endswith((".b16", ".u16"))]  # (no access an element at a time)
     assert "wgmma.mma_async" in ptx
-    # shared memory holds the gate's and the up's tile of B alone (64 columns × the rank's tile, 2 bytes each)
-    assert compiled.metadata.shared == 2 * 64 * block_k * 2
+    # shared memory: z's gate and up tiles, then per stage gate's and up's tiles (64 × 64) and B's (64 × the rank's)
+    stages = lora_act.GLUON_SHAPES[block_k].stages
+    assert compiled.metadata.shared == 2 * 64 * block_k * 2 + stages * (2 * 64 * 64 * 2 + 2 * 64 * block_k * 2)
 
 
 def test_off_a_cuda_device_lora_act_does_not_take_it():
@@ -125,3 +130,15 @@ def test_on_a_hopper_gpu_it_folds_as_the_triton_kernel_does(monkeypatch, dtype, 
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
     torch.testing.assert_close(outs["gluon"], expected, rtol=4 * ulp, atol=2 * ulp)
     torch.testing.assert_close(outs["gluon"], outs["fold"], rtol=2 * ulp, atol=2 * ulp)  # (Triton's sums' order)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
+def test_on_a_hopper_gpu_gate_up_rows_out_of_16_byte_vectors_are_left_to_the_triton_fold():
+    inter, rank = 320, 16
+    wide = torch.zeros(64, 2 * inter + 4, device="cuda", dtype=torch.bfloat16)
+    z = torch.zeros(64, 2 * rank, device="cuda", dtype=torch.bfloat16)
+    b = (torch.zeros(2, 1, inter, rank, device="cuda", dtype=torch.bfloat16),) * 2
+    with lora_kernels.using("expand", "shrink", "act", "fold", "gluon"):
+        assert lora_act.gluon_folds(wide[:, : 2 * inter], z, b, rank_aligned=True)
+        assert not lora_act.gluon_folds(wide[:, 2 : 2 * inter + 2], z, b, rank_aligned=True)  # (4 bytes in)
+        assert not lora_act.gluon_folds(wide[:, : 2 * inter - 8], z, b, rank_aligned=True)  # (inter % 8 = 4)

@@ -14,8 +14,9 @@ distinct slots (``row_block_tables``) and the kernel adds one product per slot, 
 Δ is added in float32 and rounded once to y's dtype, as the expand's add into y is, before the activation.
 ``act`` in ``PREFT_LORA_KERNELS`` picks the kernel on CUDA, and ``fold`` beside it and ``shrink`` (all three in
 the default) the LoRA inside it; ``gluon`` beside ``fold`` (the default too) folds on Hopper GPUs with
-``lora_fold_gluon``'s kernel instead (``gluon_folds``, in ``GLUON_TILES``: 11–17% faster, run 183), whose products'
-layouts keep gate, up and h out of shared memory; steps without LoRA tokens keep this kernel's plain variant.
+``lora_fold_gluon``'s kernel instead (``gluon_folds``, in ``GLUON_SHAPES``: 16–27% less device time on an H100, run
+190), whose copies run tiles ahead of its products and whose products' layouts give gate, up and h in 16-byte
+vectors; steps without LoRA tokens keep this kernel's plain variant.
 Without ``fold``, and on steps of a rank above ``FOLD_MAX_RANK``, the LoRA is added into gate/up
 (``groups.lora_linear``) and the kernel runs without LoRA on the result, as on steps without LoRA tokens; off CUDA
 the LoRA is added and torch computes the activation.
@@ -50,6 +51,7 @@ staging of z's and B's chunks.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -57,7 +59,6 @@ import torch
 from preft.vllm_plugin import groups as g
 from preft.vllm_plugin import lora_fold_gluon, triton_launch
 from preft.vllm_plugin import lora_kernels as k
-from preft.vllm_plugin.tiles import Tiles
 
 try:
     import triton
@@ -69,10 +70,30 @@ logger = logging.getLogger(__name__)
 
 FOLD_MAX_RANK = 64  # the highest rank the fold measured faster (run 119, in 32-wide chunks); above, the expand adds it
 RANK_CHUNK = 32  # rank columns per product at most (16 at ranks ≤ 16): z's and B's tiles stay this size at any rank
-# The Gluon fold's launch (``gluon``): 64 rows (one warpgroup) by 256 columns a program, the rank in one product a
-# slot; the fastest of runs 182 and 187 on Qwen2.5-0.5B and Llama-3.1-8B at ranks 8 and 64 (loadtest/RUNS.md
-# "Runs 178–187")
-GLUON_TILES = Tiles(rows=64, cols=256, warps=4, stages=1, cols_first=True)
+
+
+@dataclass(frozen=True)
+class GluonShape:
+    """The Gluon fold's launch shape: rows (16 a warp) and columns a program, and the depth of its ring of copies."""
+
+    rows: int
+    cols: int
+    stages: int
+
+    @property
+    def warps(self) -> int:
+        return self.rows // 16
+
+    @property
+    def label(self) -> str:
+        return f"{self.rows}x{self.cols} s{self.stages}"
+
+
+# The Gluon fold's launch (``gluon``) by the rank's tile (the rank in one product a slot): 64 rows (one warpgroup)
+# by 256 columns a program, 512 at rank tile 64 (its z copied once for more tiles), 3 stages (4 at tile 64 leave one
+# program an SM); the fastest of run 190's on Qwen2.5-0.5B and Llama-3.1-8B at ranks 8-64 (within 3% of the
+# fastest in every cell; loadtest/RUNS.md "Runs 188-190")
+GLUON_SHAPES = {16: GluonShape(64, 256, 3), 32: GluonShape(64, 256, 3), 64: GluonShape(64, 512, 3)}
 _GLUON_ARCHS: dict[int, bool] = {}  # device index -> a Hopper GPU (wgmma), as the Gluon fold needs
 
 
@@ -318,15 +339,16 @@ def lora_silu_and_mul(
 
 def gluon_folds(gate_up: torch.Tensor, z: torch.Tensor, b: tuple, rank_aligned: bool) -> bool:
     """Whether a folded step runs on the Gluon kernel: ``gluon`` picked, Gluon importable, a Hopper GPU, gate_up,
-    z and both B in one 16-bit dtype, the rank columns in 16-byte vectors (``rank_aligned``) and B 16-byte
-    aligned; otherwise the Triton kernel folds it."""
+    z and both B in one 16-bit dtype, the rank columns in 16-byte vectors (``rank_aligned``), B 16-byte aligned
+    and gate_up's rows, gate's and up's in 16-byte vectors (its copies'); otherwise the Triton kernel folds it."""
     if not (rank_aligned and gate_up.is_cuda and "gluon" in k.picked(gate_up) and lora_fold_gluon.gluon is not None):
         return False  # (gate_up off CUDA: also Triton's interpreter, in the tests)
     device = gate_up.get_device()
     if device not in _GLUON_ARCHS:
         _GLUON_ARCHS[device] = torch.cuda.get_device_capability(device)[0] == 9
     dtypes = {gate_up.dtype, z.dtype, b[0].dtype, b[1].dtype}
-    aligned = b[0].data_ptr() % 16 == 0 and b[1].data_ptr() % 16 == 0
+    rows_in_vectors = gate_up.data_ptr() % 16 == 0 and gate_up.stride(0) % 8 == 0 and gate_up.shape[1] % 16 == 0
+    aligned = rows_in_vectors and b[0].data_ptr() % 16 == 0 and b[1].data_ptr() % 16 == 0
     return _GLUON_ARCHS[device] and aligned and len(dtypes) == 1 and gate_up.dtype in (torch.bfloat16, torch.float16)
 
 
@@ -369,17 +391,17 @@ if lora_fold_gluon.gluon is not None:
 
 
 def _launch_gluon(call: k._Args, rows: int, inter: int, b: tuple, b_strides: tuple, groups: g.SlotGroups) -> None:
-    """The fold on the Gluon kernel (``gluon_folds``), in ``GLUON_TILES``: the rank in one product a slot (`call`:
-    ``_launch``'s run of the call's own arguments)."""
-    tiles = GLUON_TILES
-    step = row_block_tables(groups, tiles.rows, None)
-    values = (*b, *b_strides, inter, tiles.rows, tiles.cols)
+    """The fold on the Gluon kernel (``gluon_folds``), in the rank tile's ``GLUON_SHAPES``: the rank in one product a
+    slot (`call`: ``_launch``'s run of the call's own arguments)."""
+    shape = GLUON_SHAPES[rank_tile(groups.rank, None)]
+    step = row_block_tables(groups, shape.rows, None)
+    values = (*b, *b_strides, inter, shape.rows, shape.cols, shape.stages)
     module = k._args(values, (b[0].dtype, *values[2:]))
     _FOLD(
-        (-(-inter // tiles.cols), -(-rows // tiles.rows)),
-        (*call.key, step.key, module.key, tiles.warps),
+        (-(-inter // shape.cols), -(-rows // shape.rows)),
+        (*call.key, step.key, module.key, shape.warps),
         (*call.tensors, *step.tensors, *module.tensors),
-        tiles.warps,
-        tiles.stages,
+        shape.warps,
+        1,  # (Triton's pipelining: the kernel's ring is its own)
         (*call.addresses, *step.addresses, *module.addresses),
     )

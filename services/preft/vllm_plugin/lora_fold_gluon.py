@@ -2,24 +2,27 @@
 
 Triton's fold (``lora_act._silu_mul_lora_kernel``) runs its products on wgmma, whose accumulator's layout is not the
 one gate and up load in: each program takes gate and up through shared memory into it and the output back out,
-beside staging z's and B's chunks there, and each program (64 rows × 64 columns) reads its rows' z again from L2.
-Here the kernel picks every layout itself (Gluon: ``triton.experimental.gluon``):
+beside staging z's and B's chunks there, and waits on each tile's loads before its products. Here the kernel
+picks every layout and the order of its copies itself (Gluon: ``triton.experimental.gluon``):
 
-- The products run on wgmma with z in registers (each warp its own 16 rows) and Bᵀ's tile staged in shared memory.
-- The accumulator [rows, columns] is what gate and up load into and h stores from: the tile's columns are taken in
-  an order (B's rows permuted alike) that puts each thread's columns of a row in runs of 8 in memory, so those
-  accesses are 16-byte vectors in the accumulator's own layout (a reshape and a permute of it, which move no data,
-  then each thread's registers reordered). Neither gate, up nor h passes through shared memory.
-- z's rank columns are permuted (B's alike, as staged) so that each thread's share of a row is one run.
-- A program covers BLOCK_N columns in tiles of 64, its rows' z read from L1 after the first tile.
+- Every operand is copied by cp.async into shared memory, STAGES - 1 tiles ahead of the products and the
+  activation (a ring of STAGES buffers): gate's and up's tiles, B's tiles, and once a program the block's first
+  slot's z. The copies in flight hold no registers, so the reads of gate and up, the stream that bounds the
+  kernel, go on while the products run.
+- The products run on wgmma from shared memory; the accumulator [rows, columns] is what gate and up are read into
+  and h stores from: the tile's columns are taken in an order (B's rows copied in that order) that puts each
+  thread's columns of a row in runs of 8 in memory, so those accesses are 16-byte vectors in the accumulator's own
+  layout (a reshape and a permute of it, which move no data, then each thread's registers reordered).
+- A program covers BLOCK_N columns in tiles of 64.
 
 What it computes is the Triton kernel's: out[t, n] = silu(gate + Δg) · (up + Δu), Δ summed in float32 over the
 block's slots, gate + Δ rounded once to gate_up's dtype; its outputs are as close to the LoRA added in float32 as
-the Triton kernel's (the same largest difference in every cell of runs 181–183, within two units of the last place
-of them in tests/unit/test_lora_fold_gluon.py). On the H200 (run 183: a step of 16,384 tokens, device time a call)
-against the Triton fold: Qwen2.5-0.5B 224 against 253 µs at rank 64, 159 against 193 at rank 8; Llama-3.1-8B 636
-against 728 and 459 against 545 (loadtest/RUNS.md "Runs 178–187"). Steps without LoRA tokens keep the Triton
-kernel's plain variant.
+the Triton kernel's (the same largest difference in every cell of runs 181–190, within two units of the last place
+of them in tests/unit/test_lora_fold_gluon.py). Device time a call on an H100 (run 190: a step of 16,384 tokens,
+in ``lora_act.GLUON_SHAPES``) against the Triton fold: Qwen2.5-0.5B 208 against 284 µs at rank 64, 178 against
+226 at rank 8; Llama-3.1-8B 585 against 792 and 520 against 619; the same kernel with gate and up loaded into
+registers and B staged at each tile (runs 178–187) took 241, 185, 687 and 535 (loadtest/RUNS.md "Runs 188–190").
+Steps without LoRA tokens keep the Triton kernel's plain variant.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from __future__ import annotations
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (Triton 3.6's name; 3.9's)
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # (3.9; 3.6)
 except ImportError:  # no Triton, or one without Gluon
     gluon = None
 
@@ -50,18 +55,6 @@ if gluon is not None:
         )
 
     @gluon.jit
-    def _rank_in_memory_order(a, ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
-        """[rows, rank columns in mma's order] with its rank columns in memory order (no data moves): a thread's
-        rank columns of a row in wgmma's operand layout, k = 16·kt + 8·hk + 2·q + p, are the run
-        q·BLOCK_K/4 + 4·kt + 2·hk + p."""
-        return a.reshape([ROWS, BLOCK_K // 16, 2, 4, 2]).permute([0, 3, 1, 2, 4]).reshape([ROWS, BLOCK_K])
-
-    @gluon.jit
-    def _rank_in_mma_order(a, ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
-        """``_rank_in_memory_order``'s inverse: z's and B's tiles loaded in memory order, as the products take them."""
-        return a.reshape([ROWS, 4, BLOCK_K // 16, 2, 2]).permute([0, 2, 3, 1, 4]).reshape([ROWS, BLOCK_K])
-
-    @gluon.jit
     def _tile_in_memory_order(acc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         """wgmma's accumulator [rows, columns in mma's order] in memory order (no data moves): its column
         n = 8j + 2q + p, j = 4a + b, is the tile's column 32a + 8q + 2b + p (the inverse: the same)."""
@@ -73,42 +66,40 @@ if gluon is not None:
         return (n // 32) * 32 + ((n // 2) % 4) * 8 + ((n // 8) % 4) * 2 + n % 2
 
     @gluon.jit
-    def _operand_z(z_rows, slot_rows, k0, rank, A_OP: gl.constexpr, Z_MEM: gl.constexpr, Z_VEC: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
-        """z's chunk [the rows, BLOCK_K rank columns from k0, in mma's order] in wgmma's register operand layout,
-        the rows outside slot_rows zero."""
-        k = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, Z_VEC))
-        z = gl.load(z_rows[:, None] + k[None, :], mask=slot_rows[:, None] & (k < rank)[None, :], other=0.0)
-        z = _rank_in_mma_order(gl.convert_layout(z, Z_MEM), BLOCK_M, BLOCK_K)
-        return gl.convert_layout(z, A_OP, assert_trivial=True)
+    def _copy_rows(smem, row_ptrs, rows_in, rank, LOAD: gl.constexpr, BLOCK_K: gl.constexpr):
+        """The rows' first BLOCK_K columns (zero past rank, and in rows not rows_in) into smem, asynchronously
+        (cp.async, 16-byte vectors; a group of its own is the caller's to commit)."""
+        k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LOAD))
+        _async_load(smem, row_ptrs[:, None] + k[None, :], mask=rows_in[:, None] & (k < rank)[None, :])
 
     @gluon.jit
-    def _stage_b(smem, b_ptr, slot, n0, inter, k0, rank, stride_b_slot, stride_b_out, B_LOAD: gl.constexpr,
-                 BLOCK_K: gl.constexpr):  # fmt: skip
-        """The slot's Bᵀ chunk [the tile's columns and rank columns, each in mma's order] into smem."""
-        cols = n0 + _column_of(gl.arange(0, TILE_N, layout=gl.SliceLayout(1, B_LOAD)))
-        k = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, B_LOAD))
-        ptrs = b_ptr + slot.to(gl.int64) * stride_b_slot + cols.to(gl.int64)[:, None] * stride_b_out + k[None, :]
-        b = gl.load(ptrs, mask=(cols < inter)[:, None] & (k < rank)[None, :], other=0.0)
-        smem.store(_rank_in_mma_order(b, TILE_N, BLOCK_K))
+    def _copy_b(smem, b_ptr, slot, n0, inter, rank, stride_b_slot, stride_b_out, LOAD: gl.constexpr,
+                BLOCK_K: gl.constexpr):  # fmt: skip
+        """The slot's Bᵀ tile [the tile's columns in mma's order, rank columns] into smem (``_copy_rows``)."""
+        cols = n0 + _column_of(gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LOAD)))
+        rows = b_ptr + slot.to(gl.int64) * stride_b_slot + cols.to(gl.int64) * stride_b_out
+        _copy_rows(smem, rows, cols < inter, rank, LOAD, BLOCK_K)
 
     @gluon.jit
-    def _add_slot(dg, du, slot, z_rows, slot_t, bg_ptr, bu_ptr, bg_smem, bu_smem, n0, inter, rank, stride_b_slot,
-                  stride_b_out, A_OP: gl.constexpr, Z_MEM: gl.constexpr, Z_VEC: gl.constexpr, B_LOAD: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
-        """(Δg, Δu) + the products of one slot's rows, gate's and up's in one loop over the rank chunks."""
-        slot_rows = slot_t == slot
-        for k0 in range(0, rank, BLOCK_K):
-            z_gate = _operand_z(z_rows, slot_rows, k0, rank, A_OP, Z_MEM, Z_VEC, BLOCK_M, BLOCK_K)
-            z_up = _operand_z(z_rows + rank, slot_rows, k0, rank, A_OP, Z_MEM, Z_VEC, BLOCK_M, BLOCK_K)
-            _barrier()  # (every warpgroup's products of the last chunk have read smem before it is written again)
-            _stage_b(bg_smem, bg_ptr, slot, n0, inter, k0, rank, stride_b_slot, stride_b_out, B_LOAD, BLOCK_K)
-            _stage_b(bu_smem, bu_ptr, slot, n0, inter, k0, rank, stride_b_slot, stride_b_out, B_LOAD, BLOCK_K)
-            fence_async_shared()
-            _barrier()
-            dg = warpgroup_mma(z_gate, bg_smem.permute([1, 0]), dg)
-            du = warpgroup_mma(z_up, bu_smem.permute([1, 0]), du)
-        return dg, du
+    def _products(zg_smem, zu_smem, bg_smem, bu_smem, dg, du):
+        """(Δg, Δu) + z · Bᵀ of the staged tiles, gate's and up's products issued back to back."""
+        dg = warpgroup_mma(zg_smem, bg_smem.permute([1, 0]), dg, is_async=True)
+        du = warpgroup_mma(zu_smem, bu_smem.permute([1, 0]), du, is_async=True)
+        return warpgroup_mma_wait(0, deps=[dg, du])
+
+    @gluon.jit
+    def _issue_tile(gs, us, bg, bu, gu_rows, rows_in, bg_ptr, bu_ptr, slot, adapted, n0, n_end, inter, rank,
+                    stride_b_slot, stride_b_out, GU_LOAD: gl.constexpr, LOAD: gl.constexpr,
+                    BLOCK_K: gl.constexpr):  # fmt: skip
+        """One tile's gate and up (and, adapted, the slot's B tiles) copied into a stage's buffers: one group."""
+        n = n0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, GU_LOAD))
+        mask = rows_in[:, None] & (n < n_end)[None, :]
+        _async_load(gs, gu_rows[:, None] + n[None, :], mask=mask)
+        _async_load(us, gu_rows[:, None] + (inter + n)[None, :], mask=mask)
+        if adapted:
+            _copy_b(bg, bg_ptr, slot, n0, inter, rank, stride_b_slot, stride_b_out, LOAD, BLOCK_K)
+            _copy_b(bu, bu_ptr, slot, n0, inter, rank, stride_b_slot, stride_b_out, LOAD, BLOCK_K)
+        async_copy.commit_group()
 
     @gluon.jit(
         do_not_specialize=["n_rows", "n_tokens", "n_blocks", "rank", "stride_z"],
@@ -136,69 +127,106 @@ if gluon is not None:
         inter,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
     ):
         """out[t, n] = silu(gu[t, n] + Δg) · (gu[t, inter + n] + Δu), Δ = z[t] · B[slot(t)][n] where t has a slot,
         as ``lora_act._silu_mul_lora_kernel`` (its arguments, less what is fixed here). Program (columns, rows):
-        BLOCK_M rows (16 a warp, the step's tables' row blocks) by BLOCK_N columns in tiles of TILE_N. BLOCK_K: the
-        padded rank's tile (16, 32 or 64), one product a slot. The caller's guarantees: rank, z's row stride and
-        B's strides multiples of 8, z and B 16-byte aligned, B's rank columns contiguous."""
+        BLOCK_M rows (16 a warp, the step's tables' row blocks) by BLOCK_N columns in tiles of TILE_N, its copies in a
+        ring of STAGES (≥ 2) buffers. BLOCK_K: the padded rank's tile (16, 32 or 64), one product a slot. The
+        caller's guarantees: rank, z's row stride and B's strides multiples of 8, z, B, gu and its row stride 16-byte
+        aligned, inter a multiple of 8, B's rank columns contiguous."""
         WG: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                      instr_shape=[16, TILE_N, 16])  # fmt: skip
-        A_OP: gl.constexpr = gl.DotOperandLayout(0, WG, 2)
-        # the accumulator's and z's layouts in memory order (what a reshape and a permute of a zero tensor in
-        # mma's layout infer), then in vector order; B loads in 16-byte vectors of a row
         TILE: gl.constexpr = _vector_order(
             _tile_in_memory_order(gl.full([BLOCK_M, TILE_N], 0, gl.float32, WG), BLOCK_M, TILE_N).type.layout
         )
-        Z_MEM: gl.constexpr = _rank_in_memory_order(
-            gl.full([BLOCK_M, BLOCK_K], 0, gl.bfloat16, A_OP), BLOCK_M, BLOCK_K
-        ).type.layout
-        Z_VEC: gl.constexpr = _vector_order(Z_MEM)
-        B_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_K // 8), BLOCK_K // 8], [gl.num_warps(), 1],
-                                                [1, 0])  # fmt: skip
+        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_K // 8), BLOCK_K // 8], [gl.num_warps(), 1],
+                                              [1, 0])  # fmt: skip
+        GU_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (TILE_N // 8), TILE_N // 8], [gl.num_warps(), 1],
+                                                 [1, 0])  # fmt: skip
+        GU_SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+        Z_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], z_ptr.dtype.element_ty)
         B_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, BLOCK_K], bg_ptr.dtype.element_ty)
 
+        # (16-byte copies: gu's row stride and inter, z's and B's strides and the rank multiples of 8, as the
+        # compiler then knows them)
+        stride_gu, inter = stride_gu // 8 * 8, inter // 8 * 8
         pid_m = gl.program_id(1)
         first_col = gl.program_id(0) * BLOCK_N
+        n_end = gl.minimum(first_col + BLOCK_N, inter)
+        tiles = gl.cdiv(n_end - first_col, TILE_N)
         t = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, TILE))
-        t64 = t.to(gl.int64)
-        block = gl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
+        block = gl.minimum(pid_m, n_blocks)
         first = gl.load(block_offs_ptr + block)
         last = gl.load(block_offs_ptr + block + 1)
-        # the block's first slot and the rows' slots, asked for before gate and up (as the Triton kernel's)
         slot = gl.load(block_slots_ptr + first, mask=first < last, other=-2)
-        t_z = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, Z_VEC))
+        t_z = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD))
         slot_t = gl.load(token_slot_ptr + t_z, mask=t_z < n_tokens, other=-1)
-        # (16-byte vectors of z and B: their addresses, strides and the rank, as the compiler then knows them)
         z_ptr = gl.multiple_of((z_ptr.to(gl.int64) // 16 * 16).to(z_ptr.dtype), 16)
+        gu_ptr = gl.multiple_of((gu_ptr.to(gl.int64) // 16 * 16).to(gu_ptr.dtype), 16)
         rank, stride_z = rank // 8 * 8, stride_z // 8 * 8
         stride_b_out, stride_b_slot = stride_b_out // 8 * 8, stride_b_slot // 8 * 8
         z_rows = z_ptr + t_z.to(gl.int64) * stride_z
-        bg_smem = gl.allocate_shared_memory(bg_ptr.dtype.element_ty, [TILE_N, BLOCK_K], B_SMEM)
-        bu_smem = gl.allocate_shared_memory(bu_ptr.dtype.element_ty, [TILE_N, BLOCK_K], B_SMEM)
-        row_ptrs = gu_ptr + t64[:, None] * stride_gu
+        t_l = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, GU_LOAD))
+        gu_rows = gu_ptr + t_l.to(gl.int64) * stride_gu
+        rows_in_l = t_l < n_rows
+        zg = gl.allocate_shared_memory(z_ptr.dtype.element_ty, [BLOCK_M, BLOCK_K], Z_SMEM)
+        zu = gl.allocate_shared_memory(z_ptr.dtype.element_ty, [BLOCK_M, BLOCK_K], Z_SMEM)
+        bg = gl.allocate_shared_memory(bg_ptr.dtype.element_ty, [STAGES, TILE_N, BLOCK_K], B_SMEM)
+        bu = gl.allocate_shared_memory(bu_ptr.dtype.element_ty, [STAGES, TILE_N, BLOCK_K], B_SMEM)
+        gs = gl.allocate_shared_memory(gu_ptr.dtype.element_ty, [STAGES, BLOCK_M, TILE_N], GU_SMEM)
+        us = gl.allocate_shared_memory(gu_ptr.dtype.element_ty, [STAGES, BLOCK_M, TILE_N], GU_SMEM)
+        adapted = last > first
+        if adapted:  # (in the first tile's group)
+            _copy_rows(zg, z_rows, slot_t == slot, rank, LOAD, BLOCK_K)
+            _copy_rows(zu, z_rows + rank, slot_t == slot, rank, LOAD, BLOCK_K)
+        for s in gl.static_range(STAGES - 1):
+            _issue_tile(gs.index(s), us.index(s), bg.index(s), bu.index(s), gu_rows, rows_in_l, bg_ptr, bu_ptr, slot,
+                        adapted, first_col + s * TILE_N, n_end, inter, rank, stride_b_slot, stride_b_out, GU_LOAD,
+                        LOAD, BLOCK_K)  # fmt: skip
+        out_rows = out_ptr + t.to(gl.int64)[:, None] * stride_out
         rows_in = (t < n_rows)[:, None]
-        for n0 in range(first_col, first_col + BLOCK_N, TILE_N):
-            n = n0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, TILE))
-            mask = rows_in & (n < inter)[None, :]
-            gate = gl.load(row_ptrs + n[None, :], mask=mask, other=0.0)
-            up = gl.load(row_ptrs + (inter + n)[None, :], mask=mask, other=0.0)
-            if last > first:
-                dg = gl.zeros([BLOCK_M, TILE_N], gl.float32, WG)
-                du = gl.zeros([BLOCK_M, TILE_N], gl.float32, WG)
-                dg, du = _add_slot(
-                    dg, du, slot, z_rows, slot_t, bg_ptr, bu_ptr, bg_smem, bu_smem, n0, inter, rank, stride_b_slot,
-                    stride_b_out, A_OP, Z_MEM, Z_VEC, B_LOAD, BLOCK_M, BLOCK_K,
-                )  # fmt: skip
-                for e in range(first + 1, last):  # (the block's other slots: one request's rows end, another's begin)
-                    dg, du = _add_slot(
-                        dg, du, gl.load(block_slots_ptr + e), z_rows, slot_t, bg_ptr, bu_ptr, bg_smem, bu_smem, n0,
-                        inter, rank, stride_b_slot, stride_b_out, A_OP, Z_MEM, Z_VEC, B_LOAD, BLOCK_M, BLOCK_K,
-                    )  # fmt: skip
+        for i in range(tiles):
+            n0 = first_col + i * TILE_N
+            stage = i % STAGES
+            async_copy.wait_group(STAGES - 2)  # (this thread's copies of tile i landed)
+            fence_async_shared()
+            _barrier()  # (every thread's, and every warp done with tile i - 1's stage, which the next copies take)
+            ahead = (i + STAGES - 1) % STAGES
+            _issue_tile(gs.index(ahead), us.index(ahead), bg.index(ahead), bu.index(ahead), gu_rows, rows_in_l, bg_ptr,
+                        bu_ptr, slot, adapted, n0 + (STAGES - 1) * TILE_N, n_end, inter, rank, stride_b_slot,
+                        stride_b_out, GU_LOAD, LOAD, BLOCK_K)  # fmt: skip
+            gate = gs.index(stage).load(TILE)
+            up = us.index(stage).load(TILE)
+            if adapted:
+                zero = gl.zeros([BLOCK_M, TILE_N], gl.float32, WG)
+                dg, du = _products(zg, zu, bg.index(stage), bu.index(stage), zero, zero)
+                if last > first + 1:  # (the block's other slots, B into this tile's stage; then the first's z back)
+                    for e in range(first + 1, last):
+                        other = gl.load(block_slots_ptr + e)
+                        _barrier()
+                        _copy_rows(zg, z_rows, slot_t == other, rank, LOAD, BLOCK_K)
+                        _copy_rows(zu, z_rows + rank, slot_t == other, rank, LOAD, BLOCK_K)
+                        _copy_b(bg.index(stage), bg_ptr, other, n0, inter, rank, stride_b_slot, stride_b_out, LOAD,
+                                BLOCK_K)  # fmt: skip
+                        _copy_b(bu.index(stage), bu_ptr, other, n0, inter, rank, stride_b_slot, stride_b_out, LOAD,
+                                BLOCK_K)  # fmt: skip
+                        async_copy.commit_group()
+                        async_copy.wait_group(0)
+                        fence_async_shared()
+                        _barrier()
+                        dg, du = _products(zg, zu, bg.index(stage), bu.index(stage), dg, du)
+                    _barrier()
+                    _copy_rows(zg, z_rows, slot_t == slot, rank, LOAD, BLOCK_K)
+                    _copy_rows(zu, z_rows + rank, slot_t == slot, rank, LOAD, BLOCK_K)
+                    async_copy.commit_group()
+                    async_copy.wait_group(0)
                 dg = gl.convert_layout(_tile_in_memory_order(dg, BLOCK_M, TILE_N), TILE)
                 du = gl.convert_layout(_tile_in_memory_order(du, BLOCK_M, TILE_N), TILE)
-                gate = (gate.to(gl.float32) + dg).to(gate.dtype)  # (y's rounding)
+                gate = (gate.to(gl.float32) + dg).to(gate.dtype)
                 up = (up.to(gl.float32) + du).to(up.dtype)
             g32 = gate.to(gl.float32)
             h = g32 / (1.0 + gl.exp(-g32)) * up.to(gl.float32)
-            gl.store(out_ptr + t64[:, None] * stride_out + n[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
+            n = n0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, TILE))
+            gl.store(out_rows + n[None, :], h.to(out_ptr.dtype.element_ty), mask=rows_in & (n < n_end)[None, :])
+        async_copy.wait_group(0)

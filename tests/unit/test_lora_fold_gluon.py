@@ -135,10 +135,12 @@ def test_on_a_hopper_gpu_it_folds_as_the_triton_kernel_does(monkeypatch, dtype, 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
 def test_on_a_hopper_gpu_gate_up_rows_out_of_16_byte_vectors_are_left_to_the_triton_fold():
     inter, rank = 320, 16
-    wide = torch.zeros(64, 2 * inter + 4, device="cuda", dtype=torch.bfloat16)
+    wide = torch.zeros(64, 2 * inter + 8, device="cuda", dtype=torch.bfloat16)  # (rows 16-byte aligned)
     z = torch.zeros(64, 2 * rank, device="cuda", dtype=torch.bfloat16)
     b = (torch.zeros(2, 1, inter, rank, device="cuda", dtype=torch.bfloat16),) * 2
     with lora_kernels.using("expand", "shrink", "act", "fold", "gluon"):
         assert lora_act.gluon_folds(wide[:, : 2 * inter], z, b, rank_aligned=True)
         assert not lora_act.gluon_folds(wide[:, 2 : 2 * inter + 2], z, b, rank_aligned=True)  # (4 bytes in)
         assert not lora_act.gluon_folds(wide[:, : 2 * inter - 8], z, b, rank_aligned=True)  # (inter % 8 = 4)
+        odd_rows = torch.zeros(64, 2 * inter + 4, device="cuda", dtype=torch.bfloat16)  # (rows 8 bytes apart of 16)
+        assert not lora_act.gluon_folds(odd_rows[:, : 2 * inter], z, b, rank_aligned=True)

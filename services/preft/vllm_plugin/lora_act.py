@@ -14,7 +14,7 @@ distinct slots (``row_block_tables``) and the kernel adds one product per slot, 
 Δ is added in float32 and rounded once to y's dtype, as the expand's add into y is, before the activation.
 ``act`` in ``PREFT_LORA_KERNELS`` picks the kernel on CUDA, and ``fold`` beside it and ``shrink`` (all three in
 the default) the LoRA inside it; ``gluon`` beside ``fold`` (the default too) folds on Hopper GPUs with
-``lora_fold_gluon``'s kernel instead (``gluon_folds``, in ``GLUON_SHAPES``: 16–27% less device time on an H100, run
+``lora_fold_gluon``'s kernel instead (``gluon_folds``, in ``GLUON_SHAPES``: 15–27% less device time on an H100, run
 190), whose copies run tiles ahead of its products and whose products' layouts give gate, up and h in 16-byte
 vectors; steps without LoRA tokens keep this kernel's plain variant.
 Without ``fold``, and on steps of a rank above ``FOLD_MAX_RANK``, the LoRA is added into gate/up

@@ -92,7 +92,7 @@ class GluonShape:
 # The Gluon fold's launch (``gluon``) by the rank's tile (the rank in one product a slot): 64 rows (one warpgroup)
 # by 256 columns a program, 512 at rank tile 64 (its z copied once for more tiles), 3 stages (4 at tile 64 leave one
 # program an SM); the fastest of run 190's on Qwen2.5-0.5B and Llama-3.1-8B at ranks 8-64 (within 3% of the
-# fastest in every cell; loadtest/RUNS.md "Runs 188-190")
+# fastest in every cell; loadtest/RUNS.md "Runs 188–196")
 GLUON_SHAPES = {16: GluonShape(64, 256, 3), 32: GluonShape(64, 256, 3), 64: GluonShape(64, 512, 3)}
 _GLUON_ARCHS: dict[int, bool] = {}  # device index -> a Hopper GPU (wgmma), as the Gluon fold needs
 

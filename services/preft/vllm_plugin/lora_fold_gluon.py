@@ -21,7 +21,7 @@ the Triton kernel's (the same largest difference in every cell of runs 181–190
 of them in tests/unit/test_lora_fold_gluon.py). Device time a call on an H100 (run 190: a step of 16,384 tokens,
 in ``lora_act.GLUON_SHAPES``) against the Triton fold: Qwen2.5-0.5B 208 against 284 µs at rank 64, 178 against
 226 at rank 8; Llama-3.1-8B 585 against 792 and 520 against 619; the same kernel with gate and up loaded into
-registers and B staged at each tile (runs 178–187) took 241, 185, 687 and 535 (loadtest/RUNS.md "Runs 188–190").
+registers and B staged at each tile (runs 178–187) took 241, 185, 687 and 535 (loadtest/RUNS.md "Runs 188–196").
 Steps without LoRA tokens keep the Triton kernel's plain variant.
 """
 

@@ -1,6 +1,6 @@
 """The Gluon fold (``lora_fold_gluon``): compiled here for sm_90 as a Hopper GPU runs it, and run where there is one.
 
-What the kernel is for (loadtest/RUNS.md "Runs 178–190"): Triton's fold takes gate, up and h through shared memory
+What the kernel is for (loadtest/RUNS.md "Runs 178–196"): Triton's fold takes gate, up and h through shared memory
 between their loaded layout and wgmma's accumulator's, and waits on each tile's loads; this one copies every operand
 by cp.async in 16-byte vectors into a ring of buffers tiles ahead of its products, reads gate and up from it and
 stores h in 16-byte vectors straight in the accumulator's layout. Off a Hopper GPU the compile tests run (Triton

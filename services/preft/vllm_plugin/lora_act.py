@@ -339,8 +339,9 @@ def lora_silu_and_mul(
 
 def gluon_folds(gate_up: torch.Tensor, z: torch.Tensor, b: tuple, rank_aligned: bool) -> bool:
     """Whether a folded step runs on the Gluon kernel: ``gluon`` picked, Gluon importable, a Hopper GPU, gate_up,
-    z and both B in one 16-bit dtype, the rank columns in 16-byte vectors (``rank_aligned``), B 16-byte aligned
-    and gate_up's rows, gate's and up's in 16-byte vectors (its copies'); otherwise the Triton kernel folds it."""
+    z and both B in one 16-bit dtype, the rank columns in 16-byte vectors (``rank_aligned``), B 16-byte aligned,
+    and gate_up's address, row stride and halves in 16-byte multiples (the kernel copies gate and up in 16-byte
+    vectors); otherwise the Triton kernel folds it."""
     if not (rank_aligned and gate_up.is_cuda and "gluon" in k.picked(gate_up) and lora_fold_gluon.gluon is not None):
         return False  # (gate_up off CUDA: also Triton's interpreter, in the tests)
     device = gate_up.get_device()

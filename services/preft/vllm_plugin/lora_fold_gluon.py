@@ -156,7 +156,7 @@ if gluon is not None:
         n_end = gl.minimum(first_col + BLOCK_N, inter)
         tiles = gl.cdiv(n_end - first_col, TILE_N)
         t = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, TILE))
-        block = gl.minimum(pid_m, n_blocks)
+        block = gl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
         first = gl.load(block_offs_ptr + block)
         last = gl.load(block_offs_ptr + block + 1)
         slot = gl.load(block_slots_ptr + first, mask=first < last, other=-2)

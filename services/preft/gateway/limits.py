@@ -31,10 +31,12 @@ tenant near its quota may be refused slightly early, never late: unless the mete
 hold (Redis unreachable for the meter, or S3 for a batch's part), or a request runs longer than
 `reservation_lapse_s` (its entry lapsed: the release finds nothing to change). The release rides on the bucket
 refund's script call; one that fails (Redis down) is logged, and the entry lapses. Reservations belong to the month
-they were made in: its keys expire `common.metering.MONTH_TTL_DAYS` after their last write, as its counter does; a
-request admitted before a month's end and answered after it is metered in the new month, where it reserved nothing
-(the new month may go over by what such requests use). A tenant without a quota has no reservation work: the same
-one script call to admit and to refund.
+they were made in: its keys expire `common.metering.MONTH_TTL_DAYS` after their last write, as its counter does. A
+request admitted before a month's end and answered after it is metered in the new month: so an admission counts the
+previous month's reservations too (and lapses its entries as its own month's), its requests still in flight and
+its ended ones' holds; those that ended before the month did are metered in the old month, and count in the new one
+for their hold only (refused early, not late). A tenant without a quota has no reservation work: the same one script
+call to admit and to refund.
 
 Offline work (a batch's lines, ``batches``) takes from neither bucket: a batch is not interactive traffic. Only the
 monthly quota (reserved as for any request), and the tenant's existence and state, apply to it (`admit_offline`).
@@ -46,7 +48,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import date
+from datetime import date, timedelta
 
 import redis.asyncio as aioredis
 
@@ -77,24 +79,27 @@ end
 )
 
 # Shared by both admission scripts; KEYS[3] = the tenant's tokens this UTC month (common.metering.month_key),
-# KEYS[4] / KEYS[5] = that month's reserved tokens / reservations (`reserved_key`, `reservations_key`); ARGV[2] = the
-# reservation's id, ARGV[3] = how long until it lapses (ms), ARGV[4] = the keys' TTL (s).
+# KEYS[4] / KEYS[5] = that month's reserved tokens / reservations (`reserved_key`, `reservations_key`), KEYS[6] /
+# KEYS[7] = the previous month's; ARGV[2] = the reservation's id, ARGV[3] = how long until it lapses (ms), ARGV[4] =
+# the keys' TTL (s).
 QUOTA_LUA = (
     RESERVED_LUA
     + """
-local function lapse(now)
-  local gone = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now, 'LIMIT', 0, LAPSE_BATCH)
+local function lapse(counter, entries, now)
+  local gone = redis.call('ZRANGEBYSCORE', entries, '-inf', now, 'LIMIT', 0, LAPSE_BATCH)
   if #gone == 0 then return end
   local tokens = 0
   for i = 1, #gone do tokens = tokens + (tonumber(string.match(gone[i], ':(%d+)$')) or 0) end
-  redis.call('ZREM', KEYS[5], unpack(gone))
-  take_off(KEYS[4], KEYS[5], tokens)
+  redis.call('ZREM', entries, unpack(gone))
+  take_off(counter, entries, tokens)
 end
--- a refusal where the month's metered and reserved tokens leave no room for `cost` (nor for anything, at 0)
+-- a refusal where the month's metered tokens and the reserved ones (this month's and the last's: requests admitted
+-- then are metered now) leave no room for `cost` (nor for anything, at 0)
 local function over_quota(quota, cost, now)
-  lapse(now)
+  lapse(KEYS[4], KEYS[5], now)
+  lapse(KEYS[6], KEYS[7], now)
   local used = tonumber(redis.call('GET', KEYS[3])) or 0
-  local held = tonumber(redis.call('GET', KEYS[4])) or 0
+  local held = (tonumber(redis.call('GET', KEYS[4])) or 0) + (tonumber(redis.call('GET', KEYS[6])) or 0)
   if used + held + math.max(cost, 1) > quota then
     return {'quota', tostring(quota), tostring(used), tostring(held)}
   end
@@ -109,7 +114,7 @@ end
 """.replace("LAPSE_BATCH", str(LAPSE_BATCH))
 )
 
-# KEYS[1] = preft:tenant:<t> (limits), KEYS[2] = preft:limits:<t> (bucket levels), KEYS[3..5] as QUOTA_LUA's;
+# KEYS[1] = preft:tenant:<t> (limits), KEYS[2] = preft:limits:<t> (bucket levels), KEYS[3..7] as QUOTA_LUA's;
 # ARGV[1] = tokens to take (and to reserve, where the tenant has a quota), ARGV[2..4] as QUOTA_LUA's.
 TAKE_LUA = (
     QUOTA_LUA
@@ -346,11 +351,15 @@ def _quota_refusal(tenant: str, tokens: int, quota: int, used: int, held: int) -
 
 
 def _keys(tenant: str) -> list[str]:
+    """The admission scripts' keys (TAKE_LUA's) for the tenant, now."""
     day = metering.day_of(time.time())
+    last_month = day.replace(day=1) - timedelta(days=1)
     return [
         f"preft:tenant:{tenant}",
         f"preft:limits:{tenant}",
         metering.month_key(tenant, day),
         reserved_key(tenant, day),
         reservations_key(tenant, day),
+        reserved_key(tenant, last_month),
+        reservations_key(tenant, last_month),
     ]

@@ -1,7 +1,8 @@
 """The monthly token quota is reserved at admission (``limits``): concurrent requests on any replica are admitted only
 as far as what they may use fits, an ended request (a background run too) keeps what it used reserved for a short
-hold and frees the rest, a crashed gateway's reservations lapse, a release that fails is logged, and tenants without
-a quota reserve nothing. (Batch lines: ``test_batches``.)"""
+hold and frees the rest, a crashed gateway's reservations lapse, the last month's requests in flight count in the new
+month (where they are metered), a release that fails is logged, and tenants without a quota reserve nothing. (Batch
+lines: ``test_batches``.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from functools import partial
 
 import httpx
@@ -143,6 +145,38 @@ def test_a_crashed_gateways_reservations_lapse(make_gateway, registry, store):
     assert store.zcard(reservations) == 95 and int(store.get(reserved)) == 95
     assert http.post("/v1/completions", json=BODY).status_code == 200  # (the rest went: 12 + 12 fit)
     assert store.zcard(reservations) == 1 and int(store.get(month) or 0) <= 24
+
+
+def test_last_months_requests_in_flight_count_against_the_new_month(make_gateway, registry, store, redis_url):
+    key = registry.tenant("acme")
+    _set_quota(registry, "acme", 70)
+    http = make_gateway(**FAST).http(key)
+    reserved = _keys("acme")[1]
+    last_month = metering.day_of(time.time()).replace(day=1) - timedelta(days=1)
+    last_reserved, last_reservations = reserved_key("acme", last_month), reservations_key("acme", last_month)
+    now_ms = redis_now_ms(store)
+    # admitted last month: a request still running holds 60 (the meter adds what it uses to this month, where it
+    # ends), a crashed gateway's 40 lapsed a second ago
+    store.zadd(last_reservations, {"cmpl-late:60": now_ms + 60_000, "cmpl-crashed:40": now_ms - 1000})
+    store.set(last_reserved, 100)
+
+    refused = http.post("/v1/completions", json=BODY)  # (60 + 12 > 70)
+    assert refused.status_code == 429 and "hold 60 more reserved" in error_of(refused)["message"]
+    assert store.zrange(last_reservations, 0, -1) == ["cmpl-late:60"] and int(store.get(last_reserved)) == 60
+    assert store.get(reserved) is None  # (nothing reserved this month)
+
+    async def release_the_late_one() -> None:  # (it used 5: held in last month's keys until metered)
+        client = connect(RedisSettings(url=redis_url), 1.0)
+        late = Reservation("cmpl-late", 60, (last_reserved, last_reservations))
+        admission = Admission("acme", 60, 1, 0, 100, 0, late)
+        await RateLimiter(client, redis_timeout_s=1.0).release(admission, unused=55, used=5)
+        await client.aclose()
+
+    asyncio.run(release_the_late_one())
+    assert int(store.get(last_reserved)) == 5
+    assert http.post("/v1/completions", json=BODY).status_code == 200  # (5 + 12 fit)
+    assert int(store.get(reserved)) == 12  # (this month's, held until metered)
+    assert http.post("/v1/completions", json={**BODY, "max_tokens": 50}).status_code == 429  # (5 + 12 + 54 > 70)
 
 
 def test_tenants_without_a_quota_reserve_nothing(make_gateway, registry, stub, store):

@@ -81,6 +81,19 @@ if gluon is not None:
         _copy_rows(smem, rows, cols < inter, rank, LOAD, BLOCK_K)
 
     @gluon.jit
+    def _copy_z(zg, zu, z_rows, rows_in, rank, LOAD: gl.constexpr, BLOCK_K: gl.constexpr):
+        """The rows' z into smem (``_copy_rows``): gate's rank columns into zg, up's (after them in z) into zu."""
+        _copy_rows(zg, z_rows, rows_in, rank, LOAD, BLOCK_K)
+        _copy_rows(zu, z_rows + rank, rows_in, rank, LOAD, BLOCK_K)
+
+    @gluon.jit
+    def _copy_bs(bg, bu, bg_ptr, bu_ptr, slot, n0, inter, rank, stride_b_slot, stride_b_out, LOAD: gl.constexpr,
+                 BLOCK_K: gl.constexpr):  # fmt: skip
+        """The slot's gate and up Bᵀ tiles into bg and bu (``_copy_b``)."""
+        _copy_b(bg, bg_ptr, slot, n0, inter, rank, stride_b_slot, stride_b_out, LOAD, BLOCK_K)
+        _copy_b(bu, bu_ptr, slot, n0, inter, rank, stride_b_slot, stride_b_out, LOAD, BLOCK_K)
+
+    @gluon.jit
     def _products(zg_smem, zu_smem, bg_smem, bu_smem, dg, du):
         """(Δg, Δu) + z · Bᵀ of the staged tiles, gate's and up's products issued back to back."""
         dg = warpgroup_mma(zg_smem, bg_smem.permute([1, 0]), dg, is_async=True)
@@ -97,8 +110,7 @@ if gluon is not None:
         _async_load(gs, gu_rows[:, None] + n[None, :], mask=mask)
         _async_load(us, gu_rows[:, None] + (inter + n)[None, :], mask=mask)
         if adapted:
-            _copy_b(bg, bg_ptr, slot, n0, inter, rank, stride_b_slot, stride_b_out, LOAD, BLOCK_K)
-            _copy_b(bu, bu_ptr, slot, n0, inter, rank, stride_b_slot, stride_b_out, LOAD, BLOCK_K)
+            _copy_bs(bg, bu, bg_ptr, bu_ptr, slot, n0, inter, rank, stride_b_slot, stride_b_out, LOAD, BLOCK_K)
         async_copy.commit_group()
 
     @gluon.jit(
@@ -178,8 +190,7 @@ if gluon is not None:
         us = gl.allocate_shared_memory(gu_ptr.dtype.element_ty, [STAGES, BLOCK_M, TILE_N], GU_SMEM)
         adapted = last > first
         if adapted:  # (in the first tile's group)
-            _copy_rows(zg, z_rows, slot_t == slot, rank, LOAD, BLOCK_K)
-            _copy_rows(zu, z_rows + rank, slot_t == slot, rank, LOAD, BLOCK_K)
+            _copy_z(zg, zu, z_rows, slot_t == slot, rank, LOAD, BLOCK_K)
         for s in gl.static_range(STAGES - 1):
             _issue_tile(gs.index(s), us.index(s), bg.index(s), bu.index(s), gu_rows, rows_in_l, bg_ptr, bu_ptr, slot,
                         adapted, first_col + s * TILE_N, n_end, inter, rank, stride_b_slot, stride_b_out, GU_LOAD,
@@ -205,20 +216,16 @@ if gluon is not None:
                     for e in range(first + 1, last):
                         other = gl.load(block_slots_ptr + e)
                         _barrier()
-                        _copy_rows(zg, z_rows, slot_t == other, rank, LOAD, BLOCK_K)
-                        _copy_rows(zu, z_rows + rank, slot_t == other, rank, LOAD, BLOCK_K)
-                        _copy_b(bg.index(stage), bg_ptr, other, n0, inter, rank, stride_b_slot, stride_b_out, LOAD,
-                                BLOCK_K)  # fmt: skip
-                        _copy_b(bu.index(stage), bu_ptr, other, n0, inter, rank, stride_b_slot, stride_b_out, LOAD,
-                                BLOCK_K)  # fmt: skip
+                        _copy_z(zg, zu, z_rows, slot_t == other, rank, LOAD, BLOCK_K)
+                        _copy_bs(bg.index(stage), bu.index(stage), bg_ptr, bu_ptr, other, n0, inter, rank,
+                                 stride_b_slot, stride_b_out, LOAD, BLOCK_K)  # fmt: skip
                         async_copy.commit_group()
                         async_copy.wait_group(0)
                         fence_async_shared()
                         _barrier()
                         dg, du = _products(zg, zu, bg.index(stage), bu.index(stage), dg, du)
                     _barrier()
-                    _copy_rows(zg, z_rows, slot_t == slot, rank, LOAD, BLOCK_K)
-                    _copy_rows(zu, z_rows + rank, slot_t == slot, rank, LOAD, BLOCK_K)
+                    _copy_z(zg, zu, z_rows, slot_t == slot, rank, LOAD, BLOCK_K)
                     async_copy.commit_group()
                     async_copy.wait_group(0)
                 dg = gl.convert_layout(_tile_in_memory_order(dg, BLOCK_M, TILE_N), TILE)

@@ -7,7 +7,9 @@ On a full prefill step of each model's gate/up projection (16,384 tokens in grou
 ``lora_act.lora_silu_and_mul`` with ``gluon`` picked and not (the Triton fold in its default shape), the Gluon
 kernel in the engine's shape for the rank (``lora_act.GLUON_SHAPES``) and in each shape of ``SHAPES``, each with how
 far its output is from the LoRA added into gate/up by the expand then activated (gate_up random, so that the
-products are added to something). Needs a Hopper GPU (elsewhere the Triton fold serves both).
+products are added to something). Then down's shrink of the output: the engine's fold then the shrink kernel
+(``groups.shrink_rows``), against the fold that computes it (``lora_act.lora_silu_and_mul_down``), with how far
+the second's z is from the first's. Needs a Hopper GPU (elsewhere the Triton fold serves both).
 """
 
 from __future__ import annotations
@@ -57,7 +59,28 @@ def bench(model: str, rank: int, iters: int) -> dict:
                 cell(f"gluon {shape.label}")
     timed = [label for label, found in row.items() if isinstance(found, dict) and "us" in found]
     row["best"] = min(timed, key=lambda label: row[label]["us"])
+    row["down"] = down_cells(x, a, b, modules[3][2][0], gate_up, out, groups, iters)
+    print(model, rank, "down", json.dumps(row["down"]), flush=True)
     return row
+
+
+def down_cells(x, a, b, a_down, gate_up, out, groups, iters: int) -> dict:
+    """Device time of the fold, then down's shrink, against the fold with down's shrink folded in."""
+    device, rank = gate_up.device, groups.rank
+    apart, folded = (torch.zeros(gate_up.shape[0], a_down.shape[-2], device=device, dtype=out.dtype) for _ in "ab")
+
+    def fold_then_shrink() -> None:
+        lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+        g.shrink_rows(apart, out, a_down, groups)
+
+    with lora_kernels.using("expand", "shrink", "act", "fold", "gluon"), folding_at(rank):
+        found = {"apart_us": device_us(fold_then_shrink, device, iters)}
+        assert lora_act.down_folds(gate_up, lora_kernels.slot_matrices(a_down), folded, groups)
+        found["folded_us"] = device_us(
+            lambda: lora_act.lora_silu_and_mul_down(out, folded, gate_up, x, a, b, a_down, groups), device, iters
+        )
+    found["max_rel_diff"] = float((folded.float() - apart.float()).abs().max() / apart.float().abs().max())
+    return found
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """The MLP forward that ``act`` (a default kernel) installs on CUDA (``mlp_patch``): the projection's base GEMM,
-then ``preft::lora_silu_and_mul``. Installed here on CPU in a running engine's worker, where the op adds the
-gate/up LoRA into gate_up and runs torch's activation, it must give the tokens vLLM's own forward gave, with
-base requests and adapters in both modes in one batch (vLLM 0.28's classes, as ``compat`` names them)."""
+then ``preft::lora_silu_and_mul_down`` (the activation and down's shrink of it), down's base GEMM and
+``preft::lora_expand``. Installed here on CPU in a running engine's worker, where the op adds the gate/up LoRA
+into gate_up, runs torch's activation and shrinks it, it must give the tokens vLLM's own forward gave, with base
+requests and adapters in both modes in one batch (vLLM 0.28's classes, as ``compat`` names them)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ from tests.conftest import ARCHS, random_prompt
 pytestmark = pytest.mark.engine
 
 
-def _patch(worker) -> int:
-    """In the worker: patch the model's MLPs as the plugin does on CUDA; how many were."""
-    from preft.vllm_plugin import mlp_patch
+def _patch(worker) -> tuple[int, int]:
+    """In the worker: patch the model's MLPs as the plugin does on CUDA; how many were, and how many of them also
+    take down_proj's LoRA."""
+    from preft.vllm_plugin import compat, mlp_patch
 
     manager = worker.model_runner.lora_manager
-    return mlp_patch.patch(manager._adapter_manager.model, manager.preft_state.id)
+    model = manager._adapter_manager.model
+    patched = mlp_patch.patch(model, manager.preft_state.id)
+    return patched, sum(getattr(layer.mlp, "preft_down", False) for layer in compat.decoder_layers(model))
 
 
 def _batch(loras: dict, tag: str) -> list[GenerationRequest]:
@@ -53,17 +57,24 @@ def test_the_patched_mlp_gives_the_tokens_of_vllms_forward(arch, model_dirs, ada
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # (the patch below is a function)
     model = model_dirs[arch]
     gate_up_only = build_lora(tmp_path / "gate_up", model, rank=8, targets=("gate_proj", "up_proj"), seed=31)
-    loras = {"lora_a": str(adapters[arch]["lora_a"]), "lora_c": str(adapters[arch]["lora_c"]), "gu": str(gate_up_only)}
+    down_only = build_lora(tmp_path / "down", model, rank=8, targets=("down_proj",), seed=37)
+    loras = {
+        "lora_a": str(adapters[arch]["lora_a"]),
+        "lora_c": str(adapters[arch]["lora_c"]),
+        "gu": str(gate_up_only),
+        "down": str(down_only),
+    }
     engine = engine_factory(model)
     before = _tokens(engine, _batch(loras, "before"))
 
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    assert engine.llm.collective_rpc(_patch) == [layers]
+    assert engine.llm.collective_rpc(_patch) == [(layers, layers)]
     after = _tokens(engine, _batch(loras, "after"))
 
     assert after == before
-    for i in range(3):  # (so that a patched forward that lost the gate/up LoRA would fail)
-        assert (
-            before[f"gu-prefill-{i}"] != before[f"base-prefill-{i}"]
-            or before[f"gu-all-{i}"] != before[f"base-prefill-{i}"]
-        ), f"the gate/up-only LoRA changed no token of prompt {i}"
+    for i in range(3):  # (so that a patched forward that lost the gate/up or the down LoRA would fail)
+        for name in ("gu", "down"):
+            assert (
+                before[f"{name}-prefill-{i}"] != before[f"base-prefill-{i}"]
+                or before[f"{name}-all-{i}"] != before[f"base-prefill-{i}"]
+            ), f"the {name}-only LoRA changed no token of prompt {i}"

@@ -132,3 +132,33 @@ def test_where_the_gluon_fold_cannot_build_triton_s_fold_serves_and_says_why(
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert lora_act._GLUON_ARCHS[gate_up.get_device()] is False  # (gluon_folds then says no on that device)
     assert "the Gluon fold is unavailable (RuntimeError: this Triton's Gluon has no warpgroup_mma)" in caplog.text
+
+
+@pytest.mark.parametrize("token_slots", [TOKEN_SLOTS, [-1] * 3 + [1] * 130 + [-1] * 2], ids=["gathered", "span"])
+def test_with_down_s_shrink_it_returns_the_activation_and_down_s_z_at_each_adapted_row(
+    lora_kernels_interpreted, token_slots
+):
+    rows, ranks = len(token_slots) + 7, (24, 8, 16, 24)
+    x, gate_up, a, b, groups = _case(token_slots, rows, ranks)
+    a_down = torch.randn(SLOTS, 1, max(ranks), INTER, generator=torch.Generator().manual_seed(3)) / INTER**0.5
+    for s, r in enumerate(ranks):
+        a_down[s, :, r:] = 0
+    expected = _reference(x, gate_up, a, b, token_slots)
+    out, z = torch.empty(rows, INTER), torch.full((rows, max(ranks)), 7.0)
+    lora_act.lora_silu_and_mul_down(out, z, gate_up, x, a, b, a_down, groups)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    r = groups.rank  # (the step's: its slots' largest, 8 in the span)
+    for t in range(rows):  # (the shrink of the activation as returned: down's input)
+        slot = token_slots[t] if t < len(token_slots) else -1
+        if slot >= 0:
+            torch.testing.assert_close(z[t, :r], out[t] @ a_down[slot, 0, :r].T, rtol=1e-5, atol=1e-5)
+        else:
+            assert (z[t] == 7.0).all()  # rows without an adapter are left as they were
+
+
+def test_without_lora_tokens_down_s_shrink_writes_nothing():
+    x, gate_up, a, b, _ = _case([-1] * 5, 5)
+    out, z = torch.empty(5, INTER), torch.full((5, 8), 7.0)
+    lora_act.lora_silu_and_mul_down(out, z, gate_up, x, a, b, torch.zeros(SLOTS, 1, 8, INTER), g.empty_groups())
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:])
+    assert (z == 7.0).all()

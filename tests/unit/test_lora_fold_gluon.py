@@ -27,15 +27,18 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 # What the engine's calls specialize on (as tests/unit/test_lora_kernels_ptx.py's): bf16 tensors, 16-aligned
 # pointers but z's and the tables', strides and widths that the model makes multiples of 16
-TENSORS = ("out_ptr", "gu_ptr", "z_ptr", "bg_ptr", "bu_ptr")
+TENSORS = ("out_ptr", "gu_ptr", "z_ptr", "bg_ptr", "bu_ptr", "ad_ptr", "zd_ptr")
 ALIGNED = ("out_ptr", "gu_ptr", "bg_ptr", "bu_ptr", "stride_out", "stride_gu", "stride_b_slot", "stride_b_out", "inter")
+# (with down's shrink: A_down's and z_down's pointers and A_down's strides too, as lora_act.down_folds has them)
+DOWN_ALIGNED = (*ALIGNED, "ad_ptr", "zd_ptr", "stride_ad_slot", "stride_ad_rank")
 
 
-def _compiled(block_k: int):
+def _compiled(block_k: int, down: bool = False):
     fn = lora_fold_gluon.fold_kernel
     names = fn.arg_names
     shape = lora_act.GLUON_SHAPES[block_k]
-    constexprs = {"BLOCK_K": block_k, "BLOCK_M": shape.rows, "BLOCK_N": shape.cols, "STAGES": shape.stages}
+    stages = lora_act.GLUON_DOWN_STAGES[block_k] if down else shape.stages
+    constexprs = {"BLOCK_K": block_k, "BLOCK_M": shape.rows, "BLOCK_N": shape.cols, "STAGES": stages, "DOWN": down}
     signature = {
         name: "constexpr" if name in constexprs else ("*bf16" if name in TENSORS else "*i64")
         if name.endswith("_ptr") else "i32"
@@ -45,7 +48,7 @@ def _compiled(block_k: int):
         fn,
         signature,
         {(names.index(k),): v for k, v in constexprs.items()},
-        {(names.index(k),): [["tt.divisibility", 16]] for k in ALIGNED},
+        {(names.index(k),): [["tt.divisibility", 16]] for k in (DOWN_ALIGNED if down else ALIGNED)},
     )
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": shape.warps})
 
@@ -66,6 +69,23 @@ def test_it_compiles_for_hopper_with_every_copy_async_and_gate_up_and_h_in_16_by
     # shared memory: z's gate and up tiles, then per stage gate's and up's tiles (64 × 64) and B's (64 × the rank's)
     stages = lora_act.GLUON_SHAPES[block_k].stages
     assert compiled.metadata.shared == 2 * 64 * block_k * 2 + stages * (2 * 64 * 64 * 2 + 2 * 64 * block_k * 2)
+
+
+@pytest.mark.parametrize("block_k", [16, 32, 64])
+def test_with_down_s_shrink_it_compiles_for_hopper_with_each_tile_of_h_through_shared_memory(block_k):
+    compiled = _compiled(block_k, down=True)
+    ptx = compiled.asm["ptx"]
+    accesses = Counter(re.findall(r"(?:ld|st)\.(?:global|shared)[.a-z0-9]*", ptx))
+    copies = Counter(re.findall(r"cp\.async\.[a-z.]+ \[[^]]*\], \[[^]]*\], (\w+)", ptx))
+    # as without it, and each tile's h stored into shared memory in 16-byte vectors (four a thread) for the block's
+    # first slot's product, and again for each other slot's; A_down's tiles by 16-byte copies
+    assert accesses["st.global.v4.b32"] == 4 and accesses["ld.shared.v4.b32"] == 8
+    assert accesses["st.shared.v4.b32"] == 8
+    assert "ld.global.v4.b32" not in accesses and set(copies) == {"0x10"}
+    assert f"wgmma.mma_async.sync.aligned.m64n{block_k}k16" in ptx  # (down's product: rank columns)
+    stages = lora_act.GLUON_DOWN_STAGES[block_k]
+    ring = stages * (2 * 64 * 64 * 2 + 2 * 64 * block_k * 2 + block_k * 64 * 2)  # (gate, up, their B, A_down)
+    assert compiled.metadata.shared == 2 * 64 * block_k * 2 + ring + 64 * 64 * 2  # (z; the ring; h's tile)
 
 
 def test_off_a_cuda_device_lora_act_does_not_take_it():
@@ -130,6 +150,46 @@ def test_on_a_hopper_gpu_it_folds_as_the_triton_kernel_does(monkeypatch, dtype, 
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
     torch.testing.assert_close(outs["gluon"], expected, rtol=4 * ulp, atol=2 * ulp)
     torch.testing.assert_close(outs["gluon"], outs["fold"], rtol=2 * ulp, atol=2 * ulp)  # (Triton's sums' order)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("ranks", [(8, 16, 8, 8), (24, 8, 16, 24), (64, 8, 64, 32)], ids=str)
+@pytest.mark.parametrize("inter", [320, 4864])
+def test_on_a_hopper_gpu_down_s_shrink_folded_in_gives_the_shrink_kernel_s_z(monkeypatch, ranks, inter):
+    gen = torch.Generator("cuda").manual_seed(sum(ranks))
+    rows, width, rank, slots = len(TOKEN_SLOTS) + 7, 128, max(ranks), len(ranks)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    x, gate_up = randn(rows, width), randn(rows, 2 * inter, scale=0.5)
+    a = [randn(slots, 1, rank, width, scale=width**-0.5) for _ in range(2)]
+    b = [randn(slots, 1, inter, rank, scale=rank**-0.5) for _ in range(2)]
+    a_down = randn(slots, 1, rank, inter, scale=inter**-0.5)
+    for s, r in enumerate(ranks):
+        for w in [*a, a_down]:
+            w[s, :, r:] = 0
+        for w in b:
+            w[s, :, :, r:] = 0
+    groups = g.SlotGroups.build(np.asarray(TOKEN_SLOTS), "cuda", slot_ranks=np.asarray([*ranks, 0]), max_rank=rank)
+    launched = []
+    fold = lora_act._FOLD
+    monkeypatch.setattr(lora_act, "_FOLD", lambda *args: launched.append(args[2][-1]) or fold(*args))
+    outs = {}
+    for sms in (1, 10**6):  # (a GPU of one SM takes down's shrink into the fold; one of a million leaves it apart)
+        monkeypatch.setattr(lora_act, "_SMS", {torch.cuda.current_device(): sms})
+        with lora_kernels.using("expand", "shrink", "act", "fold", "gluon"):
+            out, z = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16), torch.zeros_like(x[:, :rank])
+            lora_act.lora_silu_and_mul_down(out, z, gate_up, x, a, b, a_down, groups)
+            outs[sms] = out, z
+    assert launched == [True, False]  # (DOWN, the kernel's last argument)
+    (folded, z_folded), (apart, z_apart) = outs[1], outs[10**6]
+    assert torch.equal(folded, apart)  # the same activation
+    adapted = torch.from_numpy(np.r_[TOKEN_SLOTS, [-1] * 7] >= 0).to("cuda")
+    assert not z_folded[~adapted].any()  # (rows without an adapter untouched)
+    # z summed over the row in another order than the shrink kernel's, rounded once to bf16 by both
+    scale = z_apart.float().abs().max()
+    torch.testing.assert_close(z_folded.float(), z_apart.float(), rtol=2**-6, atol=2**-7 * scale)
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")

@@ -148,7 +148,8 @@ TOUCH_POINTS = (
         "tests/engine/test_mlp_patch) where gate_up_proj is a "
         "MergedColumnParallelLinearWithLoRA without bias or gathered output and act_fn a SiluAndMul: "
         "forward(x) runs gate_up_proj's base GEMM "
-        "(_get_quant_method().apply(base_layer, x, None)), preft::lora_silu_and_mul, then down_proj",
+        "(_get_quant_method().apply(base_layer, x, None)), preft::lora_silu_and_mul, then down_proj (where "
+        "mlp_patch.down_fits: preft::lora_silu_and_mul_down, down_proj's base GEMM, preft::lora_expand)",
         "mlp_patch",
     ),
     TouchPoint("vllm.model_executor.models.llama:LlamaMLP.forward", "as Qwen2MLP.forward", "mlp_patch"),
@@ -156,6 +157,13 @@ TOUCH_POINTS = (
         "vllm.lora.layers:MergedColumnParallelLinearWithLoRA",
         "read: base_layer (bias, gather_output), tp_size, output_slices, lora_a_stacked, lora_b_stacked, "
         "_get_quant_method",
+        "mlp_patch",
+    ),
+    TouchPoint(
+        "vllm.lora.layers:RowParallelLinearWithLoRA",
+        "read: base_layer (bias), tp_size, lora_a_stacked, lora_b_stacked, _get_quant_method; where tp_size is 1 and "
+        "there is no bias the patched MLP forward replaces its forward (base GEMM, then preft::lora_expand of the "
+        "shrink that preft::lora_silu_and_mul_down returns), as its forward then computes",
         "mlp_patch",
     ),
     TouchPoint(
@@ -296,6 +304,12 @@ def merged_lora_cls():
     from vllm.lora.layers import MergedColumnParallelLinearWithLoRA
 
     return MergedColumnParallelLinearWithLoRA
+
+
+def row_lora_cls():
+    from vllm.lora.layers import RowParallelLinearWithLoRA
+
+    return RowParallelLinearWithLoRA
 
 
 def decoder_layers(model):

@@ -274,6 +274,21 @@ def lora_shrink(
         groups.put_back(bi, target)
 
 
+def shrink_rows(z: torch.Tensor, x: torch.Tensor, a_stacked: torch.Tensor, groups: SlotGroups) -> None:
+    """z[rows, :r] = x[rows] @ A[slot]ᵀ at the groups' token rows (z: [tokens, ≥ r], by token row as vLLM's
+    shrink buffer; x: [tokens, in]); z's other rows untouched. On the shrink kernel where it serves z."""
+    if groups.empty:
+        return
+    x2 = x.reshape(-1, x.shape[-1])
+    a = lora_kernels.slot_matrices(a_stacked)
+    if lora_kernels.available(z, "shrink") and lora_kernels.can_shrink(x2, [a]) and z.dtype == x2.dtype:
+        lora_kernels.shrink_rows(z, x2, a, groups)
+        return
+    target = groups.take(z)
+    target[:, : groups.rank] = shrink(groups.take(x2), a_stacked, groups).to(z.dtype)
+    groups.put_back(z, target)
+
+
 def lora_expand(
     y: torch.Tensor,
     buffer: torch.Tensor,

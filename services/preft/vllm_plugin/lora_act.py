@@ -95,6 +95,11 @@ class GluonShape:
 # fastest in every cell; loadtest/RUNS.md "Runs 188–196")
 GLUON_SHAPES = {16: GluonShape(64, 256, 3), 32: GluonShape(64, 256, 3), 64: GluonShape(64, 512, 3)}
 _GLUON_ARCHS: dict[int, bool] = {}  # device index -> a Hopper GPU (wgmma), as the Gluon fold needs
+# The fold with down's shrink (``lora_silu_and_mul_down``): whole rows a program, so one program a row block; its
+# ring's depth by rank tile (run 198: 2 at tile 64 keeps two programs an SM, 3 there leaves one and lost 60%).
+# It serves steps of at least as many row blocks as the GPU has SMs; smaller ones fold, then shrink.
+GLUON_DOWN_STAGES = {16: 3, 32: 3, 64: 2}
+_SMS: dict[int, int] = {}  # device index -> its SMs
 
 
 if triton is not None:
@@ -353,7 +358,62 @@ def gluon_folds(gate_up: torch.Tensor, z: torch.Tensor, b: tuple, rank_aligned: 
     return _GLUON_ARCHS[device] and aligned and len(dtypes) == 1 and gate_up.dtype in (torch.bfloat16, torch.float16)
 
 
-def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> None:
+def lora_silu_and_mul_down(
+    out: torch.Tensor,
+    z_down: torch.Tensor,
+    gate_up: torch.Tensor,
+    x: torch.Tensor,
+    a_stacked: list[torch.Tensor],
+    b_stacked: list[torch.Tensor],
+    a_down: torch.Tensor,
+    groups: g.SlotGroups,
+) -> None:
+    """``lora_silu_and_mul``, and the down projection's shrink of out: z_down[t, :rank] = out[t] · A_down[slot(t)]ᵀ
+    at each of the groups' token rows (a_down: vLLM's stacked [slots, (1,) R, inter]; z_down: [tokens, ≥ rank], its
+    other rows untouched). Folded into the Gluon kernel where ``down_folds``; else the activation, then the shrink
+    (``groups.shrink_rows``)."""
+    gate_up2, out2 = gate_up.view(-1, gate_up.shape[-1]), out.view(-1, out.shape[-1])
+    if not groups.empty:
+        x2 = x.reshape(-1, x.shape[-1])
+        plan = fuses(gate_up2, x2, a_stacked, b_stacked, groups.rank)
+        a_down2 = k.slot_matrices(a_down)
+        if plan is not None and down_folds(gate_up2, a_down2, z_down, groups):
+            z, stride_z = k.plan_shrink(x2, plan, 1.0, groups, gate_up2.shape[0], by_row=True)
+            if not _launch(out2, gate_up2, z, stride_z, plan.b, groups, (a_down2, z_down)):
+                g.shrink_rows(z_down, out2, a_down, groups)  # (Triton's fold served: the Gluon kernel did not build)
+            return
+    lora_silu_and_mul(out, gate_up, x, a_stacked, b_stacked, groups)
+    g.shrink_rows(z_down, out2, a_down, groups)
+
+
+def down_folds(gate_up: torch.Tensor, a_down: torch.Tensor, z_down: torch.Tensor, groups: g.SlotGroups) -> bool:
+    """Whether the Gluon fold takes down's shrink too, given that it folds the step (``gluon_folds``, checked at
+    launch): a Hopper GPU, at least as many row blocks as it has SMs (``GLUON_DOWN_STAGES``' note), A_down [slots,
+    R ≥ rank, inter] and z_down in gate_up's dtype, 16-byte aligned, A_down's strides multiples of 16 (its columns
+    contiguous) and z_down's rows in 16-byte multiples."""
+    if not (gate_up.is_cuda and lora_fold_gluon.gluon is not None and "gluon" in k.picked(gate_up)):
+        return False
+    device = gate_up.get_device()
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    blocks = -(-gate_up.shape[0] // 64)  # (its programs' rows: one warpgroup)
+    a_fits = a_down.stride(2) == 1 and a_down.stride(0) % 16 == 0 and a_down.stride(1) % 16 == 0
+    z_fits = z_down.stride(1) == 1 and z_down.stride(0) % 8 == 0 and z_down.shape[1] >= groups.rank
+    return (
+        blocks >= _SMS[device]
+        and a_fits
+        and z_fits
+        and a_down.shape[1] >= groups.rank
+        and a_down.shape[2] == gate_up.shape[1] // 2
+        and a_down.dtype == z_down.dtype == gate_up.dtype
+        and a_down.data_ptr() % 16 == 0
+        and z_down.data_ptr() % 16 == 0
+    )
+
+
+def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups, down: tuple | None = None) -> bool:
+    """The activation (folded: over the groups' rows), on the Gluon kernel where ``gluon_folds`` (with down: (A_down
+    [slots, R, inter], z_down), down's shrink too), else on the Triton kernel: whether down's shrink was done."""
     rows, inter = gate_up.shape[0], out.shape[1]
     b_gate, b_up = b
     strides = (b_gate.stride(0), b_gate.stride(1), b_gate.stride(2)) if b_gate.dim() == 3 else (0, 0, 0)
@@ -366,8 +426,8 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
     )
     if not groups.empty and gluon_folds(gate_up, z, b, rank_aligned):
         try:
-            _launch_gluon(call, rows, inter, b, strides[:2], groups)
-            return
+            _launch_gluon(call, rows, inter, b, strides[:2], groups, down)
+            return down is not None
         except Exception as e:  # (a Triton whose Gluon cannot build the kernel: Triton's fold serves from now on)
             _GLUON_ARCHS[gate_up.get_device()] = False
             logger.warning("preft: the Gluon fold is unavailable (%s: %s); the Triton fold serves", type(e).__name__, e)
@@ -385,19 +445,30 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups) -> N
         tiles.stages,
         (*call.addresses, *step.addresses, *module.addresses, *order),
     )
+    return False
 
 
 if lora_fold_gluon.gluon is not None:
     _FOLD = triton_launch.Launcher(lora_fold_gluon.fold_kernel)
 
 
-def _launch_gluon(call: k._Args, rows: int, inter: int, b: tuple, b_strides: tuple, groups: g.SlotGroups) -> None:
+def _launch_gluon(
+    call: k._Args, rows: int, inter: int, b: tuple, b_strides: tuple, groups: g.SlotGroups, down: tuple | None
+) -> None:
     """The fold on the Gluon kernel (``gluon_folds``), in the rank tile's ``GLUON_SHAPES``: the rank in one product a
-    slot (`call`: ``_launch``'s run of the call's own arguments)."""
-    shape = GLUON_SHAPES[rank_tile(groups.rank, None)]
+    slot (`call`: ``_launch``'s run of the call's own arguments); with down (``down_folds``), down's shrink too, in
+    programs of whole rows (``GLUON_DOWN_STAGES``)."""
+    tile = rank_tile(groups.rank, None)
+    if down is None:
+        shape = GLUON_SHAPES[tile]
+        a_down, z_down = b[0], b[0]  # (not read)
+    else:
+        shape = GluonShape(64, -(-inter // 64) * 64, GLUON_DOWN_STAGES[tile])
+        a_down, z_down = down
     step = row_block_tables(groups, shape.rows, None)
-    values = (*b, *b_strides, inter, shape.rows, shape.cols, shape.stages)
-    module = k._args(values, (b[0].dtype, *values[2:]))
+    down_values = (a_down, z_down, a_down.stride(0), a_down.stride(1), z_down.stride(0), down is not None)
+    values = (*b, *b_strides, inter, shape.rows, shape.cols, shape.stages, *down_values)
+    module = k._args(values, (b[0].dtype, *values[2:8], *values[10:]))
     _FOLD(
         (-(-inter // shape.cols), -(-rows // shape.rows)),
         (*call.key, step.key, module.key, shape.warps),

@@ -23,6 +23,13 @@ in ``lora_act.GLUON_SHAPES``) against the Triton fold: Qwen2.5-0.5B 208 against 
 226 at rank 8; Llama-3.1-8B 585 against 792 and 520 against 619; the same kernel with gate and up loaded into
 registers and B staged at each tile (runs 178–187) took 241, 185, 687 and 535 (loadtest/RUNS.md "Runs 188–196").
 Steps without LoRA tokens keep the Triton kernel's plain variant.
+
+With DOWN it also computes the down projection's shrink of its output (zd = h · A_downᵀ at each adapted row),
+which the shrink kernel would otherwise compute by reading h back from memory, 16,384 × 4,864 on Qwen's step: each
+program takes whole rows, copies each tile's A_down tile into the ring with the tile's others, and takes the tile's
+h through shared memory into one more product. Run 198 (an H100, the step above, the gate/up shrink included):
+Qwen r64 224 µs against 270 for the fold then down's shrink, r32 210 against 244, r16 204 against 237; Llama r64
+653 against 759, r16 611 against 685 (loadtest/RUNS.md "Runs 197–").
 """
 
 from __future__ import annotations
@@ -94,6 +101,26 @@ if gluon is not None:
         _copy_b(bu, bu_ptr, slot, n0, inter, rank, stride_b_slot, stride_b_out, LOAD, BLOCK_K)
 
     @gluon.jit
+    def _copy_a(smem, a_ptr, slot, n0, inter, rank, stride_a_slot, stride_a_rank, LOAD: gl.constexpr,
+                BLOCK_K: gl.constexpr):  # fmt: skip
+        """The slot's A tile [BLOCK_K rank rows (zero past rank), the TILE_N columns from n0] into smem,
+        asynchronously (cp.async, 16-byte vectors; the caller commits the group)."""
+        r = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, LOAD))
+        n = n0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, LOAD))
+        ptrs = a_ptr + slot.to(gl.int64) * stride_a_slot + r.to(gl.int64)[:, None] * stride_a_rank + n[None, :]
+        _async_load(smem, ptrs, mask=(r < rank)[:, None] & (n < inter)[None, :])
+
+    @gluon.jit
+    def _down_product(h_s, h, rows_of, ad_s, zd):
+        """zd + (h's rows_of rows, zero elsewhere) · the A tile ᵀ: h stored into h_s (every warp's store landed
+        before the product reads it; the caller's barrier before the next store), the product on wgmma."""
+        h_s.store(gl.where(rows_of, h, gl.zeros_like(h)))
+        fence_async_shared()
+        _barrier()
+        zd = warpgroup_mma(h_s, ad_s.permute([1, 0]), zd, is_async=True)
+        return warpgroup_mma_wait(0, deps=[zd])
+
+    @gluon.jit
     def _products(zg_smem, zu_smem, bg_smem, bu_smem, dg, du):
         """(Δg, Δu) + z · Bᵀ of the staged tiles, gate's and up's products issued back to back."""
         dg = warpgroup_mma(zg_smem, bg_smem.permute([1, 0]), dg, is_async=True)
@@ -103,14 +130,17 @@ if gluon is not None:
     @gluon.jit
     def _issue_tile(gs, us, bg, bu, gu_rows, rows_in, bg_ptr, bu_ptr, slot, adapted, n0, n_end, inter, rank,
                     stride_b_slot, stride_b_out, GU_LOAD: gl.constexpr, LOAD: gl.constexpr,
-                    BLOCK_K: gl.constexpr):  # fmt: skip
-        """One tile's gate and up (and, adapted, the slot's B tiles) copied into a stage's buffers: one group."""
+                    BLOCK_K: gl.constexpr, ad, ad_ptr, stride_ad_slot, stride_ad_rank, DOWN: gl.constexpr):  # fmt: skip
+        """One tile's gate and up (and, adapted, the slot's B tiles, and with DOWN its down A tile into ad) copied
+        into a stage's buffers: one group."""
         n = n0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, GU_LOAD))
         mask = rows_in[:, None] & (n < n_end)[None, :]
         _async_load(gs, gu_rows[:, None] + n[None, :], mask=mask)
         _async_load(us, gu_rows[:, None] + (inter + n)[None, :], mask=mask)
         if adapted:
             _copy_bs(bg, bu, bg_ptr, bu_ptr, slot, n0, inter, rank, stride_b_slot, stride_b_out, LOAD, BLOCK_K)
+            if DOWN:
+                _copy_a(ad, ad_ptr, slot, n0, inter, rank, stride_ad_slot, stride_ad_rank, GU_LOAD, BLOCK_K)
         async_copy.commit_group()
 
     @gluon.jit(
@@ -140,13 +170,26 @@ if gluon is not None:
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
+        ad_ptr,
+        zd_ptr,
+        stride_ad_slot,
+        stride_ad_rank,
+        stride_zd,
+        DOWN: gl.constexpr,
     ):
         """out[t, n] = silu(gu[t, n] + Δg) · (gu[t, inter + n] + Δu), Δ = z[t] · B[slot(t)][n] where t has a slot,
         as ``lora_act._silu_mul_lora_kernel`` (its arguments, less what is fixed here). Program (columns, rows):
         BLOCK_M rows (16 a warp, the step's tables' row blocks) by BLOCK_N columns in tiles of TILE_N, its copies in a
         ring of STAGES (≥ 2) buffers. BLOCK_K: the padded rank's tile (16, 32 or 64), one product a slot. The
         caller's guarantees: rank, z's row stride and B's strides multiples of 8, z, B, gu and its row stride 16-byte
-        aligned, inter a multiple of 8, B's rank columns contiguous."""
+        aligned, inter a multiple of 8, B's rank columns contiguous.
+
+        DOWN: also the down projection's shrink of out, zd[t] = out[t] · A_down[slot(t)]ᵀ at each row with a slot
+        (ad: [slots, rank rows, inter], its columns contiguous; zd's other rows untouched), summed in float32 over
+        the row and rounded once, as the shrink kernel would. Each program then covers whole rows (BLOCK_N ≥
+        inter: one program a row block), its A tiles copied with the tile's others and each tile's out stored
+        through shared memory into the product. ad and zd 16-byte aligned, ad's strides multiples of 16 (as
+        Triton then specializes them: kept as arguments, they take no registers)."""
         WG: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                      instr_shape=[16, TILE_N, 16])  # fmt: skip
         TILE: gl.constexpr = _vector_order(
@@ -186,6 +229,17 @@ if gluon is not None:
         zu = gl.allocate_shared_memory(z_ptr.dtype.element_ty, [BLOCK_M, BLOCK_K], Z_SMEM)
         bg = gl.allocate_shared_memory(bg_ptr.dtype.element_ty, [STAGES, TILE_N, BLOCK_K], B_SMEM)
         bu = gl.allocate_shared_memory(bu_ptr.dtype.element_ty, [STAGES, TILE_N, BLOCK_K], B_SMEM)
+        if DOWN:
+            WD: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BLOCK_K, 16])  # fmt: skip
+            AD_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, TILE_N], ad_ptr.dtype.element_ty)
+            H_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, TILE_N], gu_ptr.dtype.element_ty)
+            ad = gl.allocate_shared_memory(ad_ptr.dtype.element_ty, [STAGES, BLOCK_K, TILE_N], AD_SMEM)
+            h_s = gl.allocate_shared_memory(gu_ptr.dtype.element_ty, [BLOCK_M, TILE_N], H_SMEM)
+            zd = gl.zeros([BLOCK_M, BLOCK_K], gl.float32, WD)
+            slot_row = gl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)[:, None]
+        else:
+            ad = bg
         gs = gl.allocate_shared_memory(gu_ptr.dtype.element_ty, [STAGES, BLOCK_M, TILE_N], GU_SMEM)
         us = gl.allocate_shared_memory(gu_ptr.dtype.element_ty, [STAGES, BLOCK_M, TILE_N], GU_SMEM)
         adapted = last > first
@@ -194,7 +248,7 @@ if gluon is not None:
         for s in gl.static_range(STAGES - 1):
             _issue_tile(gs.index(s), us.index(s), bg.index(s), bu.index(s), gu_rows, rows_in_l, bg_ptr, bu_ptr, slot,
                         adapted, first_col + s * TILE_N, n_end, inter, rank, stride_b_slot, stride_b_out, GU_LOAD,
-                        LOAD, BLOCK_K)  # fmt: skip
+                        LOAD, BLOCK_K, ad.index(s), ad_ptr, stride_ad_slot, stride_ad_rank, DOWN)  # fmt: skip
         out_rows = out_ptr + t.to(gl.int64)[:, None] * stride_out
         rows_in = (t < n_rows)[:, None]
         for i in range(tiles):
@@ -206,7 +260,8 @@ if gluon is not None:
             ahead = (i + STAGES - 1) % STAGES
             _issue_tile(gs.index(ahead), us.index(ahead), bg.index(ahead), bu.index(ahead), gu_rows, rows_in_l, bg_ptr,
                         bu_ptr, slot, adapted, n0 + (STAGES - 1) * TILE_N, n_end, inter, rank, stride_b_slot,
-                        stride_b_out, GU_LOAD, LOAD, BLOCK_K)  # fmt: skip
+                        stride_b_out, GU_LOAD, LOAD, BLOCK_K, ad.index(ahead), ad_ptr, stride_ad_slot, stride_ad_rank,
+                        DOWN)  # fmt: skip
             gate = gs.index(stage).load(TILE)
             up = us.index(stage).load(TILE)
             if adapted:
@@ -235,5 +290,25 @@ if gluon is not None:
             g32 = gate.to(gl.float32)
             h = g32 / (1.0 + gl.exp(-g32)) * up.to(gl.float32)
             n = n0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, TILE))
-            gl.store(out_rows + n[None, :], h.to(out_ptr.dtype.element_ty), mask=rows_in & (n < n_end)[None, :])
+            h = h.to(out_ptr.dtype.element_ty)
+            gl.store(out_rows + n[None, :], h, mask=rows_in & (n < n_end)[None, :])
+            if DOWN:  # noqa: SIM102  (a constexpr branch: without DOWN its body is not compiled)
+                if adapted:
+                    zd = _down_product(h_s, h, slot_row == slot, ad.index(stage), zd)
+                    if last > first + 1:  # (each other slot's A tile into this tile's stage, its rows' product)
+                        for e in range(first + 1, last):
+                            other = gl.load(block_slots_ptr + e)
+                            _barrier()
+                            _copy_a(ad.index(stage), ad_ptr, other, n0, inter, rank, stride_ad_slot, stride_ad_rank,
+                                    GU_LOAD, BLOCK_K)  # fmt: skip
+                            async_copy.commit_group()
+                            async_copy.wait_group(0)
+                            zd = _down_product(h_s, h, slot_row == other, ad.index(stage), zd)
         async_copy.wait_group(0)
+        if DOWN:  # noqa: SIM102  (a constexpr branch: without DOWN its body is not compiled)
+            if adapted:
+                td = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, WD))
+                slot_d = gl.load(token_slot_ptr + td, mask=td < n_tokens, other=-1)
+                kd = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, WD))
+                ptrs = zd_ptr + td.to(gl.int64)[:, None] * stride_zd + kd[None, :]
+                gl.store(ptrs, zd.to(zd_ptr.dtype.element_ty), mask=(slot_d >= 0)[:, None] & (kd < rank)[None, :])

@@ -620,6 +620,16 @@ def shrink(x2: torch.Tensor, a: Sequence[torch.Tensor], scale: float, groups: Sl
     return _shrink(x2, a, _pointer_table(a), scale, groups)
 
 
+def shrink_rows(z: torch.Tensor, x2: torch.Tensor, a: torch.Tensor, groups: SlotGroups) -> None:
+    """z[row, :rank] = x2[row] @ A[slot][:rank]ᵀ at the groups' token rows (z: [tokens, ≥ rank]; a: [slots, R, in],
+    ``can_shrink``'s), on the shrink kernel; z's other rows untouched."""
+    cols = _TILES["shrink"].cols
+    key = ("shrink rows", cols, a.data_ptr(), a.dtype, *a.shape, *a.stride(), x2.dtype, x2.shape[1])
+    if key not in _PLANS:  # (kept as expand_add's: the table holds A's address, which stays put)
+        _PLANS[key] = _shrink_args(x2.dtype, [a], _pointer_table([a]), x2.shape[1], cols)
+    _launch_shrink(x2, z, z.stride(0), 1.0, 1, _PLANS[key], groups, by_row=True)
+
+
 def _shrink_args(
     x_dtype: torch.dtype, a: Sequence[torch.Tensor], a_table: torch.Tensor, in_cols: int, cols: int
 ) -> _Args:

@@ -1,11 +1,14 @@
 """With ``act`` picked (the default) on CUDA, each Llama/Qwen2 MLP with a LoRA gate/up projection runs its
 activation through ``preft::lora_silu_and_mul``.
 
-vLLM's MLP computes ``act_fn(gate_up_proj(x))``: the LoRA layer adds its LoRA into gate_up, which the
+vLLM's MLP computes ``down_proj(act_fn(gate_up_proj(x)))``: the LoRA layer adds its LoRA into gate_up, which the
 activation then reads. The patched forward runs the projection's base GEMM itself (as the LoRA layer's
 ``_apply_sync`` does) and hands gate_up, x and the LoRA weights to the op, which folds the LoRA into the
-activation (``lora_act``). MLPs of another shape (a bias, a gathered or sharded output, another activation)
-keep vLLM's forward.
+activation (``lora_act``). Where down_proj is a LoRA layer over one tensor-parallel rank without bias
+(``down_fits``), the forward runs its base GEMM too, and the op (``preft::lora_silu_and_mul_down``) also returns
+down's shrink of the activation, which the activation's kernel computes as it writes it (``lora_fold_gluon``'s
+DOWN) instead of the shrink reading it back; ``preft::lora_expand`` then adds down's LoRA. MLPs of another shape
+(a bias, a gathered or sharded output, another activation) keep vLLM's forward.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ _CLASSES: dict[type, type] = {}
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    lora = self.gate_up_proj
+    lora, down, state_id = self.gate_up_proj, self.down_proj, self.preft_state_id
     gate_up = lora._get_quant_method().apply(lora.base_layer, x, None)
-    h = torch.ops.preft.lora_silu_and_mul(
-        gate_up, x, list(lora.lora_a_stacked), list(lora.lora_b_stacked), self.preft_state_id
-    )
-    out, _ = self.down_proj(h)
+    a, b = list(lora.lora_a_stacked), list(lora.lora_b_stacked)
+    if not self.preft_down:
+        h = torch.ops.preft.lora_silu_and_mul(gate_up, x, a, b, state_id)
+        out, _ = down(h)
+        return out
+    h, z = torch.ops.preft.lora_silu_and_mul_down(gate_up, x, a, b, down.lora_a_stacked[0], state_id)
+    out = down._get_quant_method().apply(down.base_layer, h, None)
+    torch.ops.preft.lora_expand(out, z[None], [down.lora_b_stacked[0]], [out.shape[-1]], 0, True, state_id)
     return out
 
 
@@ -52,6 +59,19 @@ def fits(mlp: Any) -> bool:
     )
 
 
+def down_fits(mlp: Any) -> bool:
+    """Whether the patched forward also takes down_proj's LoRA: a row-parallel LoRA layer of one slice over one
+    tensor-parallel rank (its forward then the base GEMM and the LoRA, no split and no all-reduce), without bias."""
+    down = getattr(mlp, "down_proj", None)
+    return (
+        type(down) is compat.row_lora_cls()
+        and down.tp_size == 1
+        and down.base_layer.bias is None
+        and len(down.lora_a_stacked) == 1
+        and down.lora_a_stacked[0].shape[-1] == mlp.gate_up_proj.output_slices[0]
+    )
+
+
 def install(model: torch.nn.Module, state_id: int, device: torch.device) -> int:
     """Patch every decoder layer's MLP that `fits`, where the activation kernel is picked (``act``, the default)
     and serves (CUDA); how many were."""
@@ -73,6 +93,7 @@ def patch(model: torch.nn.Module, state_id: int) -> int:
         if mlp is not None and fits(mlp):
             mlp.__class__ = _mlp_class(type(mlp))
             mlp.preft_state_id = state_id
+            mlp.preft_down = down_fits(mlp)
             patched += 1
     logger.info("preft: %d of %d decoder layers fold their gate/up LoRA into the activation", patched, len(layers))
     return patched

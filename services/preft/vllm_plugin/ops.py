@@ -85,6 +85,29 @@ def _lora_silu_and_mul(
     return out
 
 
+def _silu_and_mul_down_shape(gate_up: torch.Tensor, x, a, b, a_down: torch.Tensor, *args) -> tuple:
+    """New tensors of the activation's shape and of down's shrink by token row: [tokens, a_down's rank rows]."""
+    return _silu_and_mul_shape(gate_up), gate_up.new_empty(*gate_up.shape[:-1], a_down.shape[-2])
+
+
+def _lora_silu_and_mul_down(
+    gate_up: torch.Tensor,
+    x: torch.Tensor,
+    a: list[torch.Tensor],
+    b: list[torch.Tensor],
+    a_down: torch.Tensor,
+    state_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_lora_silu_and_mul``'s activation h, and the down projection's shrink of it at this step's LoRA tokens,
+    by token row (z; its other rows unset): h · A_down[slot]ᵀ, for ``preft::lora_expand`` to add (see lora_act)."""
+    out, z = _silu_and_mul_down_shape(gate_up, x, a, b, a_down)
+    groups = STATES[state_id].step.lora_tokens
+    if not groups.empty:
+        _check_not_capturing(gate_up)
+    lora_act.lora_silu_and_mul_down(out, z, gate_up, x, a, b, a_down, groups)
+    return out, z
+
+
 def _direft_apply(hidden: torch.Tensor, residual: torch.Tensor, layer: int, state_id: int) -> None:
     """The DiReFT edit of decoder layer `layer` at this step's DiReFT tokens (see groups.direft_apply)."""
     state = STATES[state_id]
@@ -104,6 +127,7 @@ _OPS = {  # name: (kernel, mutated arguments, fake)
     "lora_shrink": (_lora_shrink, ("buffer",), _nothing),
     "lora_expand": (_lora_expand, ("y",), _nothing),
     "lora_silu_and_mul": (_lora_silu_and_mul, ("gate_up",), _silu_and_mul_shape),
+    "lora_silu_and_mul_down": (_lora_silu_and_mul_down, ("gate_up",), _silu_and_mul_down_shape),
     "direft_apply": (_direft_apply, ("hidden", "residual"), _nothing),
 }
 

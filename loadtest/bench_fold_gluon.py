@@ -73,7 +73,7 @@ def down_cells(x, a, b, a_down, gate_up, out, groups, iters: int) -> dict:
         lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
         g.shrink_rows(apart, out, a_down, groups)
 
-    with lora_kernels.using("expand", "shrink", "act", "fold", "gluon"), folding_at(rank):
+    with lora_kernels.using("expand", "shrink", "act", "fold", "gluon", "down"), folding_at(rank):
         found = {"apart_us": device_us(fold_then_shrink, device, iters)}
         assert lora_act.down_folds(gate_up, lora_kernels.slot_matrices(a_down), folded, groups)
         found["folded_us"] = device_us(

@@ -56,7 +56,7 @@ def _interpreter_refusal() -> str | None:
     return None if out.item() == 3 else f"a loop of 3 counted {out.item()}"
 
 
-@pytest.fixture(params=["expand,shrink,act,fold,gluon", "expand,shrink,act", "fused,expand"])
+@pytest.fixture(params=["expand,shrink,act,fold,gluon,down", "expand,shrink,act", "fused,expand"])
 def lora_kernels_interpreted(monkeypatch, request):
     """The GPU LoRA kernels, run by Triton's interpreter on CPU tensors in place of the torch path.
 

@@ -233,18 +233,18 @@ def test_settings_read_nested_environment(monkeypatch, tmp_path):
 def test_lora_kernels_setting_reaches_the_replica_environment(tmp_path):
     from preft.vllm_plugin import lora_kernels
 
-    default = EngineSettings(model_dir=tmp_path).lora_kernels  # the plugin reads it as the five names
-    assert lora_kernels._picked(default) == {"expand", "shrink", "act", "fold", "gluon"}
-    assert EngineSettings(model_dir=tmp_path).process_env()["PREFT_LORA_KERNELS"] == "expand,shrink,act,fold,gluon"
+    default = EngineSettings(model_dir=tmp_path).lora_kernels  # the plugin reads it as the six names
+    assert lora_kernels._picked(default) == {"expand", "shrink", "act", "fold", "gluon", "down"}
+    assert EngineSettings(model_dir=tmp_path).process_env()["PREFT_LORA_KERNELS"] == "expand,shrink,act,fold,gluon,down"
     choices = ((" fused, expand", "fused,expand"), ("none", "none"), ("expand,shrink,act", "expand,shrink,act"))
     for value, env in choices:
         assert EngineSettings(model_dir=tmp_path, lora_kernels=value).process_env()["PREFT_LORA_KERNELS"] == env
     for bad in ("", "expnd", "none,expand"):
         with pytest.raises(ValueError, match="lora_kernels must be"):
             EngineSettings(model_dir=tmp_path, lora_kernels=bad)
-    # fold folds into act, from the shrink's z; gluon is a fold's kernel
-    for bad in ("expand,fold", "expand,act,fold", "shrink,fold", "expand,shrink,act,gluon"):
-        with pytest.raises(ValueError, match=r"must name 'act' and 'shrink' beside 'fold'.*'fold' beside 'gluon'"):
+    # fold folds into act, from the shrink's z; gluon is a fold's kernel; down is gluon's
+    for bad in ("expand,fold", "expand,act,fold", "shrink,fold", "expand,shrink,act,gluon", "act,shrink,fold,down"):
+        with pytest.raises(ValueError, match=r"must name 'act' and 'shrink' beside 'fold'.*'gluon' beside 'down'"):
             EngineSettings(model_dir=tmp_path, lora_kernels=bad)
 
 

@@ -178,7 +178,7 @@ def test_on_a_hopper_gpu_down_s_shrink_folded_in_gives_the_shrink_kernel_s_z(mon
     outs = {}
     for sms in (1, 10**6):  # (a GPU of one SM takes down's shrink into the fold; one of a million leaves it apart)
         monkeypatch.setattr(lora_act, "_SMS", {torch.cuda.current_device(): sms})
-        with lora_kernels.using("expand", "shrink", "act", "fold", "gluon"):
+        with lora_kernels.using("expand", "shrink", "act", "fold", "gluon", "down"):
             out, z = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16), torch.zeros_like(x[:, :rank])
             lora_act.lora_silu_and_mul_down(out, z, gate_up, x, a, b, a_down, groups)
             outs[sms] = out, z

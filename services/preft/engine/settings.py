@@ -98,8 +98,9 @@ class EngineSettings(BaseSettings):
     lora_kernels: str = Field(
         DEFAULT_KERNELS,
         description="PREFT_LORA_KERNELS of the replica processes: the plugin's Triton LoRA kernels on GPU, "
-        "'expand,shrink,act,fold,gluon' (the default: 'act' is the MLP's activation kernel, 'fold' adds the "
-        "gate/up LoRA inside it up to rank 64, 'gluon' does so with the Gluon kernel on Hopper GPUs), "
+        "'expand,shrink,act,fold,gluon,down' (the default: 'act' is the MLP's activation kernel, 'fold' adds the "
+        "gate/up LoRA inside it up to rank 64, 'gluon' does so with the Gluon kernel on Hopper GPUs, 'down' has "
+        "that kernel also compute down's shrink of its output on large steps), 'expand,shrink,act,fold,gluon', "
         "'expand,shrink,act,fold', 'expand,shrink,act', 'expand,shrink', 'expand,shrink,fused' (the fused "
         "kernel on steps of rank 64 or more), 'expand', 'fused', 'none' (the torch path); the README's issue-6 "
         "section says what each measured",
@@ -154,7 +155,8 @@ class EngineSettings(BaseSettings):
         if fold_lacks_its_kernels(set(names)):
             raise ValueError(
                 f"lora_kernels must name 'act' and 'shrink' beside 'fold' (it adds the gate/up LoRA inside the "
-                f"activation kernel, from the shrink's z), and 'fold' beside 'gluon' (its kernel), not {value!r}"
+                f"activation kernel, from the shrink's z), 'fold' beside 'gluon' (its kernel) and 'gluon' beside "
+                f"'down' (its kernel's), not {value!r}"
             )
         return ",".join(names)
 

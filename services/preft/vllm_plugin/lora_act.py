@@ -387,11 +387,11 @@ def lora_silu_and_mul_down(
 
 
 def down_folds(gate_up: torch.Tensor, a_down: torch.Tensor, z_down: torch.Tensor, groups: g.SlotGroups) -> bool:
-    """Whether the Gluon fold takes down's shrink too, given that it folds the step (``gluon_folds``, checked at
-    launch): a Hopper GPU, at least as many row blocks as it has SMs (``GLUON_DOWN_STAGES``' note), A_down [slots,
-    R ≥ rank, inter] and z_down in gate_up's dtype, 16-byte aligned, A_down's strides multiples of 16 (its columns
-    contiguous) and z_down's rows in 16-byte multiples."""
-    if not (gate_up.is_cuda and lora_fold_gluon.gluon is not None and "gluon" in k.picked(gate_up)):
+    """Whether the Gluon fold takes down's shrink too (``down`` picked), given that it folds the step
+    (``gluon_folds``, checked at launch): a Hopper GPU, at least as many row blocks as it has SMs
+    (``GLUON_DOWN_STAGES``' note), A_down [slots, R ≥ rank, inter] and z_down in gate_up's dtype, 16-byte aligned,
+    A_down's strides multiples of 16 (its columns contiguous) and z_down's rows in 16-byte multiples."""
+    if not (gate_up.is_cuda and lora_fold_gluon.gluon is not None and {"gluon", "down"} <= k.picked(gate_up)):
         return False
     device = gate_up.get_device()
     if device not in _SMS:

@@ -25,8 +25,10 @@ adds the gate/up LoRA inside it up to rank 64 (on Qwen's step on the H200, again
 without LoRA: 1.37× faster at rank 8, 1.34× at 16, 1.25× at 32 and 1.08× at 64 in run 119, the last two in 32-wide
 rank chunks; Llama-3.1-8B 1.44× to 1.18×: loadtest/RUNS.md "Runs 119–124"), and ``gluon`` beside ``fold`` folds it
 with the Gluon kernel on Hopper GPUs (``lora_fold_gluon``: 15–27% less device time than Triton's fold on an H100,
-runs 190–191). With the pair and ``fused`` together, steps whose rank is ``FUSED_FROM_RANK`` or more take the fused
-kernel (``fuses``). The default is ``expand,shrink,act,fold,gluon``.
+runs 190–191), and ``down`` beside ``gluon`` has that kernel also compute down's shrink of its output on steps of
+at least as many 64-row blocks as SMs (``lora_act.down_folds``: 14–17% less device time than the fold then the
+shrink, run 198). With the pair and ``fused`` together, steps whose rank is ``FUSED_FROM_RANK`` or more take the
+fused kernel (``fuses``). The default is ``expand,shrink,act,fold,gluon,down``.
 Off CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch shapes, as
 ``loadtest/bench_lora_tiles`` prints them for the GPU it ran on (any may be left out: the defaults below serve it):
 ``shrink=64x64 w4 s4,expand=64x128 w8 s3,act=64x64 w8 s1 cols-first``.

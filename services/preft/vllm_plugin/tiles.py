@@ -11,15 +11,21 @@ from dataclasses import dataclass
 
 # What PREFT_LORA_KERNELS may pick (or "none": the torch path). "act" is the MLP's activation kernel; "fold" (with
 # "act" and "shrink") adds the gate/up projection's LoRA inside it instead of into gate/up by the expand; "gluon"
-# (with "fold") folds it on Hopper GPUs with the Gluon kernel (``lora_fold_gluon``) instead of Triton's.
-KERNELS = ("expand", "shrink", "fused", "act", "fold", "gluon")
-DEFAULT_KERNELS = "expand,shrink,act,fold,gluon"
+# (with "fold") folds it on Hopper GPUs with the Gluon kernel (``lora_fold_gluon``) instead of Triton's; "down"
+# (with "gluon") has that kernel also compute the down projection's shrink of its output on large steps.
+KERNELS = ("expand", "shrink", "fused", "act", "fold", "gluon", "down")
+DEFAULT_KERNELS = "expand,shrink,act,fold,gluon,down"
 
 
 def fold_lacks_its_kernels(names: set[str] | frozenset[str]) -> bool:
     """Whether these kernel names pick "fold" without "act" and "shrink", which it needs (it adds the LoRA
-    inside the activation kernel, from the shrink's z), or "gluon" without "fold" (its kernel is a fold's)."""
-    return ("fold" in names and not {"act", "shrink"} <= names) or ("gluon" in names and "fold" not in names)
+    inside the activation kernel, from the shrink's z), "gluon" without "fold" (its kernel is a fold's), or "down"
+    without "gluon" (it is that kernel's)."""
+    return (
+        ("fold" in names and not {"act", "shrink"} <= names)
+        or ("gluon" in names and "fold" not in names)
+        or ("down" in names and "gluon" not in names)
+    )
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ On a full prefill step of each model's gate/up projection (16,384 tokens in grou
 kernel in the engine's shape for the rank (``lora_act.GLUON_SHAPES``) and in each shape of ``SHAPES``, each with how
 far its output is from the LoRA added into gate/up by the expand then activated (gate_up random, so that the
 products are added to something). Then down's shrink of the output: the engine's fold then the shrink kernel
-(``groups.shrink_rows``), against the fold that computes it (``lora_act.lora_silu_and_mul_down``), with how far
+(``groups.shrink_rows``), against the fold that computes it (``lora_act.lora_silu_and_mul``'s down), with how far
 the second's z is from the first's. Needs a Hopper GPU (elsewhere the Triton fold serves both).
 """
 
@@ -77,7 +77,7 @@ def down_cells(x, a, b, a_down, gate_up, out, groups, iters: int) -> dict:
         found = {"apart_us": device_us(fold_then_shrink, device, iters)}
         assert lora_act.down_folds(gate_up, lora_kernels.slot_matrices(a_down), folded, groups)
         found["folded_us"] = device_us(
-            lambda: lora_act.lora_silu_and_mul_down(out, folded, gate_up, x, a, b, a_down, groups), device, iters
+            lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups, (a_down, folded)), device, iters
         )
     found["max_rel_diff"] = float((folded.float() - apart.float()).abs().max() / apart.float().abs().max())
     return found

@@ -145,7 +145,7 @@ def test_with_down_s_shrink_it_returns_the_activation_and_down_s_z_at_each_adapt
         a_down[s, :, r:] = 0
     expected = _reference(x, gate_up, a, b, token_slots)
     out, z = torch.empty(rows, INTER), torch.full((rows, max(ranks)), 7.0)
-    lora_act.lora_silu_and_mul_down(out, z, gate_up, x, a, b, a_down, groups)
+    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups, (a_down, z))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     r = groups.rank  # (the step's: its slots' largest, 8 in the span)
     for t in range(rows):  # (the shrink of the activation as returned: down's input)
@@ -159,6 +159,6 @@ def test_with_down_s_shrink_it_returns_the_activation_and_down_s_z_at_each_adapt
 def test_without_lora_tokens_down_s_shrink_writes_nothing():
     x, gate_up, a, b, _ = _case([-1] * 5, 5)
     out, z = torch.empty(5, INTER), torch.full((5, 8), 7.0)
-    lora_act.lora_silu_and_mul_down(out, z, gate_up, x, a, b, torch.zeros(SLOTS, 1, 8, INTER), g.empty_groups())
+    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, g.empty_groups(), (torch.zeros(SLOTS, 1, 8, INTER), z))
     torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:])
     assert (z == 7.0).all()

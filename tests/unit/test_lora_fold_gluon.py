@@ -180,7 +180,7 @@ def test_on_a_hopper_gpu_down_s_shrink_folded_in_gives_the_shrink_kernel_s_z(mon
         monkeypatch.setattr(lora_act, "_SMS", {torch.cuda.current_device(): sms})
         with lora_kernels.using("expand", "shrink", "act", "fold", "gluon", "down"):
             out, z = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16), torch.zeros_like(x[:, :rank])
-            lora_act.lora_silu_and_mul_down(out, z, gate_up, x, a, b, a_down, groups)
+            lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups, (a_down, z))
             outs[sms] = out, z
     assert launched == [True, False]  # (DOWN, the kernel's last argument)
     (folded, z_folded), (apart, z_apart) = outs[1], outs[10**6]

@@ -95,7 +95,7 @@ class GluonShape:
 # fastest in every cell; loadtest/RUNS.md "Runs 188–196")
 GLUON_SHAPES = {16: GluonShape(64, 256, 3), 32: GluonShape(64, 256, 3), 64: GluonShape(64, 512, 3)}
 _GLUON_ARCHS: dict[int, bool] = {}  # device index -> a Hopper GPU (wgmma), as the Gluon fold needs
-# The fold with down's shrink (``lora_silu_and_mul_down``): whole rows a program, so one program a row block; its
+# The fold with down's shrink (``lora_silu_and_mul``'s down): whole rows a program, so one program a row block; its
 # ring's depth by rank tile (run 198: 2 at tile 64 keeps two programs an SM, 3 there leaves one and lost 60%).
 # It serves steps of at least as many row blocks as the GPU has SMs; smaller ones fold, then shrink.
 GLUON_DOWN_STAGES = {16: 3, 32: 3, 64: 2}
@@ -320,26 +320,38 @@ def lora_silu_and_mul(
     a_stacked: list[torch.Tensor],
     b_stacked: list[torch.Tensor],
     groups: g.SlotGroups,
+    down: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """out = silu(gate) · up of gate_up + LoRA(x) over the groups' rows (slices: gate, then up; scale 1).
+    """out = silu(gate) · up of gate_up + LoRA(x) over the groups' rows (slices: gate, then up; scale 1); with down
+    = (A_down, z_down), also the down projection's shrink of out: z_down[t, :rank] = out[t] · A_down[slot(t)]ᵀ at
+    each of the groups' token rows (A_down: vLLM's stacked [slots, (1,) R, inter]; z_down: [tokens, ≥ rank], its
+    other rows untouched).
 
     Folded in the kernel, gate_up is only read; otherwise the LoRA is added into it first. The activation
-    of gate_up as it then is: the kernel without LoRA (``act`` picked) or vLLM's."""
+    of gate_up as it then is: the kernel without LoRA (``act`` picked) or vLLM's. Down's shrink is computed inside
+    the Gluon fold where ``down_folds``, else by the shrink kernel after it (``groups.shrink_rows``)."""
     gate_up2, out2 = gate_up.view(-1, gate_up.shape[-1]), out.view(-1, out.shape[-1])
+    plan, shrunk = None, False
     if not groups.empty:
         x2 = x.reshape(-1, x.shape[-1])
         plan = fuses(gate_up2, x2, a_stacked, b_stacked, groups.rank)
-        if plan is not None:
-            z, stride_z = k.plan_shrink(x2, plan, 1.0, groups, gate_up2.shape[0], by_row=True)
-            _launch(out2, gate_up2, z, stride_z, plan.b, groups)
-            return
-        half = gate_up.shape[-1] // 2
-        g.lora_linear(gate_up, x, a_stacked, b_stacked, [half, half], 1.0, groups)
-    if triton is not None and "act" in k.picked(gate_up2) and gate_up2.shape[0]:
+        if plan is None:
+            half = gate_up.shape[-1] // 2
+            g.lora_linear(gate_up, x, a_stacked, b_stacked, [half, half], 1.0, groups)
+    if plan is not None:
+        folding = None
+        if down is not None:
+            a_down = k.slot_matrices(down[0])
+            folding = (a_down, down[1]) if down_folds(gate_up2, a_down, down[1], groups) else None
+        z, stride_z = k.plan_shrink(x2, plan, 1.0, groups, gate_up2.shape[0], by_row=True)
+        shrunk = _launch(out2, gate_up2, z, stride_z, plan.b, groups, folding)
+    elif triton is not None and "act" in k.picked(gate_up2) and gate_up2.shape[0]:
         none = g.empty_groups(gate_up2.device)
         _launch(out2, gate_up2, gate_up2, 0, (gate_up2, gate_up2), none)  # (no slot: z and B are not read)
-        return
-    silu_and_mul(out, gate_up)
+    else:
+        silu_and_mul(out, gate_up)
+    if down is not None and not shrunk:
+        g.shrink_rows(down[1], out2, down[0], groups)
 
 
 def gluon_folds(gate_up: torch.Tensor, z: torch.Tensor, b: tuple, rank_aligned: bool) -> bool:
@@ -356,34 +368,6 @@ def gluon_folds(gate_up: torch.Tensor, z: torch.Tensor, b: tuple, rank_aligned: 
     rows_in_vectors = gate_up.data_ptr() % 16 == 0 and gate_up.stride(0) % 8 == 0 and gate_up.shape[1] % 16 == 0
     aligned = rows_in_vectors and b[0].data_ptr() % 16 == 0 and b[1].data_ptr() % 16 == 0
     return _GLUON_ARCHS[device] and aligned and len(dtypes) == 1 and gate_up.dtype in (torch.bfloat16, torch.float16)
-
-
-def lora_silu_and_mul_down(
-    out: torch.Tensor,
-    z_down: torch.Tensor,
-    gate_up: torch.Tensor,
-    x: torch.Tensor,
-    a_stacked: list[torch.Tensor],
-    b_stacked: list[torch.Tensor],
-    a_down: torch.Tensor,
-    groups: g.SlotGroups,
-) -> None:
-    """``lora_silu_and_mul``, and the down projection's shrink of out: z_down[t, :rank] = out[t] · A_down[slot(t)]ᵀ
-    at each of the groups' token rows (a_down: vLLM's stacked [slots, (1,) R, inter]; z_down: [tokens, ≥ rank], its
-    other rows untouched). Folded into the Gluon kernel where ``down_folds``; else the activation, then the shrink
-    (``groups.shrink_rows``)."""
-    gate_up2, out2 = gate_up.view(-1, gate_up.shape[-1]), out.view(-1, out.shape[-1])
-    if not groups.empty:
-        x2 = x.reshape(-1, x.shape[-1])
-        plan = fuses(gate_up2, x2, a_stacked, b_stacked, groups.rank)
-        a_down2 = k.slot_matrices(a_down)
-        if plan is not None and down_folds(gate_up2, a_down2, z_down, groups):
-            z, stride_z = k.plan_shrink(x2, plan, 1.0, groups, gate_up2.shape[0], by_row=True)
-            if not _launch(out2, gate_up2, z, stride_z, plan.b, groups, (a_down2, z_down)):
-                g.shrink_rows(z_down, out2, a_down, groups)  # (Triton's fold served: the Gluon kernel did not build)
-            return
-    lora_silu_and_mul(out, gate_up, x, a_stacked, b_stacked, groups)
-    g.shrink_rows(z_down, out2, a_down, groups)
 
 
 def down_folds(gate_up: torch.Tensor, a_down: torch.Tensor, z_down: torch.Tensor, groups: g.SlotGroups) -> bool:

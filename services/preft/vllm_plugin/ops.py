@@ -78,11 +78,16 @@ def _lora_silu_and_mul(
     """The MLP's activation silu(gate) · up of gate_up = x·Wᵀ, with the gate/up LoRA over this step's LoRA
     tokens (see lora_act; gate_up may get the LoRA added in place)."""
     out = _silu_and_mul_shape(gate_up)
+    _silu_and_mul(out, gate_up, x, a, b, state_id, None)
+    return out
+
+
+def _silu_and_mul(out, gate_up, x, a, b, state_id: int, down: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """``lora_act.lora_silu_and_mul`` over this step's LoRA tokens (not while a CUDA graph captures them)."""
     groups = STATES[state_id].step.lora_tokens
     if not groups.empty:
         _check_not_capturing(gate_up)
-    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
-    return out
+    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups, down)
 
 
 def _silu_and_mul_down_shape(gate_up: torch.Tensor, x, a, b, a_down: torch.Tensor, *args) -> tuple:
@@ -101,10 +106,7 @@ def _lora_silu_and_mul_down(
     """``_lora_silu_and_mul``'s activation h, and the down projection's shrink of it at this step's LoRA tokens,
     by token row (z; its other rows unset): h · A_down[slot]ᵀ, for ``preft::lora_expand`` to add (see lora_act)."""
     out, z = _silu_and_mul_down_shape(gate_up, x, a, b, a_down)
-    groups = STATES[state_id].step.lora_tokens
-    if not groups.empty:
-        _check_not_capturing(gate_up)
-    lora_act.lora_silu_and_mul_down(out, z, gate_up, x, a, b, a_down, groups)
+    _silu_and_mul(out, gate_up, x, a, b, state_id, (a_down, z))
     return out, z
 
 

@@ -87,7 +87,7 @@ def patch(model: torch.nn.Module, state_id: int) -> int:
         layers = compat.decoder_layers(model)
     except compat.UnsupportedVllmError:  # not a Llama-family model: its MLPs keep vLLM's forward
         return 0
-    patched = 0
+    patched = down = 0
     for layer in layers:
         mlp = getattr(layer, "mlp", None)
         if mlp is not None and fits(mlp):
@@ -95,5 +95,11 @@ def patch(model: torch.nn.Module, state_id: int) -> int:
             mlp.preft_state_id = state_id
             mlp.preft_down = down_fits(mlp)
             patched += 1
-    logger.info("preft: %d of %d decoder layers fold their gate/up LoRA into the activation", patched, len(layers))
+            down += mlp.preft_down
+    logger.info(
+        "preft: %d of %d decoder layers fold their gate/up LoRA into the activation (%d also take down's shrink there)",
+        patched,
+        len(layers),
+        down,
+    )
     return patched

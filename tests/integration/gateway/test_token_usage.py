@@ -36,6 +36,14 @@ def _minute_start() -> int:
     return int(time.time()) // MINUTE_S * MINUTE_S
 
 
+def _clear_of_minute_end(margin_s: float = 5.0) -> None:
+    """Sleep past the current minute's last `margin_s` seconds, so that the bucket the gateway calls current and the
+    one this test computes agree for the queries that follow (a minute's end is also each hour's and day's)."""
+    left = MINUTE_S - time.time() % MINUTE_S
+    if left < margin_s:
+        time.sleep(left + 0.05)
+
+
 def _sums(buckets: list[dict[str, Any]], span_s: int = DAY_S) -> dict[tuple[int, str], list[int]]:
     """The buckets' counts summed per (start of their `span_s`, model)."""
     sums: dict[tuple[int, str], list[int]] = {}
@@ -65,6 +73,7 @@ def _wait_for(http, requests: int, **params: Any) -> list[dict[str, Any]]:
 
 def test_answered_generations_are_metered_by_day_and_model(make_gateway, registry, stub, tiny_models):
     gateway = make_gateway(metering_flush_interval_s=0.1)
+    _clear_of_minute_end(10.0)  # (the requests below all fall in one day)
     acme, beta = registry.tenant("acme"), registry.tenant("beta")
     registry.publish("acme", "pre", tiny_models["lora"], mode="prefill")
     client, http = gateway.openai(acme), gateway.http(acme)
@@ -102,6 +111,7 @@ def test_answered_generations_are_metered_by_day_and_model(make_gateway, registr
     assert [r["model"] for r in _usage(http, group_by="model", models=adapter)["data"][-1]["results"]] == [adapter]
     assert _usage(http, models="nothing-of-ours")["data"][-1]["results"] == []
 
+    _clear_of_minute_end()
     hours = _usage(http, bucket_width="1h", group_by="model", limit=24)["data"]  # (today's hours: they sum to the day)
     assert [b["end_time"] - b["start_time"] for b in hours] == [HOUR_S] * len(hours)
     assert hours[0]["start_time"] == _today_start() and hours[-1]["start_time"] == _hour_start()
@@ -118,6 +128,7 @@ def test_answered_generations_are_metered_by_day_and_model(make_gateway, registr
 
 def test_buckets_are_utc_days_paged_by_limit(gateway, registry):
     http = gateway.http(registry.tenant("acme"))
+    _clear_of_minute_end()
     start = _today_start() - 3 * DAY_S + 5  # (within a day: the bucket starts at its midnight)
     page = http.get(ROUTE, params={"start_time": start, "limit": 2}).json()
     assert page["object"] == "page" and page["has_more"] is True
@@ -132,6 +143,7 @@ def test_buckets_are_utc_days_paged_by_limit(gateway, registry):
 
 def test_hour_buckets_are_utc_hours_paged_by_limit(gateway, registry):
     http = gateway.http(registry.tenant("acme"))
+    _clear_of_minute_end()
     start = _hour_start() - 3 * HOUR_S + 5  # (within an hour: the bucket starts at its first second)
     page = http.get(ROUTE, params={"start_time": start, "limit": 2, "bucket_width": "1h"}).json()
     assert page["has_more"] is True

@@ -1,6 +1,6 @@
 """The serving engine (vLLM AsyncLLM + plugin) streams the same greedy tokens as the offline engine, in one
-concurrent mixed batch, counts usage right, frees an aborted request, and admits a live request ahead of queued
-offline ones (the priority scheduling policy, as the serving settings choose)."""
+concurrent mixed batch, counts usage right, frees an aborted request, admits a live request ahead of queued
+offline ones and preempts a running one for it (the priority scheduling policy, as the serving settings choose)."""
 
 from __future__ import annotations
 
@@ -496,6 +496,51 @@ def test_a_live_request_is_admitted_before_queued_offline_ones(async_engine, loo
     ahead = [rid for rid in finished[: finished.index("live")] if rid in waited]
     print(f"live finished {finished.index('live') + 1} of {len(finished)}, after {len(ahead)} of {queued} queued")
     assert len(ahead) < queued / 2, f"{len(ahead)} of {queued} queued offline requests finished first: {finished}"
+    assert async_engine.num_unfinished_requests() == 0
+
+
+def test_a_live_request_preempts_a_running_offline_one_whose_answer_stays_right(
+    async_engine, model_dirs, adapters, loop
+):
+    """Offline LoRAP requests fill every sequence slot and are decoding; a live request sent then starts at once (one
+    of them is preempted) and finishes first; the preempted one runs again from position 0 (its prompt with its
+    adapter, its tokens so far without) and its greedy answer is still the reference's."""
+    slots, adapter_dir = engine_kwargs(async_engine.options)["max_num_seqs"], adapters["llama"]["lora_a"]
+    model = model_dirs["llama"]
+    rng = random.Random(23)
+    common = {"max_tokens": 40, "ignore_eos": True, "stream": True, "mode": "prefill"}
+    offline = [
+        EngineRequest(
+            request_id=f"running-{i}", prompt_token_ids=random_prompt(rng, 6), priority=OFFLINE_PRIORITY, **common
+        )
+        for i in range(slots)
+    ]
+    live = EngineRequest(request_id="live", prompt_token_ids=random_prompt(rng, 5), max_tokens=3, ignore_eos=True)
+    finished: list[str] = []
+    tokens: dict[str, list[int]] = {}
+
+    async def run(req: EngineRequest, adapter, started: asyncio.Event | None = None) -> None:
+        async for chunk in async_engine.generate(req, adapter):
+            tokens.setdefault(req.request_id, []).extend(chunk.token_ids)
+            if started is not None:
+                started.set()
+        finished.append(req.request_id)
+
+    async def scenario():
+        await async_engine.add_lora(adapter_dir)
+        started = [asyncio.Event() for _ in offline]
+        tasks = [asyncio.create_task(run(req, adapter_dir, e)) for req, e in zip(offline, started, strict=True)]
+        await asyncio.gather(*(e.wait() for e in started))  # (each has a token: all slots are taken)
+        await asyncio.gather(run(live, None), *tasks)
+
+    loop.run_until_complete(scenario())
+    print(f"finished in order: {finished}")
+    assert finished[0] == "live", f"the live request waited for a running offline one: {finished}"
+    for req in offline:
+        got = tokens[req.request_id]
+        assert len(got) == req.max_tokens, req.request_id
+        off = _off_the_reference(model, req.prompt_token_ids, adapter_dir, "prefill", got, presence=0.0, frequency=0.0)
+        assert not off, (req.request_id, off)
     assert async_engine.num_unfinished_requests() == 0
 
 

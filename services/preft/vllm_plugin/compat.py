@@ -71,6 +71,15 @@ TOUCH_POINTS = (
         "scheduler_patch",
     ),
     TouchPoint(
+        "vllm.v1.core.sched.scheduler:Scheduler._preempt_request",
+        "called before schedule() (request popped from running first, as vLLM's own callers do) for running "
+        "requests of a lower priority than waiting ones short of a slot or KV blocks; reads scheduler_config.policy, "
+        "max_num_running_reqs, max_num_scheduled_tokens, block_size, kv_cache_manager.block_pool's free blocks, "
+        "_is_blocked_waiting_status and the requests' priority, arrival_time, num_tokens, num_computed_tokens, "
+        "num_preemptions, status",
+        "priority_preemption",
+    ),
+    TouchPoint(
         "vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys",
         "wrapped: blocks past a prefill-mode request's prompt get a boundary key",
         "prefix_cache",

@@ -1,4 +1,5 @@
-"""Scheduler side of PreFT: a prefill-mode request stops holding an adapter slot once its prompt is done.
+"""Scheduler side of PreFT: a prefill-mode request stops holding an adapter slot once its prompt is done, and
+waiting live requests preempt running offline ones (``priority_preemption``) before each step is scheduled.
 
 vLLM's scheduler bounds the distinct adapters of the scheduled requests by ``max_loras``, counting every
 running request that has a LoRA. During ``schedule()`` we hide the adapter of running requests whose prompt
@@ -13,7 +14,7 @@ bind (no request waits to be admitted and the running ones have at most ``max_lo
 
 from __future__ import annotations
 
-from preft.vllm_plugin import compat
+from preft.vllm_plugin import compat, priority_preemption
 from preft.vllm_plugin.modes import is_prefill_only
 from preft.vllm_plugin.patching import wrap_method
 
@@ -39,6 +40,7 @@ def _bound_can_bind(scheduler) -> bool:
 
 def _schedule(original):
     def schedule(self, *args, **kwargs):
+        priority_preemption.make_room(self)
         if not self.lora_config or not _bound_can_bind(self):
             return original(self, *args, **kwargs)
         hidden = [  # prefill-mode requests past their prompt (inlined: this runs over every request, every step)

@@ -1,0 +1,103 @@
+"""Live requests preempt running offline ones: under vLLM's priority policy, a waiting request that cannot start for
+want of a sequence slot (``max_num_seqs``) or of KV blocks stops running requests of a lower priority (a larger
+number: a batch's lines, ``contract.OFFLINE_PRIORITY``) to make room.
+
+vLLM itself only preempts by priority when a *running* request needs blocks; a waiting request of a higher
+priority waits until a slot frees, so a live request sent while batch lines fill an engine waits for one of them
+to finish. Here, before each ``schedule()``, the waiting requests are taken in vLLM's priority order for as long as
+some running request has a lower priority than theirs; each that would not start is given a slot and its first
+chunk's blocks by preempting the lowest-priority running request (the latest to arrive among equals, as vLLM picks
+its victims), through vLLM's own ``_preempt_request``: the victim goes back to the waiting queue and is recomputed
+when it runs again (its prompt with its adapter, its output without, as for any preemption). A request never
+preempts one of its own priority or a higher one, so requests of one priority never thrash.
+
+A waiting request gets room made for it once between two preemptions of its own: one that still does not start
+(held back by something else: ``max_loras``, a step's token budget) makes no further victims. The check costs a few
+comparisons a step while there is room for any first chunk; past that, one pass over the running requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Iterator
+from typing import Any
+
+PRIORITY_POLICY = "priority"  # vLLM's SchedulerConfig.policy that orders the waiting queue by (priority, arrival)
+ROOM_MADE = "_preft_room_made"  # set on a vLLM Request: its num_preemptions when room was last made for it
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _blocks_to_start(scheduler: Any, request: Any) -> int:
+    """KV blocks the request's first chunk takes (prefix-cache hits not counted: the bound is an upper one)."""
+    tokens = min(request.num_tokens - request.num_computed_tokens, scheduler.max_num_scheduled_tokens)
+    return _cdiv(tokens, scheduler.block_size)
+
+
+def _blocks_held(scheduler: Any, request: Any) -> int:
+    """KV blocks a running request holds (back in the pool once it is preempted, unless shared); counted from its
+    tokens, as vLLM may return the blocks themselves only when its step in flight ends."""
+    return _cdiv(request.num_computed_tokens, scheduler.block_size)
+
+
+def _free_slots(scheduler: Any) -> int:
+    streaming = getattr(scheduler, "num_waiting_for_streaming_input", 0)  # (vLLM 0.28: paused sessions hold one)
+    return scheduler.max_num_running_reqs - len(scheduler.running) - streaming
+
+
+def _victim(running: list[Any]) -> Any:
+    """The running request vLLM would preempt first: the lowest priority, the latest to arrive among those."""
+    return max(running, key=lambda r: (r.priority, r.arrival_time))
+
+
+def _ready_waiting(scheduler: Any) -> Iterator[Any]:
+    """The waiting requests that could start now, in vLLM's order (its two queues merged; copies, so the victims
+    added meanwhile are not met)."""
+    skipped = getattr(scheduler, "skipped_waiting", None) or ()
+    ready_skipped = (r for r in skipped if not scheduler._is_blocked_waiting_status(r.status))
+    return heapq.merge(scheduler.waiting, ready_skipped)
+
+
+def _best_waiting_priority(scheduler: Any) -> int:
+    queues = (scheduler.waiting, getattr(scheduler, "skipped_waiting", None))
+    return min(q.peek_request().priority for q in queues if q)
+
+
+def make_room(scheduler: Any) -> list[Any]:
+    """Preempt lower-priority running requests for the waiting requests that would not start; returns those
+    preempted (vLLM's Request objects, now waiting again)."""
+    running = scheduler.running
+    if not running or scheduler.scheduler_config.policy != PRIORITY_POLICY:
+        return []
+    if not scheduler.waiting and not getattr(scheduler, "skipped_waiting", None):
+        return []
+    slots = _free_slots(scheduler)
+    free_blocks = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    if slots > 0 and free_blocks >= _cdiv(scheduler.max_num_scheduled_tokens, scheduler.block_size):
+        return []  # (the usual step: any request's first chunk fits)
+    if _best_waiting_priority(scheduler) >= max(r.priority for r in running):
+        return []  # (nothing waits that outranks a running request)
+    preempted: list[Any] = []
+    timestamp = time.monotonic()
+    for request in _ready_waiting(scheduler):
+        if not running or request.priority >= _victim(running).priority:
+            break  # (no running request is of a lower priority than this one or any after it)
+        if getattr(request, ROOM_MADE, None) == request.num_preemptions:
+            continue  # (room was made for it and it did not start: something else holds it back)
+        need = _blocks_to_start(scheduler, request)
+        if slots < 1 or free_blocks < need:
+            setattr(request, ROOM_MADE, request.num_preemptions)
+        while slots < 1 or free_blocks < need:
+            if not running or (victim := _victim(running)).priority <= request.priority:
+                return preempted
+            running.remove(victim)
+            slots += 1
+            free_blocks += _blocks_held(scheduler, victim)
+            scheduler._preempt_request(victim, timestamp)
+            preempted.append(victim)
+        slots -= 1
+        free_blocks -= need
+    return preempted

@@ -141,8 +141,13 @@ def test_a_live_request_short_of_kv_blocks_preempts_until_its_first_chunk_fits(m
 
 
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])
-def test_requests_of_one_priority_or_under_fcfs_wait_for_a_slot(model_dirs, policy):
+@pytest.mark.parametrize("live_before", [True, False])
+def test_requests_of_one_priority_or_under_fcfs_wait_for_a_slot(model_dirs, policy, live_before):
+    """Also once the scheduler has served both priorities (`live_before`), and before (when nothing is looked at)."""
     s = _scheduler(model_dirs["llama"], seqs=2, policy=policy)
+    if live_before:
+        s.add_request(earlier := _request("earlier", LIVE_PRIORITY, prompt=4, max_tokens=1))
+        _run(s, {"earlier": earlier})
     first = {i: _request(i, OFFLINE_PRIORITY, prompt=20, max_tokens=10) for i in ("off-0", "off-1")}
     for request in first.values():
         s.add_request(request)

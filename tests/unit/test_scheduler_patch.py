@@ -34,7 +34,7 @@ FakeScheduler.schedule = _schedule(FakeScheduler.schedule)
 def _request(lora: str | None, mode: str | None, computed: int, prompt: int = 4):
     params = SimpleNamespace(extra_args=mode_extra_args(mode) if mode else None)
     return SimpleNamespace(
-        lora_request=lora, sampling_params=params, num_computed_tokens=computed, num_prompt_tokens=prompt
+        lora_request=lora, sampling_params=params, num_computed_tokens=computed, num_prompt_tokens=prompt, priority=0
     )
 
 

@@ -11,6 +11,7 @@ its victims), through vLLM's own ``_preempt_request``: the victim goes back to t
 when it runs again (its prompt with its adapter, its output without, as for any preemption). A request never
 preempts one of its own priority or a higher one, so requests of one priority never thrash.
 
+Nothing is looked at while the scheduler has only ever received requests of one priority (``note_arrival``).
 A waiting request gets room made for it once between two preemptions of its own: one that still does not start
 (held back by something else: ``max_loras``, a step's token budget) makes no further victims. The check costs a few
 comparisons a step while there is room for any first chunk; past that, one pass over the running requests.
@@ -25,6 +26,14 @@ from typing import Any
 
 PRIORITY_POLICY = "priority"  # vLLM's SchedulerConfig.policy that orders the waiting queue by (priority, arrival)
 ROOM_MADE = "_preft_room_made"  # set on a vLLM Request: its num_preemptions when room was last made for it
+PRIORITIES_SEEN = "_preft_priorities"  # set on vLLM's Scheduler: the priorities of the requests it has received
+
+
+def note_arrival(scheduler: Any, request: Any) -> None:
+    """Record the priority of a request the scheduler receives (until it has seen two, nothing can be preempted)."""
+    seen = scheduler.__dict__.setdefault(PRIORITIES_SEEN, set())
+    if len(seen) < 2:
+        seen.add(request.priority)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -70,7 +79,9 @@ def make_room(scheduler: Any) -> list[Any]:
     """Preempt lower-priority running requests for the waiting requests that would not start; returns those
     preempted (vLLM's Request objects, now waiting again)."""
     running = scheduler.running
-    if not running or scheduler.scheduler_config.policy != PRIORITY_POLICY:
+    if not running or len(scheduler.__dict__.get(PRIORITIES_SEEN, ())) < 2:
+        return []
+    if scheduler.scheduler_config.policy != PRIORITY_POLICY:
         return []
     if not scheduler.waiting and not getattr(scheduler, "skipped_waiting", None):
         return []

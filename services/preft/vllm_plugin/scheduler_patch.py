@@ -24,6 +24,7 @@ PREFILL_ONLY = "_preft_prefill_only"  # set on each vLLM Request by the schedule
 def _add_request(original):
     def add_request(self, request, *args, **kwargs):
         setattr(request, PREFILL_ONLY, request.lora_request is not None and is_prefill_only(request.sampling_params))
+        priority_preemption.note_arrival(self, request)
         return original(self, request, *args, **kwargs)
 
     return add_request

@@ -162,14 +162,17 @@ def test_requests_of_one_priority_or_under_fcfs_wait_for_a_slot(model_dirs, poli
 
 def test_a_request_held_back_by_something_else_makes_one_victim(model_dirs):
     """max_loras 1: a live request of another adapter cannot start beside the running one's adapter, whatever
-    room it is given; its one victim takes the slot back and is not preempted again."""
+    room it is given; its one victim sits out that step (as vLLM's own victims do), takes the slot back the step
+    after, from position 0, and is not preempted again."""
     s = _scheduler(model_dirs["llama"], seqs=2, max_loras=1)
     offline = {i: _request(i, OFFLINE_PRIORITY, prompt=20, max_tokens=12, lora=1) for i in ("off-0", "off-1")}
     for request in offline.values():
         s.add_request(request)
     _step(s)
     s.add_request(live := _request("live", LIVE_PRIORITY, prompt=8, max_tokens=2, lora=2))
-    for _ in range(6):
+    assert _step(s) == {"off-0": 1}
+    assert _step(s) == {"off-0": 1, "off-1": 20 + 1}
+    for _ in range(4):
         assert "live" not in _step(s)
     assert offline["off-1"].num_preemptions == 1 and offline["off-0"].num_preemptions == 0
     assert _run(s, {**offline, "live": live})[-1] == "live"

@@ -8,7 +8,10 @@ to finish. Here, before each ``schedule()``, the waiting requests are taken in v
 some running request has a lower priority than theirs; each that would not start is given a slot and its first
 chunk's blocks by preempting the lowest-priority running request (the latest to arrive among equals, as vLLM picks
 its victims), through vLLM's own ``_preempt_request``: the victim goes back to the waiting queue and is recomputed
-when it runs again (its prompt with its adapter, its output without, as for any preemption). A request never
+when it runs again (its prompt with its adapter, its output without, as for any preemption). Victims sit out the step
+they were preempted for (``requeue`` puts them back once it is built), as vLLM admits nothing from the waiting queue
+in a step where it preempted: with asynchronous scheduling a victim's last step may still be in flight, and vLLM
+0.26 would resume it before that step's token arrives. A request never
 preempts one of its own priority or a higher one, so requests of one priority never thrash.
 
 Nothing is looked at while the scheduler has only ever received requests of one priority (``note_arrival``).
@@ -77,7 +80,7 @@ def _best_waiting_priority(scheduler: Any) -> int:
 
 def make_room(scheduler: Any) -> list[Any]:
     """Preempt lower-priority running requests for the waiting requests that would not start; returns those
-    preempted (vLLM's Request objects, now waiting again)."""
+    preempted (vLLM's Request objects), held out of the waiting queue until ``requeue``."""
     running = scheduler.running
     if not running or len(scheduler.__dict__.get(PRIORITIES_SEEN, ())) < 2:
         return []
@@ -91,6 +94,16 @@ def make_room(scheduler: Any) -> list[Any]:
         return []  # (the usual step: any request's first chunk fits)
     if _best_waiting_priority(scheduler) >= max(r.priority for r in running):
         return []  # (nothing waits that outranks a running request)
+    preempted = _preempt_for_waiting(scheduler, slots, free_blocks)
+    if preempted:
+        scheduler.waiting.remove_requests(preempted)  # (vLLM's _preempt_request queued them)
+    return preempted
+
+
+def _preempt_for_waiting(scheduler: Any, slots: int, free_blocks: int) -> list[Any]:
+    """The waiting requests in order, each short of a slot or blocks given them by preempting running requests of a
+    lower priority; returns those preempted."""
+    running = scheduler.running
     preempted: list[Any] = []
     timestamp = time.monotonic()
     for request in _ready_waiting(scheduler):
@@ -112,3 +125,9 @@ def make_room(scheduler: Any) -> list[Any]:
         slots -= 1
         free_blocks -= need
     return preempted
+
+
+def requeue(scheduler: Any, preempted: list[Any]) -> None:
+    """Put the requests ``make_room`` preempted back into the waiting queue (after the step they sat out)."""
+    for request in preempted:
+        scheduler.waiting.add_request(request)

@@ -41,7 +41,14 @@ def _bound_can_bind(scheduler) -> bool:
 
 def _schedule(original):
     def schedule(self, *args, **kwargs):
-        priority_preemption.make_room(self)
+        held = priority_preemption.make_room(self)  # (this step's victims, out of the waiting queue until it is built)
+        try:
+            return hiding_adapters(self, *args, **kwargs)
+        finally:
+            if held:
+                priority_preemption.requeue(self, held)
+
+    def hiding_adapters(self, *args, **kwargs):
         if not self.lora_config or not _bound_can_bind(self):
             return original(self, *args, **kwargs)
         hidden = [  # prefill-mode requests past their prompt (inlined: this runs over every request, every step)

@@ -50,9 +50,10 @@ VLLM_API = (
     # (arg_utils.py:658, config/scheduler.py:109) and 0.28 (arg_utils.py:670, config/scheduler.py:99)
     "vllm.engine.arg_utils:EngineArgs.scheduling_policy",
     # What "priority" selects, alike in 0.26 and 0.28 (read in both sources): waiting requests in a heap by
-    # (priority, arrival time) (request_queue.py:131, Request.__lt__ in request.py 0.26:329, 0.28:337). A waiting
-    # request never preempts a running one: it waits for a sequence slot and KV blocks (scheduler.py 0.26:673,
-    # 0.28:757). A running one short of KV blocks preempts max(running, key=(priority, arrival time)), the newest
+    # (priority, arrival time) (request_queue.py:131, Request.__lt__ in request.py 0.26:329, 0.28:337). In vLLM a
+    # waiting request never preempts a running one: it waits for a sequence slot and KV blocks (scheduler.py
+    # 0.26:673, 0.28:757); the plugin's priority_preemption makes it preempt lower-priority ones. A running one short
+    # of KV blocks preempts max(running, key=(priority, arrival time)), the newest
     # offline one first (scheduler.py 0.26:576-579, 0.28:643-646; under "fcfs" the last admitted). Neither release
     # refuses a non-zero priority under "fcfs": InputProcessor.process_inputs passes it on, the FCFS queue ignores it.
     "vllm.v1.core.sched.request_queue:SchedulingPolicy.PRIORITY",

@@ -76,9 +76,9 @@ class EngineSettings(BaseSettings):
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "priority",
         description="How vLLM admits waiting requests: 'priority' by each request's priority, then arrival, so a "
-        "batch's lines (OFFLINE_PRIORITY) wait behind queued live requests and are preempted first when KV-cache "
-        "blocks run out (a running request is never preempted to admit a waiting one); 'fcfs': by arrival alone, "
-        "vLLM's default",
+        "batch's lines (OFFLINE_PRIORITY) wait behind queued live requests, are preempted first when KV-cache "
+        "blocks run out, and are preempted for a live request that finds no sequence slot or KV blocks free; "
+        "'fcfs': by arrival alone, vLLM's default",
     )
     cpu_num_threads: int | None = Field(
         None,

@@ -140,6 +140,25 @@ def test_a_live_request_short_of_kv_blocks_preempts_until_its_first_chunk_fits(m
     assert [len(r.output_token_ids) for r in offline.values()] == [60, 60]
 
 
+def test_a_long_live_prompt_preempts_for_the_blocks_vllm_wants_free_to_admit_it(model_dirs):
+    """A 150-token prompt: its first chunk takes 4 blocks, its whole sequence 10; vLLM 0.28 admits it only with the
+    whole sequence's free (`scheduler_reserve_full_isl`, its default), 0.26 with the first chunk's."""
+    s = _scheduler(model_dirs["llama"], seqs=8, blocks=12)  # (192 tokens of KV)
+    offline = {i: _request(i, OFFLINE_PRIORITY, prompt=70, max_tokens=30) for i in ("off-0", "off-1")}
+    for request in offline.values():
+        s.add_request(request)
+    for _ in range(4):
+        _step(s)
+    free = s.kv_cache_manager.block_pool.get_num_free_blocks()
+    assert _running(s) == ["off-0", "off-1"] and free == 1  # (five blocks each, and vLLM's null block)
+
+    s.add_request(live := _request("live", LIVE_PRIORITY, prompt=150, max_tokens=2))
+    assert "live" in _step(s)
+    whole = getattr(s, "scheduler_reserve_full_isl", False)
+    assert [r.num_preemptions for r in offline.values()] == [1 if whole else 0, 1]
+    assert _run(s, {**offline, "live": live})[0] == "live"
+
+
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])
 @pytest.mark.parametrize("live_before", [True, False])
 def test_requests_of_one_priority_or_under_fcfs_wait_for_a_slot(model_dirs, policy, live_before):

@@ -74,7 +74,8 @@ TOUCH_POINTS = (
         "vllm.v1.core.sched.scheduler:Scheduler._preempt_request",
         "called before schedule() (request popped from running first, as vLLM's own callers do) for running "
         "requests of a lower priority than waiting ones short of a slot or KV blocks; reads scheduler_config.policy, "
-        "max_num_running_reqs, max_num_scheduled_tokens, block_size, kv_cache_manager.block_pool's free blocks, "
+        "max_num_running_reqs, max_num_scheduled_tokens, max_model_len, block_size, scheduler_reserve_full_isl (0.28), "
+        "kv_cache_manager.watermark_blocks and block_pool's free blocks, "
         "_is_blocked_waiting_status and the requests' priority, arrival_time, num_tokens, num_computed_tokens, "
         "num_preemptions, status",
         "priority_preemption",

@@ -1,6 +1,6 @@
 """Live requests preempt running offline ones: under vLLM's priority policy, a waiting request that cannot start for
-want of a sequence slot (``max_num_seqs``) or of KV blocks stops running requests of a lower priority (a larger
-number: a batch's lines, ``contract.OFFLINE_PRIORITY``) to make room.
+want of a sequence slot (``max_num_seqs``) or of KV blocks (as many as vLLM wants free to admit it) stops running
+requests of a lower priority (a larger number: a batch's lines, ``contract.OFFLINE_PRIORITY``) to make room.
 
 vLLM itself only preempts by priority when a *running* request needs blocks; a waiting request of a higher
 priority waits until a slot frees, so a live request sent while batch lines fill an engine waits for one of them
@@ -17,7 +17,7 @@ preempts one of its own priority or a higher one, so requests of one priority ne
 Nothing is looked at while the scheduler has only ever received requests of one priority (``note_arrival``).
 A waiting request gets room made for it once between two preemptions of its own: one that still does not start
 (held back by something else: ``max_loras``, a step's token budget) makes no further victims. The check costs a few
-comparisons a step while there is room for any first chunk; past that, one pass over the running requests.
+comparisons a step while there is room for any request; past that, one pass over the running requests.
 """
 
 from __future__ import annotations
@@ -44,9 +44,21 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _blocks_to_start(scheduler: Any, request: Any) -> int:
-    """KV blocks the request's first chunk takes (prefix-cache hits not counted: the bound is an upper one)."""
-    tokens = min(request.num_tokens - request.num_computed_tokens, scheduler.max_num_scheduled_tokens)
-    return _cdiv(tokens, scheduler.block_size)
+    """KV blocks vLLM wants free to admit the request: its first chunk's, or its whole sequence's where the
+    scheduler reserves it (vLLM 0.28's ``scheduler_reserve_full_isl``, on by default), plus the watermark
+    (prefix-cache hits not counted: the bound is an upper one)."""
+    tokens = request.num_tokens - request.num_computed_tokens
+    if not getattr(scheduler, "scheduler_reserve_full_isl", False):
+        tokens = min(tokens, scheduler.max_num_scheduled_tokens)
+    return _cdiv(tokens, scheduler.block_size) + scheduler.kv_cache_manager.watermark_blocks
+
+
+def _blocks_for_any(scheduler: Any) -> int:
+    """The most KV blocks ``_blocks_to_start`` can ask for."""
+    longest = scheduler.max_model_len
+    if not getattr(scheduler, "scheduler_reserve_full_isl", False):
+        longest = min(longest, scheduler.max_num_scheduled_tokens)
+    return _cdiv(longest, scheduler.block_size) + scheduler.kv_cache_manager.watermark_blocks
 
 
 def _blocks_held(scheduler: Any, request: Any) -> int:
@@ -90,8 +102,8 @@ def make_room(scheduler: Any) -> list[Any]:
         return []
     slots = _free_slots(scheduler)
     free_blocks = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    if slots > 0 and free_blocks >= _cdiv(scheduler.max_num_scheduled_tokens, scheduler.block_size):
-        return []  # (the usual step: any request's first chunk fits)
+    if slots > 0 and free_blocks >= _blocks_for_any(scheduler):
+        return []  # (the usual step: any request would find its blocks)
     if _best_waiting_priority(scheduler) >= max(r.priority for r in running):
         return []  # (nothing waits that outranks a running request)
     preempted = _preempt_for_waiting(scheduler, slots, free_blocks)

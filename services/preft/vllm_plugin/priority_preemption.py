@@ -5,14 +5,14 @@ requests of a lower priority (a larger number: a batch's lines, ``contract.OFFLI
 vLLM itself only preempts by priority when a *running* request needs blocks; a waiting request of a higher
 priority waits until a slot frees, so a live request sent while batch lines fill an engine waits for one of them
 to finish. Here, before each ``schedule()``, the waiting requests are taken in vLLM's priority order for as long as
-some running request has a lower priority than theirs; each that would not start is given a slot and its first
-chunk's blocks by preempting the lowest-priority running request (the latest to arrive among equals, as vLLM picks
-its victims), through vLLM's own ``_preempt_request``: the victim goes back to the waiting queue and is recomputed
-when it runs again (its prompt with its adapter, its output without, as for any preemption). Victims sit out the step
-they were preempted for (``requeue`` puts them back once it is built), as vLLM admits nothing from the waiting queue
-in a step where it preempted: with asynchronous scheduling a victim's last step may still be in flight, and vLLM
-0.26 would resume it before that step's token arrives. A request never
-preempts one of its own priority or a higher one, so requests of one priority never thrash.
+some running request has a lower priority than theirs; each that would not start is given a slot and its blocks by
+preempting the lowest-priority running request (the latest to arrive among equals, as vLLM picks its victims),
+through vLLM's own ``_preempt_request``: the victim goes back to the waiting queue and is recomputed when it runs
+again (its prompt with its adapter, its output without, as for any preemption). A request never preempts one of its
+own priority or a higher one, so requests of one priority never thrash. Victims sit out the step they were
+preempted for (``requeue`` puts them back once it is built), as vLLM admits nothing from the waiting queue in a step
+where it preempted: with asynchronous scheduling a victim's last step may still be in flight, and vLLM 0.26 would
+resume it before that step's token arrives.
 
 Nothing is looked at while the scheduler has only ever received requests of one priority (``note_arrival``).
 A waiting request gets room made for it once between two preemptions of its own: one that still does not start

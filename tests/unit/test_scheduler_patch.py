@@ -14,7 +14,6 @@ class FakeScheduler:
 
     def __init__(self, max_loras: int) -> None:
         self.lora_config = SimpleNamespace(max_loras=max_loras)
-        self.scheduler_config = SimpleNamespace(policy="fcfs")  # (no preemption by priority: priority_preemption's)
         self.running: list = []
         self.waiting: list = []
         self.seen: list = []

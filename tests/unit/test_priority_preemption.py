@@ -86,17 +86,25 @@ def _run(scheduler: Scheduler, requests: dict[str, Request]) -> list[str]:
     raise AssertionError(f"not done after 500 steps: {sorted(set(requests) - set(finished))}")
 
 
+def _started(
+    scheduler: Scheduler, *, prompt: int, max_tokens: int, steps: int, lora: int | None = None, ids=("off-0", "off-1")
+) -> dict[str, Request]:
+    """Offline requests of those ids, received and run for `steps` steps."""
+    offline = {i: _request(i, OFFLINE_PRIORITY, prompt, max_tokens, lora) for i in ids}
+    for request in offline.values():
+        scheduler.add_request(request)
+    for _ in range(steps):
+        _step(scheduler)
+    return offline
+
+
 def _running(scheduler: Scheduler) -> list[str]:
     return sorted(r.request_id for r in scheduler.running)
 
 
 def test_a_live_request_short_of_a_slot_preempts_the_latest_offline_one(model_dirs):
     s = _scheduler(model_dirs["llama"], seqs=2)
-    offline = {i: _request(i, OFFLINE_PRIORITY, prompt=20, max_tokens=40) for i in ("off-0", "off-1")}
-    for request in offline.values():
-        s.add_request(request)
-    for _ in range(5):
-        _step(s)
+    offline = _started(s, prompt=20, max_tokens=40, steps=5)
     assert _running(s) == ["off-0", "off-1"] and len(offline["off-1"].output_token_ids) == 5
 
     live = _request("live", LIVE_PRIORITY, prompt=12, max_tokens=4)
@@ -113,23 +121,16 @@ def test_a_live_request_short_of_a_slot_preempts_the_latest_offline_one(model_di
 
 def test_the_preempted_request_runs_again_from_position_zero(model_dirs):
     s = _scheduler(model_dirs["llama"], seqs=1)
-    offline = _request("off", OFFLINE_PRIORITY, prompt=20, max_tokens=30)
-    s.add_request(offline)
-    for _ in range(4):
-        _step(s)
+    _started(s, prompt=20, max_tokens=30, steps=4, ids=("off",))
     s.add_request(live := _request("live", LIVE_PRIORITY, prompt=8, max_tokens=2))
     assert _step(s) == {"live": 8}
     _run(s, {"live": live})
     assert _step(s) == {"off": 20 + 4}  # (its prompt and its four tokens, recomputed in one chunk)
 
 
-def test_a_live_request_short_of_kv_blocks_preempts_until_its_first_chunk_fits(model_dirs):
+def test_a_live_request_short_of_kv_blocks_preempts_until_it_fits(model_dirs):
     s = _scheduler(model_dirs["llama"], seqs=8, blocks=8)  # (128 tokens of KV)
-    offline = {i: _request(i, OFFLINE_PRIORITY, prompt=40, max_tokens=60) for i in ("off-0", "off-1")}
-    for request in offline.values():
-        s.add_request(request)
-    for _ in range(2):
-        _step(s)
+    offline = _started(s, prompt=40, max_tokens=60, steps=2)
     free = s.kv_cache_manager.block_pool.get_num_free_blocks()
     assert _running(s) == ["off-0", "off-1"] and free < 3  # (each holds three blocks or more)
 
@@ -144,11 +145,7 @@ def test_a_long_live_prompt_preempts_for_the_blocks_vllm_wants_free_to_admit_it(
     """A 150-token prompt: its first chunk takes 4 blocks, its whole sequence 10; vLLM 0.28 admits it only with the
     whole sequence's free (`scheduler_reserve_full_isl`, its default), 0.26 with the first chunk's."""
     s = _scheduler(model_dirs["llama"], seqs=8, blocks=12)  # (192 tokens of KV)
-    offline = {i: _request(i, OFFLINE_PRIORITY, prompt=70, max_tokens=30) for i in ("off-0", "off-1")}
-    for request in offline.values():
-        s.add_request(request)
-    for _ in range(4):
-        _step(s)
+    offline = _started(s, prompt=70, max_tokens=30, steps=4)
     free = s.kv_cache_manager.block_pool.get_num_free_blocks()
     assert _running(s) == ["off-0", "off-1"] and free == 1  # (five blocks each, and vLLM's null block)
 
@@ -167,10 +164,7 @@ def test_requests_of_one_priority_or_under_fcfs_wait_for_a_slot(model_dirs, poli
     if live_before:
         s.add_request(earlier := _request("earlier", LIVE_PRIORITY, prompt=4, max_tokens=1))
         _run(s, {"earlier": earlier})
-    first = {i: _request(i, OFFLINE_PRIORITY, prompt=20, max_tokens=10) for i in ("off-0", "off-1")}
-    for request in first.values():
-        s.add_request(request)
-    _step(s)
+    first = _started(s, prompt=20, max_tokens=10, steps=1)
     late = _request("late", OFFLINE_PRIORITY if policy == "priority" else LIVE_PRIORITY, prompt=8, max_tokens=2)
     s.add_request(late)
     assert make_room(s) == []
@@ -184,10 +178,7 @@ def test_a_request_held_back_by_something_else_makes_one_victim(model_dirs):
     room it is given; its one victim sits out that step (as vLLM's own victims do), takes the slot back the step
     after, from position 0, and is not preempted again."""
     s = _scheduler(model_dirs["llama"], seqs=2, max_loras=1)
-    offline = {i: _request(i, OFFLINE_PRIORITY, prompt=20, max_tokens=12, lora=1) for i in ("off-0", "off-1")}
-    for request in offline.values():
-        s.add_request(request)
-    _step(s)
+    offline = _started(s, prompt=20, max_tokens=12, steps=1, lora=1)
     s.add_request(live := _request("live", LIVE_PRIORITY, prompt=8, max_tokens=2, lora=2))
     assert _step(s) == {"off-0": 1}
     assert _step(s) == {"off-0": 1, "off-1": 20 + 1}

@@ -43,22 +43,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _blocks_to_start(scheduler: Any, request: Any) -> int:
-    """KV blocks vLLM wants free to admit the request: its first chunk's, or its whole sequence's where the
-    scheduler reserves it (vLLM 0.28's ``scheduler_reserve_full_isl``, on by default), plus the watermark
-    (prefix-cache hits not counted: the bound is an upper one)."""
-    tokens = request.num_tokens - request.num_computed_tokens
+def _blocks_for(scheduler: Any, tokens: int) -> int:
+    """KV blocks vLLM wants free to admit a request of that many tokens still to compute: its first chunk's, or its
+    whole sequence's where the scheduler reserves it (vLLM 0.28's ``scheduler_reserve_full_isl``, on by default),
+    plus the watermark (prefix-cache hits not counted: the bound is an upper one)."""
     if not getattr(scheduler, "scheduler_reserve_full_isl", False):
         tokens = min(tokens, scheduler.max_num_scheduled_tokens)
     return _cdiv(tokens, scheduler.block_size) + scheduler.kv_cache_manager.watermark_blocks
-
-
-def _blocks_for_any(scheduler: Any) -> int:
-    """The most KV blocks ``_blocks_to_start`` can ask for."""
-    longest = scheduler.max_model_len
-    if not getattr(scheduler, "scheduler_reserve_full_isl", False):
-        longest = min(longest, scheduler.max_num_scheduled_tokens)
-    return _cdiv(longest, scheduler.block_size) + scheduler.kv_cache_manager.watermark_blocks
 
 
 def _blocks_held(scheduler: Any, request: Any) -> int:
@@ -102,7 +93,7 @@ def make_room(scheduler: Any) -> list[Any]:
         return []
     slots = _free_slots(scheduler)
     free_blocks = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    if slots > 0 and free_blocks >= _blocks_for_any(scheduler):
+    if slots > 0 and free_blocks >= _blocks_for(scheduler, scheduler.max_model_len):
         return []  # (the usual step: any request would find its blocks)
     if _best_waiting_priority(scheduler) >= max(r.priority for r in running):
         return []  # (nothing waits that outranks a running request)
@@ -123,7 +114,7 @@ def _preempt_for_waiting(scheduler: Any, slots: int, free_blocks: int) -> list[A
             break  # (no running request is of a lower priority than this one or any after it)
         if getattr(request, ROOM_MADE, None) == request.num_preemptions:
             continue  # (room was made for it and it did not start: something else holds it back)
-        need = _blocks_to_start(scheduler, request)
+        need = _blocks_for(scheduler, request.num_tokens - request.num_computed_tokens)
         if slots < 1 or free_blocks < need:
             setattr(request, ROOM_MADE, request.num_preemptions)
         while slots < 1 or free_blocks < need:

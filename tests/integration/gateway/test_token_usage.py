@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import redis.asyncio as aioredis
 from preft.common import metering
 from preft.gateway import metering as gateway_metering
 from preft.gateway.metering import APPLY_LUA, Batch, TokenMeter
+from preft.gateway.routes import token_usage
 from preft.stack import RedisServer, free_port
 
 from .conftest import BASE, error_of
@@ -112,13 +114,15 @@ def test_answered_generations_are_metered_by_day_and_model(make_gateway, registr
     assert _usage(http, models="nothing-of-ours")["data"][-1]["results"] == []
 
     _clear_of_minute_end()
+    hour = _hour_start()
     hours = _usage(http, bucket_width="1h", group_by="model", limit=24)["data"]  # (today's hours: they sum to the day)
     assert [b["end_time"] - b["start_time"] for b in hours] == [HOUR_S] * len(hours)
-    assert hours[0]["start_time"] == _today_start() and hours[-1]["start_time"] == _hour_start()
+    assert hours[0]["start_time"] == _today_start() and hours[-1]["start_time"] in {hour, _hour_start()}
     daily = {(_today_start(), m): [r[c] for c in COUNTS] for m, r in by_model.items()}
     assert _sums(hours) == daily
+    minute = _minute_start()  # (the gateway's current bucket is the minute it answered in: this one or the next)
     minutes = _usage(http, bucket_width="1m", group_by="model", limit=1440)["data"]  # (today's minutes: to each hour)
-    assert minutes[0]["start_time"] == _today_start() and minutes[-1]["start_time"] == _minute_start()
+    assert minutes[0]["start_time"] == _today_start() and minutes[-1]["start_time"] in {minute, _minute_start()}
     assert [b["end_time"] - b["start_time"] for b in minutes] == [MINUTE_S] * len(minutes)
     assert _sums(minutes, HOUR_S) == _sums(hours, HOUR_S) and _sums(minutes) == daily
 
@@ -182,6 +186,18 @@ def test_minute_buckets_are_utc_minutes_paged_by_limit(gateway, registry):
     last = http.get(ROUTE, params={**day_ago, "limit": 1440, "page": widest["next_page"]}).json()
     assert [b["start_time"] for b in last["data"]] == list(range(minute - 90 * MINUTE_S, end, MINUTE_S))
     assert last["has_more"] is False
+
+
+def test_the_current_bucket_is_answered_from_its_first_moment(gateway, registry, monkeypatch):
+    """Without end_time the range ends now: at 0.3 s past a day's start, that day, its first hour and minute are the
+    last buckets (usage of those 0.3 s may be in them)."""
+    http = gateway.http(registry.tenant("acme"))
+    midnight = _today_start()
+    monkeypatch.setattr(token_usage, "time", SimpleNamespace(time=lambda: midnight + 0.3))
+    for width, seconds in (("1d", DAY_S), ("1h", HOUR_S), ("1m", MINUTE_S)):
+        buckets = _usage(http, start_time=midnight - seconds, bucket_width=width)["data"]
+        assert [b["start_time"] for b in buckets] == [midnight - seconds, midnight], width
+    assert _usage(http, start_time=midnight)["data"][0]["start_time"] == midnight  # (a range of 0.3 s: not a 400)
 
 
 def test_the_minutes_of_an_hour_sum_to_the_hour_per_model(gateway, registry, redis_url):

@@ -13,6 +13,7 @@ has no result. The usage of the last few seconds may not be in yet: each gateway
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -122,7 +123,7 @@ async def completions_usage(
     end = time.time() if end_time is None else end_time
     if end <= start_time:
         raise InvalidArgument("end_time must be after start_time")
-    first, last = start_time // width.seconds * width.seconds, (int(end) - 1) // width.seconds * width.seconds
+    first, last = start_time // width.seconds * width.seconds, (math.ceil(end) - 1) // width.seconds * width.seconds
     kept_since = width.kept_since(time.time())
     if kept_since is not None and first < kept_since:
         raise InvalidArgument(

@@ -99,6 +99,7 @@ _GLUON_ARCHS: dict[int, bool] = {}  # device index -> a Hopper GPU (wgmma), as t
 # ring's depth by rank tile (run 198: 2 at tile 64 keeps two programs an SM, 3 there leaves one and lost 60%).
 # It serves steps of at least as many row blocks as the GPU has SMs; smaller ones fold, then shrink.
 GLUON_DOWN_STAGES = {16: 3, 32: 3, 64: 2}
+GLUON_DOWN_ROWS = 64  # (a program's rows: one warpgroup; its columns, the whole row in the kernel's 64-wide tiles)
 _SMS: dict[int, int] = {}  # device index -> its SMs
 
 
@@ -380,7 +381,7 @@ def down_folds(gate_up: torch.Tensor, a_down: torch.Tensor, z_down: torch.Tensor
     device = gate_up.get_device()
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    blocks = -(-gate_up.shape[0] // 64)  # (its programs' rows: one warpgroup)
+    blocks = -(-gate_up.shape[0] // GLUON_DOWN_ROWS)
     a_fits = a_down.stride(2) == 1 and a_down.stride(0) % 16 == 0 and a_down.stride(1) % 16 == 0
     z_fits = z_down.stride(1) == 1 and z_down.stride(0) % 8 == 0 and z_down.shape[1] >= groups.rank
     return (
@@ -447,7 +448,7 @@ def _launch_gluon(
         shape = GLUON_SHAPES[tile]
         a_down, z_down = b[0], b[0]  # (not read)
     else:
-        shape = GluonShape(64, -(-inter // 64) * 64, GLUON_DOWN_STAGES[tile])
+        shape = GluonShape(GLUON_DOWN_ROWS, -(-inter // 64) * 64, GLUON_DOWN_STAGES[tile])
         a_down, z_down = down
     step = row_block_tables(groups, shape.rows, None)
     down_values = (a_down, z_down, a_down.stride(0), a_down.stride(1), z_down.stride(0), down is not None)

@@ -84,6 +84,32 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(out_dir))
 
 
+def build_word_tokenizer(out_dir: Path, vocab_size: int) -> list[str]:
+    """A word-level tokenizer over the whole vocabulary (`<|begin|>`, `<|end|>`, `<|pad|>`, then `w3` … `wN`), saved
+    in Hugging Face format; returns its words.
+
+    For benchmark models with random weights: every id the model can generate decodes, and a prompt of n words is
+    exactly n tokens, through the gateway and through `vllm serve` alike.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|begin|>", "<|end|>", "<|pad|>"]
+    words = [f"w{i}" for i in range(len(specials), vocab_size)]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + words)}, unk_token="<|pad|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # (joins words with spaces)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|end|>", pad_token="<|pad|>", unk_token="<|pad|>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    fast.save_pretrained(str(out_dir))
+    return words
+
+
 def build_model(out_dir: Path | str, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write a random model (config, safetensors weights, tokenizer) to out_dir and return it."""
     import torch
@@ -131,6 +157,7 @@ def build_lora(
     targets: tuple[str, ...] = LLAMA_PROJECTIONS,
     scale: float = 0.3,
     seed: int = 1,
+    dtype: str = "float32",
 ) -> Path:
     """Write a random PEFT LoRA adapter for the model in model_dir, in the layout PEFT itself saves."""
     import torch
@@ -146,9 +173,10 @@ def build_lora(
             fan_in, fan_out = shape.projection_shape(proj)
             block = "self_attn" if proj in ATTENTION_PROJECTIONS else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{proj}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * scale / fan_in**0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * scale
-    save_file(tensors, str(out / "adapter_model.safetensors"))
+            a = torch.randn(rank, fan_in, generator=g) * scale / fan_in**0.5
+            tensors[f"{prefix}.lora_A.weight"] = a.to(getattr(torch, dtype))
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * scale).to(a.dtype)
+    save_file({k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -175,6 +203,7 @@ def build_direft(
     layers: tuple[int, ...] = (0, 2),
     scale: float = 0.5,
     seed: int = 2,
+    dtype: str = "float32",
 ) -> Path:
     """Write a random DiReFT adapter (preft_config.json + layers.{l}.A/B/b) for the model in model_dir."""
     import torch
@@ -189,7 +218,7 @@ def build_direft(
         tensors[f"layers.{layer}.A"] = torch.randn(rank, hidden, generator=g) * scale / hidden**0.5
         tensors[f"layers.{layer}.B"] = torch.randn(rank, hidden, generator=g) * scale
         tensors[f"layers.{layer}.b"] = torch.randn(rank, generator=g) * scale
-    save_file(tensors, str(out / "adapter_model.safetensors"))
+    save_file({k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
     (out / "preft_config.json").write_text(
         json.dumps({"method": "direft", "rank": rank, "layers": list(layers)}, indent=2)
     )

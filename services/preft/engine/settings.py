@@ -59,6 +59,14 @@ class EngineSettings(BaseSettings):
     # -- vLLM --------------------------------------------------------------------------------------------------
     model_dir: Path = Field(description="Base model directory (config.json, weights, tokenizer)")
     dtype: str = Field("auto", description="Weights/activations dtype: auto, float32, bfloat16, float16")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="'auto': the weights in model_dir; 'dummy': random weights from its config.json (benchmarks: "
+        "a config and a tokenizer are all the directory needs)",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs one replica's engine shards the model over (replica.num_gpus_per_replica >= it)"
+    )
     max_loras: int = Field(4, ge=1, description="Adapter slots in the batch (vLLM max_loras; the GPU tier)")
     max_cpu_loras: int = Field(
         32, ge=1, description="Adapters kept loaded in host memory (the host tier; the pager's LRU decides which)"
@@ -173,6 +181,9 @@ class EngineSettings(BaseSettings):
             raise ValueError("max_cpu_loras must be >= max_loras (every adapter in a slot is also in host memory)")
         if self.residency_ttl_s <= self.residency_heartbeat_s:
             raise ValueError("residency_ttl_s must exceed residency_heartbeat_s, or the key expires between beats")
+        gpus = self.replica.num_gpus_per_replica
+        if gpus and gpus < self.tensor_parallel_size:
+            raise ValueError("replica.num_gpus_per_replica must be >= tensor_parallel_size (one GPU per shard)")
         if self.cpu_kvcache_space_bytes is not None and self.cpu_kvcache_space_bytes % (1 << 30):
             raise ValueError("cpu_kvcache_space_bytes must be a whole number of GiB (vLLM reads GiB)")
         return self
@@ -193,6 +204,8 @@ class EngineSettings(BaseSettings):
             block_size=self.block_size,
             seed=self.seed,
             scheduling_policy=self.scheduling_policy,
+            load_format=self.load_format,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def process_env(self) -> dict[str, str]:

@@ -37,6 +37,7 @@ class EngineOptions:
     block_size: int | None = None  # KV-cache block (prefix-cache granularity); vLLM's CPU default is 128
     log_stats: bool = True  # per-request timestamps (time to first token) and Prometheus counters
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
+    tensor_parallel_size: int = 1  # GPUs one engine shards the model over
     tokenizer: bool = True  # False: token-id prompts only, no detokenized text
     seed: int = 0
     # "priority": vLLM admits waiting requests by their priority (EngineRequest.priority), then arrival; "fcfs"
@@ -83,6 +84,8 @@ def engine_kwargs(options: EngineOptions) -> dict[str, Any]:
             max_lora_rank=o.max_lora_rank,
             max_cpu_loras=max(o.max_cpu_loras or 0, o.max_loras, 64),
         )
+    if o.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = o.tensor_parallel_size
     if o.block_size is not None:
         kwargs["block_size"] = o.block_size
     kwargs["disable_log_stats"] = not o.log_stats

@@ -18,9 +18,11 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -47,6 +49,39 @@ class StackPorts:
     redis: int = 6390
     s3: int = 8333
     serve: int = 8000
+
+
+@dataclass(frozen=True)
+class StackProfile:
+    """What the stack serves and how big it is: the local default (a generated tiny model on 2 CPU cores) or a GPU
+    host's (a model directory, GPU engine settings). The wiring between the parts is the stack's own."""
+
+    model_dir: Path | None = None  # None: the tiny model generated in the state directory
+    served_model_name: str = BASE_MODEL_ID
+    # EngineSettings fields over TINY_ENGINE (nested ones as dicts: {"replica": {"num_gpus_per_replica": 1}})
+    engine: dict[str, Any] = field(default_factory=dict)
+    gateway_env: dict[str, str] = field(default_factory=dict)  # PREFT_GATEWAY__* beyond the wiring
+    max_model_len: int = 2048
+    max_prompt_tokens: int = 1536
+    ray_num_cpus: int = 2
+    ray_num_gpus: int = 0
+    engine_start_timeout_s: float = 120.0
+    demo: bool = True  # the demo tenant, its key and two adapters (they are built for the tiny model)
+
+
+# The engine of the local default: one replica of the tiny model on vLLM's CPU backend.
+TINY_ENGINE: dict[str, Any] = dict(
+    dtype="float32",
+    max_loras=4,
+    max_cpu_loras=16,
+    max_num_batched_tokens=512,
+    gpu_memory_utilization=0.1,
+    block_size=32,
+    cpu_num_threads=2,
+    disk_cache_max_bytes=1 << 30,
+    prefetch_adapters=8,
+    replica={"num_replicas": 1, "num_cpus_per_replica": 1, "max_adapters_per_replica": 16},
+)
 
 
 @dataclass
@@ -93,9 +128,13 @@ def _secret(state_dir: Path, name: str) -> str:
 class LocalStack:
     """Owns every process of the local platform and the order they start and stop in."""
 
-    def __init__(self, state_dir: Path, ports: StackPorts = StackPorts()) -> None:
+    def __init__(
+        self, state_dir: Path, ports: StackPorts = StackPorts(), profile: StackProfile = StackProfile()
+    ) -> None:
         self.state_dir = state_dir.resolve()
         self.ports = ports
+        self.profile = profile
+        self.state_dir.mkdir(parents=True, exist_ok=True)
         claim_ports(asdict(ports).values())  # the S3 server's internal ports must not land on one not bound yet
         self.admin_token = _secret(self.state_dir, "registry_admin_token")
         self.s3_secret = _secret(self.state_dir, "s3_secret_key")
@@ -108,7 +147,7 @@ class LocalStack:
 
     @property
     def model_dir(self) -> Path:
-        return self.state_dir / "model"
+        return self.profile.model_dir or self.state_dir / "model"
 
     def _s3_env(self, prefix: str) -> dict[str, str]:
         return {
@@ -118,7 +157,9 @@ class LocalStack:
             f"{prefix}S3__BUCKET": "preft-adapters",
         }
 
-    def start(self) -> StackInfo:
+    def start(self, while_engine_starts: Callable[[], None] | None = None) -> StackInfo:
+        """Start every part; `while_engine_starts` runs in a thread once the registry is up (an engine on a GPU
+        takes minutes to start: a benchmark fills the registry meanwhile), and its error is raised here."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._ensure_model()
         log.info("starting redis and s3")
@@ -129,9 +170,13 @@ class LocalStack:
         self._start_registry()
         self._record_pids()
         self._bootstrap_registry()
-        self._start_engine()
-        self._start_gateway()
-        self._record_pids()
+        with ThreadPoolExecutor(1) as pool:
+            meanwhile = pool.submit(while_engine_starts) if while_engine_starts else None
+            self._start_engine()
+            self._start_gateway()
+            self._record_pids()
+            if meanwhile is not None:
+                meanwhile.result()
         info = StackInfo(
             pid=os.getpid(),
             ports=self.ports,
@@ -189,7 +234,7 @@ class LocalStack:
     # -- parts -----------------------------------------------------------------------------------------------------
 
     def _ensure_model(self) -> None:
-        if not (self.model_dir / "config.json").is_file():
+        if self.profile.model_dir is None and not (self.model_dir / "config.json").is_file():
             from preft.devtools.tiny import TinyModelSpec, build_model
 
             log.info("generating the tiny model in %s", self.model_dir)
@@ -229,7 +274,10 @@ class LocalStack:
         demo_path = self.state_dir / DEMO_FILE
         with self.registry_client() as c:
             config = (self.model_dir / "config.json").read_text()
-            c.call("RegisterBaseModel", pb.RegisterBaseModelRequest(id=BASE_MODEL_ID, config_json=config))
+            name = self.profile.served_model_name
+            c.call("RegisterBaseModel", pb.RegisterBaseModelRequest(id=name, config_json=config))
+            if not self.profile.demo:
+                return
             with contextlib.suppress(AlreadyExists):
                 c.call("CreateTenant", pb.CreateTenantRequest(id=DEMO_TENANT))
             if demo_path.is_file():
@@ -252,30 +300,31 @@ class LocalStack:
             json.dump({"tenant": DEMO_TENANT, "api_key": key.secret, "adapters": sorted(adapters)}, f)
 
     def _start_engine(self) -> None:
-        """Ray (this process is the driver) and the engine's Serve application, one replica on the tiny model."""
+        """Ray (this process is the driver) and the engine's Serve application, as the profile sizes it."""
         import ray
         from ray import serve
 
         from preft.common.settings import RedisSettings, S3Settings
         from preft.engine.serve_app import build_app
-        from preft.engine.settings import EngineSettings, ReplicaSettings
+        from preft.engine.settings import EngineSettings
 
-        log.info("starting ray serve and the engine (vLLM on CPU)")
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        p = self.profile
+        log.info("starting ray serve and the engine (%s)", "vLLM on GPU" if p.ray_num_gpus else "vLLM on CPU")
+        ray.init(
+            num_cpus=p.ray_num_cpus,
+            num_gpus=p.ray_num_gpus,
+            object_store_memory=1 << 30,  # (the engine passes no large objects through Ray)
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
         self._serve_started = True
         serve.start(http_options={"host": LOOPBACK, "port": self.ports.serve})
         settings = EngineSettings(
+            **{**TINY_ENGINE, **p.engine},
             model_dir=self.model_dir,
-            dtype="float32",
-            max_loras=4,
-            max_cpu_loras=16,
-            max_model_len=2048,
-            max_num_batched_tokens=512,
-            gpu_memory_utilization=0.1,
-            block_size=32,
-            cpu_num_threads=2,
+            max_model_len=p.max_model_len,
             disk_cache_dir=self.state_dir / "adapter-cache",
-            disk_cache_max_bytes=1 << 30,
             s3=S3Settings(
                 endpoint_url=self.s3.endpoint_url,
                 access_key=self.s3.access_key,
@@ -283,15 +332,13 @@ class LocalStack:
                 bucket="preft-adapters",
             ),
             redis=RedisSettings(url=self.redis.url),
-            prefetch_adapters=8,
             registry_address=f"{LOOPBACK}:{self.ports.registry}",
             registry_token=self.admin_token,
-            replica=ReplicaSettings(num_replicas=1, num_cpus_per_replica=1, max_adapters_per_replica=16),
         )
         serve.run(build_app(settings), name=settings.app_name, route_prefix=settings.route_prefix)
         wait_until(
             lambda: httpx.get(f"http://{LOOPBACK}:{self.ports.serve}/healthz", timeout=2).status_code == 200,
-            timeout_s=120,
+            timeout_s=p.engine_start_timeout_s,
             what="engine",
         )
 
@@ -306,11 +353,12 @@ class LocalStack:
             "PREFT_GATEWAY__REGISTRY_TOKEN": self.admin_token,
             "PREFT_GATEWAY__ENGINE_URL": f"http://{LOOPBACK}:{self.ports.serve}",
             "PREFT_GATEWAY__MODEL_DIR": str(self.model_dir),
-            "PREFT_GATEWAY__SERVED_MODEL_NAME": BASE_MODEL_ID,
-            "PREFT_GATEWAY__MAX_MODEL_LEN": "2048",
-            "PREFT_GATEWAY__MAX_PROMPT_TOKENS": "1536",
+            "PREFT_GATEWAY__SERVED_MODEL_NAME": self.profile.served_model_name,
+            "PREFT_GATEWAY__MAX_MODEL_LEN": str(self.profile.max_model_len),
+            "PREFT_GATEWAY__MAX_PROMPT_TOKENS": str(self.profile.max_prompt_tokens),
             "PREFT_GATEWAY__RESPONSES_STORE_TTL_S": "3600",  # (this machine's own data: keep responses an hour)
             **self._s3_env("PREFT_GATEWAY__"),  # (the Files and Batch APIs: files/ and batches/ beside the blobs)
+            **self.profile.gateway_env,
         }
 
     def _start_gateway(self) -> None:

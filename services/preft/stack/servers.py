@@ -9,6 +9,7 @@ import shutil
 import stat
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -280,3 +281,66 @@ class SeaweedS3(LocalServer):
             for path in self._unix_sockets():
                 if path.is_socket():
                     path.unlink(missing_ok=True)
+
+
+class PrometheusServer(LocalServer):
+    """A Prometheus server on 127.0.0.1 scraping fixed targets every `scrape_interval_s`, its TSDB in `data_dir`.
+
+    `targets` maps a job name to `host:port` addresses whose `/metrics` it scrapes; a target that is down is
+    recorded as such (`up == 0`), so one configuration can name services that start and stop during a run.
+    """
+
+    name = "prometheus"
+
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int,
+        targets: dict[str, list[str]],
+        *,
+        scrape_interval_s: float = 1.0,
+        prometheus_bin: Path | None = None,
+    ) -> None:
+        super().__init__(data_dir)
+        self.port, self.targets, self.scrape_interval_s = port, targets, scrape_interval_s
+        self._bin = prometheus_bin
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def config(self) -> dict[str, Any]:
+        interval = f"{round(self.scrape_interval_s * 1000)}ms"
+        return {
+            "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
+            "scrape_configs": [
+                {"job_name": job, "static_configs": [{"targets": list(addresses)}]}
+                for job, addresses in self.targets.items()
+            ],
+        }
+
+    def _command(self) -> tuple[list[str], dict[str, str]]:
+        binary = self._bin or find_executable("prometheus", install_hint="apt-get install -y prometheus")
+        conf = self.data_dir / "prometheus.yml"
+        conf.write_text(json.dumps(self.config(), indent=2))  # (JSON is YAML)
+        argv = [
+            str(binary),
+            f"--config.file={conf}",
+            f"--storage.tsdb.path={self.data_dir / 'tsdb'}",
+            f"--web.listen-address={LOOPBACK}:{self.port}",
+            "--storage.tsdb.retention.time=7d",
+        ]
+        return argv, {}
+
+    def _ready(self) -> bool:
+        with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
+            return response.status == 200
+
+    def query(self, promql: str, at_unix_s: float) -> list[dict[str, Any]]:
+        """An instant query's result vector (`[{"metric": {...}, "value": [t, "v"]}, ...]`); raises on an error."""
+        params = urllib.parse.urlencode({"query": promql, "time": f"{at_unix_s:.3f}"})
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{params}", timeout=30) as response:
+            body = json.load(response)
+        if body.get("status") != "success":
+            raise ServerError(f"prometheus refused {promql!r}: {body}")
+        return body["data"]["result"]

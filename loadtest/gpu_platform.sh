@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the GPU machine: one phase of the platform benchmark (loadtest/platform), after loadtest/gpu_stage.sh's chunks
+# have all arrived. Each phase fits one 10-minute device command; state (the stack's data, model, adapters, results)
+# stays in /root/preft-platform while the machine is held, and each call copies the results so far into $OUT.
+#   bash loadtest/gpu_platform.sh platform [args...]     # the stack: cold start, the modes
+#   bash loadtest/gpu_platform.sh peers [args...]        # vllm serve: base, then stock multi-LoRA
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash .gpu/stage/setup.sh
+# shellcheck disable=SC1091
+source /tmp/stage_env.sh
+export PYTHONPATH="$PYTHONPATH:$PWD/services:$PWD"
+bash loadtest/gpu_env.sh /tmp/site >/dev/null  # our vLLM plugin's entry point, for the engine replica
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+state=/root/preft-platform
+mkdir -p "$state" "${OUT:=/tmp/out}"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+df -h / /tmp | tail -n +2
+set +e
+python3 -m loadtest.platform "$@" --preset "${PRESET:-llama8b}" --state-dir "$state" --out "$state/gpu-platform" \
+  2>&1 | tee "$OUT/$1.log"
+rc=${PIPESTATUS[0]}
+cp "$state"/gpu-platform.json "$state"/gpu-platform.md "$OUT/" 2>/dev/null
+# the stack's, the peers' and the engine replica's logs (Ray keeps the replica's in its session folder)
+tar -czf "$OUT/logs.tar.gz" -C / --ignore-failed-read "${state#/}/stack/logs" "${state#/}/logs" \
+  tmp/ray/session_latest/logs/serve 2>/dev/null
+exit "$rc"

@@ -1,0 +1,161 @@
+"""One saturating run: Locust at a fixed concurrency for a warm-up and a measured window, then the window's numbers
+read from Prometheus (PromQL over the window; Locust's own counts are kept only as a cross-check)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from preft.stack.servers import PrometheusServer
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+
+
+@dataclass(frozen=True)
+class Series:
+    """Where one server kind keeps its numbers, and the label selector of one mode's requests."""
+
+    generated: str
+    prompt: str
+    requests: str
+    ttft: str
+    itl: str
+    http_errors: str  # answers of the completion route that were not 2xx, as clients saw them
+
+
+def platform_series(selector: str) -> Series:
+    """The platform: token and request counters and latency histograms of the engine replicas, by method and mode
+    (`selector` like `method="lora",mode="prefill"`); client errors counted at the gateway."""
+    mode = selector.split("mode=")[1].split(",")[0]  # (the latency histograms carry the mode alone)
+    return Series(
+        generated=f"preft_generated_tokens_total{{{selector}}}",
+        prompt=f"preft_prompt_tokens_total{{{selector}}}",
+        requests=f'preft_requests_total{{{selector},outcome="ok"}}',
+        ttft=f"preft_time_to_first_token_seconds_bucket{{mode={mode}}}",
+        itl=f"preft_inter_token_latency_seconds_bucket{{mode={mode}}}",
+        http_errors='preft_gateway_requests_total{route="/v1/completions",status_class=~"4xx|5xx"}',
+    )
+
+
+VLLM_SERIES = Series(
+    generated="vllm:generation_tokens_total",
+    prompt="vllm:prompt_tokens_total",
+    requests="vllm:request_success_total",
+    ttft="vllm:time_to_first_token_seconds_bucket",
+    itl="vllm:inter_token_latency_seconds_bucket",
+    http_errors='http_requests_total{handler="/v1/completions",status=~"4xx|5xx"}',
+)
+
+
+@dataclass(frozen=True)
+class Load:
+    """The workload and how long it is held."""
+
+    host: str
+    targets: list[dict]
+    prompt_tokens: int
+    output_tokens: int
+    vocab: int
+    concurrency: int
+    popularity: str = "uniform"
+    extra: dict | None = None
+    warmup_s: float = 15.0
+    window_s: float = 30.0
+
+
+def _delta(aggregation: str, selector: str, t0: float, t1: float) -> str:
+    """PromQL for `aggregation (selector)`'s growth from t0 to t1, exactly: the `@` modifier pins both ends (no
+    extrapolation, unlike increase(), which stretches each bucket by its own factor in a short window). A series
+    born inside the window counts from zero."""
+    at0, at1 = f"{aggregation} ({selector} @ {t0:.3f})", f"{aggregation} ({selector} @ {t1:.3f})"
+    return f"({at1} - ({at0} or {at1} * 0))"
+
+
+def _value(prom: PrometheusServer, promql: str, at: float) -> float:
+    result = prom.query(promql, at)
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+def _quantile(prom: PrometheusServer, buckets: str, q: float, t0: float, t1: float) -> float | None:
+    result = prom.query(f"histogram_quantile({q}, {_delta('sum by (le)', buckets, t0, t1)})", t1)
+    value = float(result[0]["value"][1]) if result else float("nan")
+    return None if value != value else round(value, 4)  # (NaN: no observation in the window)
+
+
+def read_window(prom: PrometheusServer, series: Series, t0: float, t1: float) -> dict:
+    """The window's throughput, latency quantiles and errors, from the counters' and buckets' growth over it."""
+    window = t1 - t0
+    delta = {
+        name: _value(prom, _delta("sum", getattr(series, name), t0, t1), t1)
+        for name in ("generated", "prompt", "requests", "http_errors")
+    }
+    return {
+        "output_tok_s": round(delta["generated"] / window, 1),
+        "total_tok_s": round((delta["generated"] + delta["prompt"]) / window, 1),
+        "ttft_p50_s": _quantile(prom, series.ttft, 0.5, t0, t1),
+        "ttft_p95_s": _quantile(prom, series.ttft, 0.95, t0, t1),
+        "itl_p50_s": _quantile(prom, series.itl, 0.5, t0, t1),
+        "itl_p95_s": _quantile(prom, series.itl, 0.95, t0, t1),
+        "requests": round(delta["requests"]),
+        "failed": round(delta["http_errors"]),
+        "window_s": round(window, 1),
+    }
+
+
+def run(load: Load, prom: PrometheusServer, series: Series, scrape_s: float) -> dict:
+    """Hold the load for warm-up + window, read the window from Prometheus, and add Locust's totals of the whole run
+    (`locust_requests`, `locust_failures`, the first failure reasons)."""
+    with tempfile.TemporaryDirectory(prefix="preft-load-") as tmp:
+        targets = Path(tmp) / "targets.json"
+        targets.write_text(json.dumps(load.targets))
+        env = {
+            **os.environ,
+            "PREFT_SAT_TARGETS": str(targets),
+            "PREFT_SAT_POPULARITY": load.popularity,
+            "PREFT_SAT_PROMPT_TOKENS": str(load.prompt_tokens),
+            "PREFT_SAT_OUTPUT_TOKENS": str(load.output_tokens),
+            "PREFT_SAT_VOCAB": str(load.vocab),
+            "PREFT_SAT_EXTRA": json.dumps(load.extra or {}),
+        }
+        total_s = load.warmup_s + load.window_s + 2 * scrape_s
+        cmd = [
+            sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", load.host,
+            "-u", str(load.concurrency), "-r", str(max(1, load.concurrency // 4)), "--run-time", f"{total_s:.0f}s",
+            "--stop-timeout", "0", "--csv", f"{tmp}/locust", "--only-summary", "--loglevel", "WARNING",
+        ]  # fmt: skip
+        locust = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(f"{tmp}/stderr", "w"))  # noqa: SIM115
+        started = time.time()
+        t0 = started + load.warmup_s
+        t1 = t0 + load.window_s
+        try:
+            locust.wait(timeout=total_s + 120)
+        except subprocess.TimeoutExpired:
+            locust.kill()
+            raise
+        time.sleep(max(0.0, t1 + 2 * scrape_s - time.time()))  # the window's last scrape has landed
+        row = read_window(prom, series, t0, t1)
+        row.update(_locust_totals(Path(tmp)))
+    return row
+
+
+def _locust_totals(tmp: Path) -> dict:
+    stats = tmp / "locust_stats.csv"
+    rows = [r for r in csv.DictReader(stats.open()) if r["Name"] == "Aggregated"] if stats.exists() else []
+    failures = tmp / "locust_failures.csv"
+    reasons = [r["Error"][:160] for r in csv.DictReader(failures.open())][:3] if failures.exists() else []
+    out = {
+        "locust_requests": int(rows[0]["Request Count"]) if rows else 0,
+        "locust_failures": int(rows[0]["Failure Count"]) if rows else 0,
+    }
+    if reasons:
+        out["failure_reasons"] = reasons
+    if not rows:
+        out["locust_stderr"] = (tmp / "stderr").read_text()[-2000:]
+    return out

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from preft.common.errors import InvalidArgument, Unavailable
 from preft.common.metrics import GATEWAY_OVERHEAD, QUEUE_DEPTH
-from preft.engine.contract import EngineRequest, EngineResponse, Usage, check_min_tokens
+from preft.engine.contract import MAX_SEED, EngineRequest, EngineResponse, Usage, check_min_tokens
 from preft.gateway.auth import Caller
 from preft.gateway.engine_client import EngineClient, EngineStream
 from preft.gateway.errors import PayloadTooLarge
@@ -199,14 +199,15 @@ class GenerationService:
             tenant=caller.tenant,
             priority=body.engine_priority(offline=caller.offline),
         )
-        # each sample a request of its own (the engine batches them; with a seed, seed + j, as vLLM seeds its own)
+        # each sample a request of its own (the engine batches them; with a seed, seed + j, as vLLM seeds its own,
+        # wrapped to stay a seed the engine takes)
         requests = [
             request.model_copy(
                 update={
                     "request_id": f"{request_id}-{i * n + j}" if i or j else request_id,
                     "prompt_token_ids": prompt,
                     "max_tokens": budget,
-                    "seed": None if body.seed is None else body.seed + j,
+                    "seed": None if body.seed is None else (body.seed + j) % (MAX_SEED + 1),
                 }
             )
             for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True))

@@ -26,7 +26,9 @@ class GatewaySettings(BaseSettings):
     environment: Literal["dev", "prod"] = Field("prod", description="dev allows the placeholder registry token")
     host: str = Field("127.0.0.1", description="Address uvicorn binds")
     port: int = Field(8080, ge=0, le=65535, description="TCP port uvicorn binds")
-    access_log: bool = Field(True, description="uvicorn access log (method, path, status; never headers or bodies)")
+    access_log: bool = Field(
+        True, description="uvicorn access log (method, path, status; no query secrets; never headers or bodies)"
+    )
 
     redis: RedisSettings = Field(default_factory=RedisSettings, description="Redis holding keys, tenants, buckets")
     redis_timeout_s: float = Field(

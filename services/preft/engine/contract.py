@@ -10,6 +10,10 @@ EngineChunk lines, the last one with `finish_reason` and `usage` set. Errors are
 EngineError body: 400 (the request or adapter is invalid), 503 (the adapter cannot be fetched now, or the replica
 is draining; retrying elsewhere may work), 500 (a bug).
 
+A request's `cache_salt` is vLLM's: requests share cached prompt KV blocks only with requests of the same salt. The
+gateway derives it from the tenant (`preft.gateway.cache_salt`), so one tenant's prompts never warm (or reveal
+themselves through the timing of) another's; it is never taken from a client.
+
 A request's `priority` is vLLM's (lower first): live requests are LIVE_PRIORITY, a batch's lines OFFLINE_PRIORITY, so
 an engine with the priority scheduling policy admits queued live requests before queued batch work.
 """
@@ -220,6 +224,13 @@ class EngineRequest(SamplingOptions):
     adapter: AdapterSpec | None = None
     mode: PositionMode = PositionMode.PREFILL
     tenant: str = Field("", description="For metrics labels only")
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="vLLM's prefix-cache salt: cached prompt blocks are shared only among requests with the same one "
+        "(None: with every request without one)",
+    )
     priority: int = Field(
         LIVE_PRIORITY,
         ge=LIVE_PRIORITY,
@@ -237,6 +248,7 @@ class EngineRequest(SamplingOptions):
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = Field(0, description="Prompt tokens whose KV came from the prefix cache (vLLM's count)")
 
 
 FinishReason = Literal["stop", "length", "abort"]

@@ -52,6 +52,9 @@ VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
     "guided_json_object": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
+    # (the gateway sets each tenant's own, preft.gateway.cache_salt: a client asking for a salt of its choosing is
+    # refused, not served as if its prompts were cached apart as it asked)
+    "cache_salt": None,
 }
 
 

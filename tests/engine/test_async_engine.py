@@ -1,6 +1,7 @@
 """The serving engine (vLLM AsyncLLM + plugin) streams the same greedy tokens as the offline engine, in one
-concurrent mixed batch, counts usage right, frees an aborted request, admits a live request ahead of queued
-offline ones and preempts a running one for it (the priority scheduling policy, as the serving settings choose)."""
+concurrent mixed batch, counts usage right, frees an aborted request, shares cached prompt blocks only among
+requests of one cache salt, admits a live request ahead of queued offline ones and preempts a running one for it
+(the priority scheduling policy, as the serving settings choose)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from preft.engine.contract import LIVE_PRIORITY, OFFLINE_PRIORITY, EngineRequest
 from preft.engine.requests import GenerationRequest
 from preft.engine.vllm_engine import engine_kwargs
 from tests.conftest import random_prompt
-from tests.engine.conftest import LOGIT_TIE, LOGPROB_ABS, engine_options
+from tests.engine.conftest import BLOCK_SIZE, LOGIT_TIE, LOGPROB_ABS, engine_options
 from tests.reference import reference_generate, reference_logits, reference_prompt_logits
 
 pytestmark = pytest.mark.engine
@@ -144,6 +145,27 @@ def test_add_and_remove_lora_move_adapters_in_and_out_of_host_memory(async_engin
         assert lora_id not in await async_engine.loaded_lora_ids()
 
     loop.run_until_complete(scenario())
+
+
+@pytest.mark.parametrize("adapter", [None, "lora_a"])
+def test_the_prefix_cache_is_shared_only_within_a_cache_salt(async_engine, adapters, loop, adapter):
+    """Tenant B (its own salt) gets no prefix-cache hit on the prompt tenant A just sent, A's repeat gets every full
+    block of it, as vLLM counts them (the scheduler's hits: RequestOutput.num_cached_tokens), base model or adapter."""
+    blocks = 6
+    prompt = random_prompt(random.Random(f"salt-{adapter}"), blocks * BLOCK_SIZE + 5)  # (this test's own tokens)
+    adapter_dir = adapters["llama"][adapter] if adapter else None
+
+    def cached(salt: str | None, n: int) -> int:
+        req = EngineRequest(request_id=f"salt-{adapter}-{n}", prompt_token_ids=prompt, max_tokens=2, cache_salt=salt)
+        chunks = loop.run_until_complete(_collect(async_engine, req, adapter_dir))
+        return chunks[-1].usage.cached_tokens
+
+    salt_a, salt_b = "a" * 64, "b" * 64
+    assert cached(salt_a, 0) == 0  # (a prompt never sent before)
+    assert cached(salt_b, 1) == 0, "tenant B hit tenant A's cached prompt"
+    assert cached(salt_a, 2) == blocks * BLOCK_SIZE, "tenant A's own repeat should hit every full block"
+    assert cached(salt_b, 3) == blocks * BLOCK_SIZE  # (B's own blocks now)
+    assert cached(None, 4) == 0  # (no salt shares with no salted request)
 
 
 LOGPROB_CASES = ((None, "prefill"), ("lora_a", "prefill"), ("lora_b", "all"), ("direft_a", "prefill"))

@@ -42,6 +42,9 @@ VLLM_API = (
     "vllm:SamplingParams",
     "vllm.sampling_params:RequestOutputKind.DELTA",
     "vllm.sampling_params:StructuredOutputsParams",  # its fields: OutputConstraint.vllm_fields()
+    # its key cache_salt (0.26 and 0.28: a TypedDict key, read by InputPreprocessor into the Request; vLLM mixes it
+    # into the hash of the prompt's first KV block, so every later block's hash too: generate_block_hash_extra_keys,
+    # which the plugin's prefix_cache wraps, keeping vLLM's keys first)
     "vllm.inputs:TokensPrompt",
     "vllm.lora.request:LoRARequest",
     "vllm.platforms:current_platform",
@@ -73,6 +76,7 @@ VLLM_API = (
     "vllm.v1.engine.exceptions:EngineDeadError",
     "vllm.logprobs:Logprob",  # CompletionOutput.logprobs: per new token, {token id: Logprob} (the chosen and top k)
     # (RequestOutput.prompt_logprobs: the same per prompt token, None for the first, all in the first DELTA output)
+    # (RequestOutput.num_cached_tokens: the prompt tokens the scheduler found in the prefix cache)
 )
 
 MODES = ("prefill", "all", "base")  # metric label values: a request without an adapter is "base"
@@ -170,8 +174,11 @@ class AsyncPreftEngine:
         labels = (request.tenant, method, mode)
         n_prompt, n_generated, last, outcome = len(request.prompt_token_ids), 0, arrived, "abort"
 
+        tokens_prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        if request.cache_salt is not None:
+            tokens_prompt["cache_salt"] = request.cache_salt
         stream = llm.generate(
-            TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+            tokens_prompt,
             params,
             f"{request.request_id}-{secrets.token_hex(4)}",  # unique in vLLM even when a gateway retries
             lora_request=lora,
@@ -201,7 +208,8 @@ class AsyncPreftEngine:
                     chunk.prompt_logprobs = token_logprobs(prompt, out.prompt_logprobs[1:], request.prompt_logprobs)
                 if out.finished:
                     chunk.finish_reason = FINISH_REASONS.get(completion.finish_reason, "abort")
-                    chunk.usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_generated)
+                    cached = out.num_cached_tokens or 0
+                    chunk.usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_generated, cached_tokens=cached)
                     outcome = "ok" if chunk.finish_reason != "abort" else "abort"
                     metrics.END_TO_END.labels(mode).observe(now - arrived)
                 yield chunk

@@ -10,6 +10,10 @@ EngineChunk lines, the last one with `finish_reason` and `usage` set. Errors are
 EngineError body: 400 (the request or adapter is invalid), 503 (the adapter cannot be fetched now, or the replica
 is draining; retrying elsewhere may work), 500 (a bug).
 
+A request's `cache_salt` is vLLM's: requests share cached prompt KV blocks only with requests of the same salt. The
+gateway derives it from the tenant (`preft.gateway.cache_salt`), so one tenant's prompts never warm (or reveal
+themselves through the timing of) another's; it is never taken from a client.
+
 A request's `priority` is vLLM's (lower first): live requests are LIVE_PRIORITY, a batch's lines OFFLINE_PRIORITY, so
 an engine with the priority scheduling policy admits queued live requests before queued batch work.
 """
@@ -55,6 +59,11 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_STOP_TOKEN_IDS = 32
 MAX_ALLOWED_TOKEN_IDS = 1024
 MAX_BAD_WORDS = 64  # (each word is tokenized alone and after a space: vLLM 0.28 takes up to 128 such sequences)
+# A seed vLLM takes as given: it sends a request to its engine core as msgpack (ints in [-2**63, 2**64 - 1], else
+# OverflowError), its V2 model runner keeps seeds in an int64 array, and SamplingParams reads -1 as "no seed".
+# (On the CPU, torch's generator uses only the low 32 bits; CUDA's Philox the whole seed.)
+MAX_SEED = 2**63 - 1
+MAX_COUNT = 2**31 - 1  # token counts and top_k: vLLM keeps them in int32 arrays
 
 
 def _not_blank(word: str) -> str:
@@ -161,11 +170,13 @@ class SamplingOptions(BaseModel):
         description="The logit of each token in the prompt or generated so far divided by it (multiplied where the "
         "logit is negative); 1: none",
     )
-    top_k: int = Field(0, ge=0, description="Sample among this many most likely tokens only (0: all)")
+    top_k: int = Field(0, ge=0, le=MAX_COUNT, description="Sample among this many most likely tokens only (0: all)")
     min_p: float = Field(
         0.0, ge=0.0, le=1.0, description="Leave out tokens less likely than min_p times the most likely one (0: none)"
     )
-    min_tokens: int = Field(0, ge=0, description="Tokens to generate before the end-of-sequence or a stop token may")
+    min_tokens: int = Field(
+        0, ge=0, le=MAX_COUNT, description="Tokens to generate before the end-of-sequence or a stop token may"
+    )
     stop_token_ids: list[int] = Field(
         default_factory=list, max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end the answer (kept in it)"
     )
@@ -195,7 +206,7 @@ class SamplingOptions(BaseModel):
         default_factory=dict, max_length=MAX_LOGIT_BIASES, description="Added to these token ids' logits"
     )
     constraint: OutputConstraint | None = Field(None, description="What the generated text must match")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[str] = Field(default_factory=list, max_length=8)
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the answer in it")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text")
@@ -208,11 +219,18 @@ class EngineRequest(SamplingOptions):
 
     request_id: str
     prompt_token_ids: list[int] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, le=MAX_COUNT)
     stream: bool = False
     adapter: AdapterSpec | None = None
     mode: PositionMode = PositionMode.PREFILL
     tenant: str = Field("", description="For metrics labels only")
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="vLLM's prefix-cache salt: cached prompt blocks are shared only among requests with the same one "
+        "(None: with every request without one)",
+    )
     priority: int = Field(
         LIVE_PRIORITY,
         ge=LIVE_PRIORITY,
@@ -230,6 +248,7 @@ class EngineRequest(SamplingOptions):
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = Field(0, description="Prompt tokens whose KV came from the prefix cache (vLLM's count)")
 
 
 FinishReason = Literal["stop", "length", "abort"]

@@ -28,7 +28,7 @@ from preft.gateway.generation import GenerationService
 from preft.gateway.limits import RateLimiter
 from preft.gateway.metering import TokenMeter
 from preft.gateway.object_store import ObjectStore
-from preft.gateway.observability import RequestMetricsMiddleware
+from preft.gateway.observability import RequestMetricsMiddleware, install_access_log_redaction
 from preft.gateway.offline_slots import OfflineSlots
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.resolution import AdapterResolver
@@ -162,6 +162,7 @@ def create_app(
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware)  # outermost: also counts the 500s of the error middleware
+    install_access_log_redaction()  # (here, not in the server's main: whatever server runs the app logs no secrets)
     routers = (
         completions,
         chat,

@@ -15,8 +15,9 @@ from typing import TypeVar
 
 from preft.common.errors import InvalidArgument, Unavailable
 from preft.common.metrics import GATEWAY_OVERHEAD, QUEUE_DEPTH
-from preft.engine.contract import EngineRequest, EngineResponse, Usage, check_min_tokens
+from preft.engine.contract import MAX_SEED, EngineRequest, EngineResponse, Usage, check_min_tokens
 from preft.gateway.auth import Caller
+from preft.gateway.cache_salt import CacheSalts, salt_key
 from preft.gateway.engine_client import EngineClient, EngineStream
 from preft.gateway.errors import PayloadTooLarge
 from preft.gateway.limits import Admission, RateLimiter
@@ -117,6 +118,8 @@ class GenerationService:
         self.engine = engine
         self.meter = meter
         self._background: set[asyncio.Task] = set()
+        key = settings.cache_salt_key or settings.registry_token
+        self.cache_salts = CacheSalts(salt_key(key.get_secret_value()), settings.cache_groups)
 
     def max_tokens_for(self, prompt_tokens: int, requested: int | None) -> int:
         """The generation budget: 413 for a prompt over the limit, 400 when prompt + max_tokens cannot fit."""
@@ -197,16 +200,18 @@ class GenerationService:
             adapter=resolution.adapter,
             mode=resolution.mode,
             tenant=caller.tenant,
+            cache_salt=self.cache_salts.salt(caller.tenant),
             priority=body.engine_priority(offline=caller.offline),
         )
-        # each sample a request of its own (the engine batches them; with a seed, seed + j, as vLLM seeds its own)
+        # each sample a request of its own (the engine batches them; with a seed, seed + j, as vLLM seeds its own,
+        # wrapped to stay a seed the engine takes)
         requests = [
             request.model_copy(
                 update={
                     "request_id": f"{request_id}-{i * n + j}" if i or j else request_id,
                     "prompt_token_ids": prompt,
                     "max_tokens": budget,
-                    "seed": None if body.seed is None else body.seed + j,
+                    "seed": None if body.seed is None else (body.seed + j) % (MAX_SEED + 1),
                 }
             )
             for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True))

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from preft.common.errors import InvalidArgument
-from preft.engine.contract import EngineChunk, EngineResponse, JsonSchema, Usage
+from preft.engine.contract import MAX_COUNT, EngineChunk, EngineResponse, JsonSchema, Usage
 from preft.gateway.logprobs import chat_logprobs
 from preft.gateway.reasoning import Thinking
 from preft.gateway.schemas import VLLM_FIELDS_NOT_SUPPORTED, GenerationBody, ReasoningEffort, ServiceTier, tier_served
@@ -138,7 +138,7 @@ class ResponsesBody(BaseModel):
     model: str = Field(min_length=1, max_length=256, description="Base model name or adapter reference")
     input: str | list[dict[str, Any]] = Field(description="A user message, or a list of messages and call items")
     instructions: str | None = Field(None, description="A system message before the input")
-    max_output_tokens: int | None = Field(None, ge=1, description="Most tokens to generate")
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="Most tokens to generate")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool | None = False

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible routes (the subset the engine can honour) and their PreFT extensions.
 
 Fields the engine cannot honour are refused with a 400 naming them when they ask for something (suffix,
-functions, ...), rather than silently ignored. Unknown fields are ignored, as OpenAI clients
-send new optional fields over time. Extensions, sent by OpenAI clients through `extra_body`:
+functions, ...), rather than silently ignored; numbers are bounded to what the engine takes (outside: a 400 naming
+the field). Unknown fields are ignored, as OpenAI clients send new optional fields over time. Extensions, sent by
+OpenAI clients through `extra_body`:
 - `preft_mode`: "prefill" | "all", the adapter's position mode (only where the operator allows it),
 - `ignore_eos`: keep generating after the end-of-sequence token (benchmarks),
 - `structured_outputs`: vLLM's constraint object (one of json, json_object, regex, choice, grammar), where
@@ -24,8 +25,10 @@ from preft.engine.contract import (
     LIVE_PRIORITY,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
+    MAX_COUNT,
     MAX_LOGIT_BIASES,
     MAX_REPETITION_PENALTY,
+    MAX_SEED,
     MAX_STOP_TOKEN_IDS,
     OFFLINE_PRIORITY,
     BadWord,
@@ -49,6 +52,9 @@ VLLM_FIELDS_NOT_SUPPORTED: dict[str, Any] = {
     "guided_json_object": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
+    # (the gateway sets each tenant's own, preft.gateway.cache_salt: a client asking for a salt of its choosing is
+    # refused, not served as if its prompts were cached apart as it asked)
+    "cache_salt": None,
 }
 
 
@@ -114,10 +120,16 @@ class GenerationBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1, max_length=256, description="Base model name or adapter reference")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="Most tokens to generate")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="Sampling temperature; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass; default 1")
-    seed: int | None = Field(None, description="Sampling seed")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_SEED,
+        description="Sampling seed, 0 to 2**63 - 1 (vLLM's -1 would mean none); the j-th of n samples takes seed + j "
+        "(modulo 2**63). The CPU engine's sampler (torch's CPU generator) uses only its low 32 bits",
+    )
     stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP_SEQUENCES} stop strings")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -137,7 +149,7 @@ class GenerationBody(BaseModel):
         "where negative); 1: none",
     )
     top_k: int | None = Field(
-        None, ge=-1, description="vLLM extension: sample among the k most likely tokens (0, -1: all)"
+        None, ge=-1, le=MAX_COUNT, description="vLLM extension: sample among the k most likely tokens (0, -1: all)"
     )
     min_p: float | None = Field(
         None,
@@ -146,7 +158,10 @@ class GenerationBody(BaseModel):
         description="vLLM extension: leave out tokens less likely than min_p × the most likely one",
     )
     min_tokens: int | None = Field(
-        None, ge=0, description="vLLM extension: tokens to generate before end-of-sequence or stop_token_ids may end it"
+        None,
+        ge=0,
+        le=MAX_COUNT,
+        description="vLLM extension: tokens to generate before end-of-sequence or stop_token_ids may end it",
     )
     stop_token_ids: list[int] | None = Field(
         None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension: token ids that end the answer (kept in it)"
@@ -169,6 +184,7 @@ class GenerationBody(BaseModel):
     truncate_prompt_tokens: int | None = Field(
         None,
         ge=-1,
+        le=MAX_COUNT,
         description="vLLM extension: keep only this many of the prompt's tokens (-1: as many as the server accepts)",
     )
     truncation_side: Literal["left", "right"] | None = Field(
@@ -426,7 +442,7 @@ class ChatBody(GenerationBody):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="Newer name of max_tokens")
     logprobs: bool | None = Field(False, description="Return each generated token's logprob")
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="With logprobs: this many most likely tokens at each position"

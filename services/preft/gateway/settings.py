@@ -8,7 +8,7 @@ Example: `PREFT_GATEWAY__REDIS__URL=redis://10.0.0.5:6379/0`, `PREFT_GATEWAY__RE
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -26,7 +26,9 @@ class GatewaySettings(BaseSettings):
     environment: Literal["dev", "prod"] = Field("prod", description="dev allows the placeholder registry token")
     host: str = Field("127.0.0.1", description="Address uvicorn binds")
     port: int = Field(8080, ge=0, le=65535, description="TCP port uvicorn binds")
-    access_log: bool = Field(True, description="uvicorn access log (method, path, status; never headers or bodies)")
+    access_log: bool = Field(
+        True, description="uvicorn access log (method, path, status; no query secrets; never headers or bodies)"
+    )
 
     redis: RedisSettings = Field(default_factory=RedisSettings, description="Redis holding keys, tenants, buckets")
     redis_timeout_s: float = Field(
@@ -94,6 +96,16 @@ class GatewaySettings(BaseSettings):
     resolve_cache_max_entries: int = Field(100_000, ge=1, description="Adapter resolutions kept in memory")
     allow_mode_override: bool = Field(
         False, description="Let requests pick the position mode (`preft_mode` in the body); else 400 when they try"
+    )
+    cache_salt_key: SecretStr | None = Field(
+        None,
+        description="Key of the tenants' prefix-cache salts (`cache_salt`), the same on every replica; unset: derived "
+        "from registry_token",
+    )
+    cache_groups: dict[str, Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=dict,
+        description="Tenant → prefix-cache group: the tenants of one group share cached prompt blocks (opt-in; any "
+        'other tenant shares them with no one), e.g. PREFT_GATEWAY__CACHE_GROUPS=\'{"acme": "a", "acme-eu": "a"}\'',
     )
     usage_flush_interval_s: float = Field(
         1.0, gt=0, description="How often adapter uses are sent to the registry (RecordUse, batched)"

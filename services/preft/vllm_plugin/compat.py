@@ -82,7 +82,8 @@ TOUCH_POINTS = (
     ),
     TouchPoint(
         "vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys",
-        "wrapped: blocks past a prefill-mode request's prompt get a boundary key",
+        "wrapped: blocks past a prefill-mode request's prompt get a boundary key, after vLLM's own keys (the LoRA "
+        "name, and the request's cache_salt on its first block: the per-tenant isolation, kept as is)",
         "prefix_cache",
     ),
     TouchPoint(

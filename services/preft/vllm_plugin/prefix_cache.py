@@ -7,6 +7,9 @@ computed by the base model, so a block reaching past the prompt gets one more ke
 a computation with the same tokens, adapter and boundary (the same request, recomputed after preemption)
 can reuse it. Blocks inside the prompt keep the plain adapter key and are shared by both modes, which
 compute them identically.
+
+vLLM's own keys come first and are kept as they are, among them the request's cache_salt on its first block (so,
+through the parent chain, on all): the gateway sets one per tenant (or per cache group of tenants).
 """
 
 from __future__ import annotations

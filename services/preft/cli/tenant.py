@@ -1,5 +1,6 @@
 """`preft adapters`: a tenant manages its own adapters through the gateway with its API key (the gateway's
-`/v1/adapters` API): upload a version from an adapter directory, list, show, alias, share and delete."""
+`/v1/adapters` API): upload a version from an adapter directory, list, show, alias, share and delete; and offers of
+other tenants' adapters: list, accept, decline."""
 
 from __future__ import annotations
 
@@ -159,8 +160,10 @@ def show(ctx: typer.Context, name: Annotated[str, typer.Argument(help="One of yo
     with gateway(ctx) as client:
         body = answer(client.get(_path(name)))
     shared = ", ".join(body.get("shared_with", [])) or "nobody"
+    offered = ", ".join(body.get("offered_to", []))
     versions = _versions_table(body["versions"])
-    versions.title = f"{body['id']} on {body['latest']['base_model']} (shared with {shared})"
+    versions.title = f"{body['id']} on {body['latest']['base_model']} (shared with {shared}"
+    versions.title += f"; offered to {offered})" if offered else ")"
     emit(ctx, body, versions)
 
 
@@ -185,14 +188,51 @@ def alias(
 def share(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="One of your adapters.")],
-    tenant: Annotated[str, typer.Argument(help="The tenant who may use it (as your-tenant/name).")],
-    remove: Annotated[bool, typer.Option("--remove", help="Stop sharing it with that tenant.")] = False,
+    tenant: Annotated[str, typer.Argument(help="The tenant who may use it, once it accepts (as your-tenant/name).")],
+    remove: Annotated[bool, typer.Option("--remove", help="Withdraw the offer, or stop sharing.")] = False,
 ) -> None:
-    """Let another tenant use an adapter (or stop)."""
+    """Offer an adapter to another tenant, which accepts it (`preft adapters accept`) to use it; or stop."""
     with gateway(ctx) as client:
         path = _path(name, "shares", tenant)
         body = answer(client.delete(path) if remove else client.put(path))
-    emit(ctx, body, f"{name}: " + (f"no longer shared with {tenant}" if remove else f"shared with {tenant}"))
+    emit(
+        ctx, body, f"{name}: " + (f"no longer offered to or shared with {tenant}" if remove else f"offered to {tenant}")
+    )
+
+
+@app.command()
+def offers(ctx: typer.Context) -> None:
+    """Adapters other tenants offered you (offered) or that you accepted (accepted)."""
+    with gateway(ctx) as client:
+        body = answer(client.get(_path("shares", "offers")))
+    table = Table("adapter", "status", "method", "base model")
+    for o in body["data"]:
+        latest = o["latest"]
+        table.add_row(o["id"], o["status"], f"{latest['method']} r{latest['rank']}", latest["base_model"])
+    emit(ctx, body, table)
+
+
+@app.command()
+def accept(ctx: typer.Context, adapter: Annotated[str, typer.Argument(help="owner/name, as offered.")]) -> None:
+    """Accept an offer: the adapter becomes usable as owner/name."""
+    with gateway(ctx) as client:
+        body = answer(client.post(_path("shares", "offers", *_owner_name(adapter), "accept")))
+    emit(ctx, body, f"{body['id']}: accepted")
+
+
+@app.command()
+def decline(ctx: typer.Context, adapter: Annotated[str, typer.Argument(help="owner/name, as offered.")]) -> None:
+    """Decline an offer, or stop using an adapter you accepted."""
+    with gateway(ctx) as client:
+        body = answer(client.delete(_path("shares", "offers", *_owner_name(adapter))))
+    emit(ctx, body, f"{body['id']}: declined")
+
+
+def _owner_name(adapter: str) -> tuple[str, str]:
+    owner, _, name = adapter.partition("/")
+    if not owner or not name:
+        raise usage_error(f"{adapter!r}: give the adapter as owner/name")
+    return owner, name
 
 
 @app.command()

@@ -44,6 +44,7 @@ from preft.gateway.routes import (
     metrics,
     models,
     responses,
+    shares,
     token_usage,
     tokenize,
 )
@@ -173,6 +174,7 @@ def create_app(
         tokenize,
         models,
         adapters,
+        shares,
         token_usage,
         health,
         metrics,

@@ -23,6 +23,7 @@ from preft.registry.model import (
     FileEntry,
     Manifest,
     PositionMode,
+    ShareOffer,
     TenantLimits,
     TenantRecord,
 )
@@ -96,7 +97,13 @@ def adapter_pb(a: AdapterSummary) -> pb.Adapter:
         shared_with=a.shared_with,
         version_count=a.version_count,
         latest=manifest_pb(a.latest),
+        offered_to=a.offered_to,
     )
+
+
+def share_offer_pb(o: ShareOffer) -> pb.ShareOffer:
+    adapter = adapter_pb(o.adapter) if o.adapter else pb.Adapter(tenant=o.owner, name=o.name)
+    return pb.ShareOffer(adapter=adapter, accepted=o.accepted)
 
 
 def usage_row_pb(u: ModelUsage) -> pb.TokenUsageRow:
@@ -194,7 +201,15 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         return adapter_pb(self.svc.set_alias(request.tenant, request.name, request.alias, request.version))
 
     def Share(self, request: pb.ShareRequest, context: Any) -> pb.Adapter:
-        return adapter_pb(self.svc.share(request.tenant, request.name, list(request.add), list(request.remove)))
+        add, remove = list(request.add), list(request.remove)
+        return adapter_pb(self.svc.share(request.tenant, request.name, add, remove, offer=request.offer))
+
+    def ListShareOffers(self, request: pb.ListShareOffersRequest, context: Any) -> pb.ListShareOffersResponse:
+        return pb.ListShareOffersResponse(offers=[share_offer_pb(o) for o in self.svc.share_offers(request.tenant)])
+
+    def AnswerShareOffer(self, request: pb.AnswerShareOfferRequest, context: Any) -> pb.ShareOffer:
+        offer = self.svc.answer_share_offer(request.tenant, request.owner, request.name, request.accept)
+        return share_offer_pb(offer)
 
     def Delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
         return pb.DeleteResponse(versions=self.svc.delete(request.tenant, request.name, request.version or None))

@@ -1,13 +1,14 @@
 """The registry's metadata in Redis: tenants, API keys, base models, adapter versions, aliases, sharing, hotness.
 
 Layout (all keys start with `preft:`):
-- `tenants` set; `tenant:<t>` hash (limits, usage, disabled); `tenant:<t>:adapters`, `:keys`, `:shared_in` sets;
+- `tenants` set; `tenant:<t>` hash (limits, usage, disabled); `tenant:<t>:adapters`, `:keys`, `:shared_in` (`t/n`
+  it accepted), `:offers_in` (`t/n` offered to it, pending; may exist for a name no tenant has yet) sets;
   the limits are LIMIT_FIELDS and `tokens_per_month` (0 or absent = no monthly quota; the gateway reads it)
 - `keys` set of key ids; `keyid:<id>` hash (tenant, hash, label, times); `key:<sha256(secret)>` -> key id
 - `bases` set; `base:<id>` hash (config, architecture digest)
 - `adapters` set of `t/n`; `adapter:<t>/<n>` hash (exists while the adapter has versions); `:versions` hash
-  (version -> manifest JSON); `:aliases` hash (alias -> version); `:shared` set; `:seq` (last version number,
-  kept after deletion so numbers are never reused)
+  (version -> manifest JSON); `:aliases` hash (alias -> version); `:shared`, `:offered` sets (recipients who
+  accepted, recipients offered); `:seq` (last version number, kept after deletion so numbers are never reused)
 - `blobrefs` hash (sha256 -> versions referencing it); `blobtouch` zset (sha256 -> last use, ms); `gc:deleting`
 - `hot` zset (`t/n@v` -> log2 of the decayed use sum, see lua.RECORD_USE)
 - read only: `usage:<t>:<YYYY-MM-DD>` hashes, the gateway's token metering (layout in common.metering)
@@ -102,6 +103,7 @@ class RedisIndex:
                 "RESOLVE",
                 "SET_ALIAS",
                 "SHARE",
+                "ANSWER_OFFER",
                 "DELETE",
                 "RECORD_USE",
                 "GC_CLAIM",
@@ -320,12 +322,13 @@ class RedisIndex:
             pipe.hgetall(f"{ak}:aliases")
             pipe.smembers(f"{ak}:shared")
             pipe.hlen(f"{ak}:versions")
+            pipe.smembers(f"{ak}:offered")
         meta = pipe.execute()
-        for (t, n), i in zip(names, range(0, len(meta), 3), strict=True):
+        for (t, n), i in zip(names, range(0, len(meta), 4), strict=True):
             pipe.hget(f"preft:adapter:{t}/{n}:versions", meta[i].get("latest", "0"))
         latest = pipe.execute()
         out = []
-        for (t, n), i, m in zip(names, range(0, len(meta), 3), latest, strict=True):
+        for (t, n), i, m in zip(names, range(0, len(meta), 4), latest, strict=True):
             if m is None:
                 continue
             aliases = {a: int(v) for a, v in meta[i].items()}
@@ -337,6 +340,7 @@ class RedisIndex:
                     shared_with=tuple(sorted(meta[i + 1])),
                     version_count=meta[i + 2],
                     latest=Manifest.from_json(t, n, aliases["latest"], m),
+                    offered_to=tuple(sorted(meta[i + 3])),
                 )
             )
         return out
@@ -363,12 +367,36 @@ class RedisIndex:
             raise NotFound(f"adapter {tenant}/{name} has no alias {alias!r}")
 
     @_guarded
-    def share(self, tenant: str, name: str, add: Sequence[str], remove: Sequence[str]) -> None:
-        res = self._run("SHARE", tenant, name, len(add), *add, *remove)
+    def share(
+        self, tenant: str, name: str, add: Sequence[str], remove: Sequence[str], *, offer: bool, max_offers: int
+    ) -> None:
+        """Share directly (`offer` False: with existing tenants) or offer (any names, see lua.SHARE); remove both."""
+        mode = "offer" if offer else "direct"
+        res = self._run("SHARE", tenant, name, mode, max_offers, len(add), *add, *remove)
         if res[0] == "not_found":
             raise NotFound(f"adapter {tenant}/{name} not found")
         if res[0] == "no_tenant":
             raise NotFound(f"tenant {res[1]!r} does not exist")
+        if res[0] == "too_many_offers":
+            raise FailedPrecondition(
+                f"adapter {tenant}/{name} would have more than {max_offers} pending offers: withdraw some first"
+            )
+
+    @_guarded
+    def offers(self, tenant: str) -> list[tuple[str, str, bool]]:
+        """(owner, name, accepted) of the adapters offered to `tenant` or shared with it, sorted."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.smembers(f"preft:tenant:{tenant}:offers_in")
+        pipe.smembers(f"preft:tenant:{tenant}:shared_in")
+        pending, accepted = pipe.execute()
+        found = [(*m.split("/", 1), False) for m in pending] + [(*m.split("/", 1), True) for m in accepted]
+        return sorted(found)  # type: ignore[arg-type]
+
+    @_guarded
+    def answer_offer(self, tenant: str, owner: str, name: str, accept: bool) -> None:
+        if self._run("ANSWER_OFFER", tenant, owner, name, "1" if accept else "0")[0] == "no_offer":
+            # one answer whether the owner, the adapter or the offer is missing
+            raise NotFound(f"no share offer of {owner}/{name} to {tenant!r}")
 
     @_guarded
     def delete(self, tenant: str, name: str, version: int | None) -> list[int]:

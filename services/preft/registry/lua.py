@@ -106,22 +106,63 @@ redis.call('HSET', ak .. ':aliases', ARGV[3], ARGV[4])
 return {'ok'}
 """
 
+# ARGV: owner, name, mode ('direct' = an operator's share, 'offer' = a tenant's), the most pending offers, the
+# count of tenants to add, then the tenants to add and those to remove. An offer names tenants that need not
+# exist and does the same work either way (a tenant's answer must not tell); an offer to a name no tenant has yet
+# waits under it. An accepted share is `:shared` + `shared_in`; a pending offer `:offered` + `offers_in`.
 SHARE = """
-local t, n = ARGV[1], ARGV[2]
-local ak = 'preft:adapter:' .. t .. '/' .. n
+local t, n, mode, max_offers, nadd = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local member = t .. '/' .. n
+local ak = 'preft:adapter:' .. member
 if redis.call('EXISTS', ak) == 0 then return {'not_found'} end
-local nadd = tonumber(ARGV[3])
-for i = 4, #ARGV do
-  if redis.call('EXISTS', 'preft:tenant:' .. ARGV[i]) == 0 then return {'no_tenant', ARGV[i]} end
-end
-for i = 4, #ARGV do
-  if i < 4 + nadd then
-    redis.call('SADD', ak .. ':shared', ARGV[i])
-    redis.call('SADD', 'preft:tenant:' .. ARGV[i] .. ':shared_in', t .. '/' .. n)
-  else
-    redis.call('SREM', ak .. ':shared', ARGV[i])
-    redis.call('SREM', 'preft:tenant:' .. ARGV[i] .. ':shared_in', t .. '/' .. n)
+if mode == 'direct' then
+  for i = 6, #ARGV do
+    if redis.call('EXISTS', 'preft:tenant:' .. ARGV[i]) == 0 then return {'no_tenant', ARGV[i]} end
   end
+else
+  local pending = redis.call('SCARD', ak .. ':offered')
+  for i = 6, 5 + nadd do
+    local known = redis.call('SISMEMBER', ak .. ':offered', ARGV[i]) + redis.call('SISMEMBER', ak .. ':shared', ARGV[i])
+    if known == 0 then pending = pending + 1 end
+  end
+  for i = 6 + nadd, #ARGV do pending = pending - redis.call('SISMEMBER', ak .. ':offered', ARGV[i]) end
+  if pending > max_offers then return {'too_many_offers'} end
+end
+for i = 6, #ARGV do
+  local r = 'preft:tenant:' .. ARGV[i]
+  if i >= 6 + nadd or mode == 'direct' then
+    redis.call('SREM', ak .. ':offered', ARGV[i])
+    redis.call('SREM', r .. ':offers_in', member)
+  end
+  if i >= 6 + nadd then
+    redis.call('SREM', ak .. ':shared', ARGV[i])
+    redis.call('SREM', r .. ':shared_in', member)
+  elseif mode == 'direct' then
+    redis.call('SADD', ak .. ':shared', ARGV[i])
+    redis.call('SADD', r .. ':shared_in', member)
+  elseif redis.call('SISMEMBER', ak .. ':shared', ARGV[i]) == 0 then
+    redis.call('SADD', ak .. ':offered', ARGV[i])
+    redis.call('SADD', r .. ':offers_in', member)
+  end
+end
+return {'ok'}
+"""
+
+# A recipient's answer. ARGV: recipient, owner, name, '1' to accept or '0' to decline (or leave an accepted share).
+ANSWER_OFFER = """
+local r, member, accept = ARGV[1], ARGV[2] .. '/' .. ARGV[3], ARGV[4] == '1'
+local ak, rk = 'preft:adapter:' .. member, 'preft:tenant:' .. ARGV[1]
+local offered = redis.call('SISMEMBER', rk .. ':offers_in', member) == 1
+local shared = redis.call('SISMEMBER', rk .. ':shared_in', member) == 1
+if not (offered or shared) or redis.call('EXISTS', ak) == 0 then return {'no_offer'} end
+redis.call('SREM', rk .. ':offers_in', member)
+redis.call('SREM', ak .. ':offered', r)
+if accept then
+  redis.call('SADD', rk .. ':shared_in', member)
+  redis.call('SADD', ak .. ':shared', r)
+else
+  redis.call('SREM', rk .. ':shared_in', member)
+  redis.call('SREM', ak .. ':shared', r)
 end
 return {'ok'}
 """
@@ -160,7 +201,10 @@ if redis.call('HLEN', vk) == 0 then
   for _, s in ipairs(redis.call('SMEMBERS', ak .. ':shared')) do
     redis.call('SREM', 'preft:tenant:' .. s .. ':shared_in', t .. '/' .. n)
   end
-  redis.call('DEL', ak, vk, alk, ak .. ':shared')
+  for _, s in ipairs(redis.call('SMEMBERS', ak .. ':offered')) do
+    redis.call('SREM', 'preft:tenant:' .. s .. ':offers_in', t .. '/' .. n)
+  end
+  redis.call('DEL', ak, vk, alk, ak .. ':shared', ak .. ':offered')
   redis.call('SREM', tk .. ':adapters', n)
   redis.call('SREM', 'preft:adapters', t .. '/' .. n)
   redis.call('HINCRBY', tk, 'adapter_count', -1)

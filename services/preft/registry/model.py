@@ -19,6 +19,7 @@ __all__ = [
     "HotEntry",
     "Manifest",
     "PositionMode",
+    "ShareOffer",
     "TenantLimits",
     "TenantRecord",
 ]
@@ -136,7 +137,7 @@ class Manifest:
 
 @dataclass(frozen=True)
 class AdapterSummary:
-    """An adapter: its aliases, sharing, and latest version."""
+    """An adapter: its aliases, sharing (accepted shares, pending offers), and latest version."""
 
     tenant: str
     name: str
@@ -144,6 +145,17 @@ class AdapterSummary:
     shared_with: tuple[str, ...]
     version_count: int
     latest: Manifest
+    offered_to: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ShareOffer:
+    """An adapter offered to a tenant or, once accepted, shared with it; `adapter` is None once declined or left."""
+
+    owner: str
+    name: str
+    accepted: bool
+    adapter: AdapterSummary | None = None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from preft.registry.model import (
     HotEntry,
     Manifest,
     PositionMode,
+    ShareOffer,
     TenantLimits,
     TenantRecord,
 )
@@ -32,6 +33,9 @@ from preft.registry.validation import architecture_digest, check_files, check_up
 
 log = logging.getLogger(__name__)
 MAX_HOT = 1000
+# Pending offers one adapter may have: an offer to any name is taken (answers must not tell which tenants exist),
+# so this bounds what one tenant can write into others' offer sets.
+MAX_PENDING_OFFERS = 100
 
 
 class RegistryService:
@@ -229,15 +233,33 @@ class RegistryService:
         self.index.set_alias(check_name(tenant, "tenant id"), check_name(name, "adapter name"), alias, version)
         return self.index.adapter(tenant, name)
 
-    def share(self, tenant: str, name: str, add: Sequence[str], remove: Sequence[str]) -> AdapterSummary:
+    def share(
+        self, tenant: str, name: str, add: Sequence[str], remove: Sequence[str], *, offer: bool = False
+    ) -> AdapterSummary:
+        """Share with `add` at once (an operator's direct share) or, with `offer`, offer it to them; stop sharing
+        with (and withdraw offers to) `remove`."""
         for t in (*add, *remove):
             check_name(t, "tenant id")
         if tenant in add:
             raise InvalidArgument(f"{tenant!r} owns the adapter; sharing is for other tenants")
         if set(add) & set(remove):
             raise InvalidArgument(f"tenants {sorted(set(add) & set(remove))} are both added and removed")
-        self.index.share(check_name(tenant, "tenant id"), check_name(name, "adapter name"), add, remove)
+        tenant, name = check_name(tenant, "tenant id"), check_name(name, "adapter name")
+        self.index.share(tenant, name, add, remove, offer=offer, max_offers=MAX_PENDING_OFFERS)
         return self.index.adapter(tenant, name)
+
+    def share_offers(self, tenant: str) -> list[ShareOffer]:
+        """What is offered to `tenant` (pending) or shared with it (accepted), by owner, then name."""
+        found = self.index.offers(check_name(tenant, "tenant id"))
+        summaries = {(a.tenant, a.name): a for a in self.index.adapters([(o, n) for o, n, _ in found])}
+        return [ShareOffer(o, n, accepted, summaries[o, n]) for o, n, accepted in found if (o, n) in summaries]
+
+    def answer_share_offer(self, tenant: str, owner: str, name: str, accept: bool) -> ShareOffer:
+        """The recipient accepts an offer, or declines it (or leaves the accepted share)."""
+        tenant, owner = check_name(tenant, "tenant id"), check_name(owner, "owner")
+        name = check_name(name, "adapter name")
+        self.index.answer_offer(tenant, owner, name, accept)
+        return ShareOffer(owner, name, accept, self.index.adapter(owner, name) if accept else None)
 
     def delete(self, tenant: str, name: str, version: int | None) -> list[int]:
         if version is not None and version <= 0:

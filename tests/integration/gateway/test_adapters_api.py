@@ -74,7 +74,9 @@ def test_tenants_reach_only_their_own_adapters(gateway, registry, stub, tiny_mod
         assert answer.status_code == 404, answer.text
     assert gateway.http(acme).get("/v1/adapters/mine").status_code == 200  # (still there)
     mine = gateway.http(acme)
-    assert mine.put("/v1/adapters/mine/shares/beta").json()["shared_with"] == ["beta"]
+    assert mine.put("/v1/adapters/mine/shares/beta").json()["offered_to"] == ["beta"]
+    assert other.post("/v1/adapters/shares/offers/acme/mine/accept").status_code == 200  # (test_share_offers)
+    assert mine.get("/v1/adapters/mine").json()["shared_with"] == ["beta"]
     (shared,) = other.get("/v1/adapters").json()["data"]
     assert shared["id"] == "acme/mine" and "shared_with" not in shared
     assert _served_digest(gateway, beta, "acme/mine", stub) == adapter_digest(tiny_models["lora"])

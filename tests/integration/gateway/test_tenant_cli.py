@@ -43,10 +43,21 @@ def test_a_tenant_manages_its_adapters_from_the_command_line(gateway, registry, 
     cli("alias", "mine", "prod", "--remove")
     assert gateway.http(key).get("/v1/adapters/mine").json()["aliases"] == {"latest": 2}
 
-    cli("share", "mine", "globex")
+    assert "offered to globex" in cli("share", "mine", "globex").output
+    assert "offered to globex" in cli("show", "mine").output
+    recipient = _cli(gateway, other)
+    assert gateway.http(other).get("/v1/adapters").json()["data"] == []  # (not until globex accepts)
+    assert "acme/mine" in recipient("offers").output and "offered" in recipient("offers").output
+    assert "accepted" in recipient("accept", "acme/mine").output
     shared = gateway.http(other).get("/v1/adapters").json()["data"]
     assert [a["id"] for a in shared] == ["acme/mine"]
-    assert "acme/mine" in _cli(gateway, other)("list").output
+    assert "acme/mine" in recipient("list").output
+    assert "declined" in recipient("decline", "acme/mine").output
+    assert gateway.http(other).get("/v1/adapters").json()["data"] == []
+    assert "404" in recipient("accept", "acme/mine", code=1).output
+    assert recipient("accept", "mine", code=2).exit_code == 2  # (not owner/name)
+    cli("share", "mine", "globex")
+    recipient("accept", "acme/mine")
     cli("share", "mine", "globex", "--remove")
     assert gateway.http(other).get("/v1/adapters").json()["data"] == []
 

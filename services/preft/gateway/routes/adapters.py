@@ -1,4 +1,5 @@
-"""Tenants manage their own adapters with their API key: upload a version, list, inspect, alias, share and delete.
+"""Tenants manage their own adapters with their API key: upload a version, list, inspect, alias and delete (sharing:
+`preft.gateway.routes.shares`).
 
 The registry does the work as it does for `preft-admin` (validation against the base model, content-addressed
 blobs, atomic publish, the tenant's quotas); the gateway calls it for the caller's tenant only, so a key reaches
@@ -6,12 +7,10 @@ its own tenant's adapters and nothing else (another tenant's adapter answers 404
 is served once the gateway's adapter cache lets go of the old one (`resolve_cache_ttl_s`).
 
     POST   /v1/adapters                         multipart: name, files (the adapter directory's files), mode, alias
-    GET    /v1/adapters                         the tenant's adapters and those shared with it
+    GET    /v1/adapters                         the tenant's adapters and those shared with it (accepted shares)
     GET    /v1/adapters/{name}                  one of its own, with every version
     PUT    /v1/adapters/{name}/aliases/{alias}  {"version": N}: point the alias at a version
     DELETE /v1/adapters/{name}/aliases/{alias}
-    PUT    /v1/adapters/{name}/shares/{tenant}  let another tenant use it (read-only, as owner/name)
-    DELETE /v1/adapters/{name}/shares/{tenant}
     DELETE /v1/adapters/{name}/versions/{version}
     DELETE /v1/adapters/{name}                  every version
 """
@@ -42,9 +41,10 @@ MAX_FILES = 16
 HASH_CHUNK = 1024 * 1024
 
 
-def version_entry(m: apb.AdapterManifest) -> dict[str, Any]:
-    """One adapter version as the API shows it."""
-    return {
+def version_entry(m: apb.AdapterManifest, *, own: bool = True) -> dict[str, Any]:
+    """One adapter version as the API shows it; to another tenant than its owner without `uploader` (it names the
+    owner's API key)."""
+    entry = {
         "object": "adapter.version",
         "id": f"{m.name}@v{m.version}",
         "name": m.name,
@@ -62,10 +62,14 @@ def version_entry(m: apb.AdapterManifest) -> dict[str, Any]:
         "created": m.created_unix_ms // 1000,
         "uploader": m.uploader,
     }
+    if not own:
+        del entry["uploader"]
+    return entry
 
 
 def adapter_entry(a: pb.Adapter, tenant: str) -> dict[str, Any]:
-    """An adapter as the API shows it to `tenant` (its own by name, a shared one as owner/name)."""
+    """An adapter as the API shows it to `tenant` (its own by name with whom it is shared with and offered to, a
+    shared one as owner/name without them)."""
     own = a.tenant == tenant
     entry = {
         "object": "adapter",
@@ -74,9 +78,9 @@ def adapter_entry(a: pb.Adapter, tenant: str) -> dict[str, Any]:
         "owner": a.tenant,
         "aliases": dict(sorted(a.aliases.items())),
         "version_count": a.version_count,
-        "latest": version_entry(a.latest),
+        "latest": version_entry(a.latest, own=own),
     }
-    return {**entry, "shared_with": list(a.shared_with)} if own else entry
+    return {**entry, "shared_with": list(a.shared_with), "offered_to": list(a.offered_to)} if own else entry
 
 
 async def _blob(upload: UploadFile) -> BlobUpload:
@@ -169,18 +173,6 @@ async def set_alias(
 async def remove_alias(name: str, alias: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
     request_pb = pb.SetAliasRequest(tenant=caller.tenant, name=name, alias=alias, version=0)
     return JSONResponse(adapter_entry(await registry.manage("SetAlias", request_pb), caller.tenant))
-
-
-@router.put("/v1/adapters/{name}/shares/{tenant}")
-async def share(name: str, tenant: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
-    request_pb = pb.ShareRequest(tenant=caller.tenant, name=name, add=[tenant])
-    return JSONResponse(adapter_entry(await registry.manage("Share", request_pb), caller.tenant))
-
-
-@router.delete("/v1/adapters/{name}/shares/{tenant}")
-async def unshare(name: str, tenant: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
-    request_pb = pb.ShareRequest(tenant=caller.tenant, name=name, remove=[tenant])
-    return JSONResponse(adapter_entry(await registry.manage("Share", request_pb), caller.tenant))
 
 
 @router.delete("/v1/adapters/{name}/versions/{version}")

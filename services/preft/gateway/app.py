@@ -87,6 +87,7 @@ def create_app(
                     connect_timeout_s=settings.engine_connect_timeout_s,
                     read_timeout_s=settings.engine_read_timeout_s,
                     max_connections=settings.engine_max_connections,
+                    unresponsive_s=settings.engine_unresponsive_s,
                 )
                 stack.push_async_callback(engine.aclose)
             usage = UsageRecorder(reg, interval_s=settings.usage_flush_interval_s)

@@ -44,6 +44,14 @@ class GatewaySettings(BaseSettings):
     engine_read_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait for the engine's answer (non-streaming) or its next streamed chunk"
     )
+    engine_unresponsive_s: float = Field(
+        2.0,
+        gt=0,
+        description="Longest wait for the engine's response headers while the engine shows no sign of life (no answer "
+        "to any request, no health check answer, since half of it): then 503 with Retry-After, not a wait for a new "
+        "replica. While it shows life (a busy replica queueing requests, a long non-streaming answer, whose headers "
+        "come with its last token) requests wait on, up to engine_read_timeout_s",
+    )
     engine_max_connections: int = Field(1024, ge=1, description="Connection pool size towards the engine")
 
     model_dir: Path | None = Field(None, description="Base model directory; its tokenizer is used unless tokenizer_dir")

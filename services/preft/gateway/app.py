@@ -30,6 +30,7 @@ from preft.gateway.metering import TokenMeter
 from preft.gateway.object_store import ObjectStore
 from preft.gateway.observability import RequestMetricsMiddleware, install_access_log_redaction
 from preft.gateway.offline_slots import OfflineSlots
+from preft.gateway.prompt_guard import PromptGuard
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.resolution import AdapterResolver
 from preft.gateway.response_store import ResponseStore
@@ -87,6 +88,7 @@ def create_app(
                     connect_timeout_s=settings.engine_connect_timeout_s,
                     read_timeout_s=settings.engine_read_timeout_s,
                     max_connections=settings.engine_max_connections,
+                    unresponsive_s=settings.engine_unresponsive_s,
                 )
                 stack.push_async_callback(engine.aclose)
             usage = UsageRecorder(reg, interval_s=settings.usage_flush_interval_s)
@@ -135,8 +137,11 @@ def create_app(
                 max_entries=settings.key_cache_max_entries,
                 redis_timeout_s=settings.redis_timeout_s,
             )
+            guard = PromptGuard(tok, settings)
+            stack.callback(guard.close)
             app.state.generation = GenerationService(
                 settings,
+                guard=guard,
                 limiter=RateLimiter(
                     r,
                     redis_timeout_s=settings.redis_timeout_s,

@@ -11,6 +11,12 @@ engine's message; other engine failures (an EngineError of type "internal") beco
 failed, not retried. A stream that fails after its status was sent ends with an EngineError line, which
 raises the same errors.
 
+Fail fast where no replica takes the request: response headers not there within `unresponsive_s` (both tries
+together) while the engine shows no life (``engine_health``) is a 503 (with Retry-After) at that deadline, not a
+wait until Serve has started a new replica; where it shows life the request waits on (queued behind a busy replica,
+or a long non-streaming generation, whose headers come with its last token), bounded by the read timeout. A request
+whose replica died under it (the proxy's bare 500) was accepted: its retry waits for a replacement, as before.
+
 The client is aiohttp, not httpx: posting to the engine stub (`testing`) on a 2-core machine, httpx 0.28 /
 httpcore 1.0.9 went from ~1,000 requests/s with 1 request in flight to ~300 with 32, its CPU spent in the
 connection pool's bookkeeping, while aiohttp went from ~2,500 to ~6,000.
@@ -29,6 +35,7 @@ from pydantic import ValidationError
 from preft.common.errors import InvalidArgument, PreftError, Unavailable
 from preft.common.metrics import ENGINE_RETRIES
 from preft.engine.contract import MULTIPLEX_HEADER, EngineChunk, EngineError, EngineRequest, EngineResponse
+from preft.gateway.engine_health import HEALTH_PATH, EngineHealth
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +51,10 @@ class EngineFailed(PreftError):
     """The engine answered with an internal error or something outside the contract."""
 
 
+class EngineUnresponsive(Unavailable):
+    """No response from the engine by the deadline, and no sign of life from it: no replica took the request."""
+
+
 class EngineClient:
     """Owns the pooled HTTP connections to the engine app (opened lazily, in the running loop) and the retries."""
 
@@ -54,11 +65,15 @@ class EngineClient:
         connect_timeout_s: float = 2.0,
         read_timeout_s: float = 300.0,
         max_connections: int = 1024,
+        unresponsive_s: float = 2.0,
     ) -> None:
-        self._url = base_url.rstrip("/") + GENERATE_PATH
+        base = base_url.rstrip("/")
+        self._url = base + GENERATE_PATH
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
         self._max_connections = max_connections
+        self._unresponsive_s = unresponsive_s
         self._session: aiohttp.ClientSession | None = None
+        self.health = EngineHealth(base + HEALTH_PATH, self._open)
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -67,21 +82,44 @@ class EngineClient:
         return self._session
 
     async def aclose(self) -> None:
+        await self.health.aclose()
         if self._session is not None:
             await self._session.close()
 
-    async def _post(self, req: EngineRequest, model_id: str) -> aiohttp.ClientResponse:
-        return await self._open().post(
-            self._url,
-            data=req.model_dump_json(exclude_none=True).encode(),
-            headers={MULTIPLEX_HEADER: model_id, "content-type": "application/json"},
+    def _deadline(self) -> float:
+        """When a request without response headers is dropped, unless the engine shows life (loop time)."""
+        return asyncio.get_running_loop().time() + self._unresponsive_s
+
+    async def _post(self, req: EngineRequest, model_id: str, deadline_s: float | None) -> aiohttp.ClientResponse:
+        """The engine's response (status, headers) to the request; EngineUnresponsive at `deadline_s` (None: no
+        deadline) where none came and the engine shows no life."""
+        posting = asyncio.ensure_future(
+            self._open().post(
+                self._url,
+                data=req.model_dump_json(exclude_none=True).encode(),
+                headers={MULTIPLEX_HEADER: model_id, "content-type": "application/json"},
+            )
         )
+        try:
+            if deadline_s is not None and not await self.health.worth_waiting(posting, deadline_s):
+                raise EngineUnresponsive(
+                    f"no engine replica answered within {self._unresponsive_s:g} s and the engine shows no sign of "
+                    "life; retry later"
+                )
+            resp = await posting
+        except BaseException:
+            _abandon(posting)  # (closing its connection drops the request from the proxy's queue)
+            raise
+        if resp.status < 500:
+            self.health.seen()
+        return resp
 
     async def generate(self, req: EngineRequest, model_id: str) -> EngineResponse:
         """The whole output of a non-streaming request."""
+        deadline_s = self._deadline()
         for attempt in (1, 2):
             try:
-                async with await self._post(req, model_id) as resp:
+                async with await self._post(req, model_id, deadline_s) as resp:
                     status, body = resp.status, await resp.read()
             except RETRYABLE_ERRORS as e:
                 if attempt == 1:
@@ -92,6 +130,7 @@ class EngineClient:
                 raise _transport_error(e) from e
             if attempt == 1 and (reason := _retry_reason(status, body)):
                 _retrying(reason, f"HTTP {status}")
+                deadline_s = _after(reason, deadline_s)
                 continue
             if status != 200:
                 raise _error_from(status, body)
@@ -107,18 +146,22 @@ class EngineClient:
         Iterate it to the end or `aclose()` it: closing early drops the connection, which tells the engine to
         stop generating. Failures while iterating raise Unavailable (or the error the engine reported).
         """
+        deadline_s = self._deadline()
         for attempt in (1, 2):
             resp: aiohttp.ClientResponse | None = None
             try:
-                resp = await self._post(req, model_id)
+                resp = await self._post(req, model_id, deadline_s)
                 if resp.status != 200:
                     body = await resp.read()
                     _drop(resp)
                     if attempt == 1 and (reason := _retry_reason(resp.status, body)):
                         _retrying(reason, f"HTTP {resp.status}")
+                        deadline_s = _after(reason, deadline_s)
                         continue
                     raise _error_from(resp.status, body)
                 first = await _next_chunk(resp)
+            except EngineUnresponsive:
+                raise  # (its deadline is spent: no retry)
             except Unavailable as e:
                 _drop(resp)
                 if attempt == 1:  # an error line before any chunk: nothing reached the client yet
@@ -140,16 +183,17 @@ class EngineClient:
             if first is None:
                 _drop(resp)
                 raise EngineFailed("the engine's stream ended without a chunk")
-            return EngineStream(resp, first)
+            return EngineStream(resp, first, self.health)
         raise AssertionError("unreachable")
 
 
 class EngineStream:
     """An open engine stream: iterate its chunks; `aclose()` (idempotent) ends it early and frees the connection."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, first: EngineChunk) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, first: EngineChunk, health: EngineHealth | None = None) -> None:
         self._resp: aiohttp.ClientResponse | None = resp
         self._first: EngineChunk | None = first
+        self._health = health
 
     def __aiter__(self) -> EngineStream:
         return self
@@ -171,6 +215,8 @@ class EngineStream:
         if chunk is None:
             await self.aclose()
             raise StopAsyncIteration
+        if self._health is not None:
+            self._health.seen()  # (a replica streaming is alive, whatever else it has queued)
         return chunk
 
     async def aclose(self) -> None:
@@ -202,6 +248,20 @@ def _drop(resp: aiohttp.ClientResponse | None) -> None:
                 resp.release()
             else:
                 resp.close()
+
+
+def _after(reason: str, deadline_s: float | None) -> float | None:
+    """The deadline of a retry: none after the replica that had taken the request died (it was accepted: it waits for
+    a replacement, as before, bounded by the read timeout), else the request's own."""
+    return None if reason == "replica_lost" else deadline_s
+
+
+def _abandon(posting: asyncio.Future) -> None:
+    """Stop waiting for a request's response: cancel it, or close the response that came meanwhile."""
+    if not posting.done():
+        posting.cancel()
+    elif not posting.cancelled() and posting.exception() is None:
+        posting.result().close()
 
 
 def _transport_error(e: BaseException) -> Unavailable:

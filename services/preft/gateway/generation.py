@@ -1,6 +1,6 @@
-"""One generation's path once its prompt is tokenized: lengths, rate limits and quota, adapter resolution, the
-engine call, and releasing what was reserved. Completions and chat differ only in how they build the prompt and
-format the answer.
+"""One generation's path around its prompt's tokenizing: the rate limit charged an estimate before (``precharged``),
+then lengths, the rate limits and quota settled with the real count, adapter resolution, the engine call, and
+releasing what was reserved. Completions and chat differ only in how they build the prompt and format the answer.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -22,6 +22,7 @@ from preft.gateway.engine_client import EngineClient, EngineStream
 from preft.gateway.errors import PayloadTooLarge
 from preft.gateway.limits import Admission, RateLimiter
 from preft.gateway.metering import Metered, TokenMeter
+from preft.gateway.prompt_guard import PromptGuard
 from preft.gateway.resolution import AdapterResolver, Resolution
 from preft.gateway.schemas import GenerationBody
 from preft.gateway.settings import GatewaySettings
@@ -53,6 +54,15 @@ def held_metering(later_s: float) -> Iterator[HeldMetering]:
         yield held
     finally:
         _HELD.reset(token)
+
+
+@dataclass
+class Precharge:
+    """What a request took from its tenant's buckets before its prompt was tokenized (an estimate; None: offline
+    work, which takes from no bucket), until `admit` settles it with the real count."""
+
+    admission: Admission | None
+    settled: bool = False
 
 
 @dataclass
@@ -111,8 +121,10 @@ class GenerationService:
         resolver: AdapterResolver,
         engine: EngineClient,
         meter: TokenMeter | None = None,
+        guard: PromptGuard,
     ) -> None:
         self.settings = settings
+        self.guard = guard
         self.limiter = limiter
         self.resolver = resolver
         self.engine = engine
@@ -140,6 +152,34 @@ class GenerationService:
             )
         return requested
 
+    @contextlib.asynccontextmanager
+    async def precharged(
+        self, caller: Caller, body: GenerationBody, fewest: list[int], *, max_tokens: int | None, request_id: str
+    ) -> AsyncIterator[Precharge]:
+        """Take the request and an estimate of its tokens (`fewest` per prompt, ``prompt_guard``, and max_tokens per
+        sample) from the tenant's buckets before its prompts are tokenized, so an empty bucket refuses (429) without
+        the tokenizer's work; `admit` inside settles it with the real count. Given back where the block fails
+        before."""
+        if caller.offline:  # (a batch's line: reserved against the quota only, when admitted)
+            yield Precharge(None)
+            return
+        s = self.settings
+        keep = body.truncate_prompt_tokens
+        if keep is not None:
+            fewest = [min(tokens, s.max_prompt_tokens if keep == -1 else keep) for tokens in fewest]
+        # (the fewest generated tokens: max_tokens where given, else the default as capped by the longest prompt)
+        budget = (
+            max_tokens if max_tokens is not None else min(s.default_max_tokens, s.max_model_len - s.max_prompt_tokens)
+        )
+        estimate = sum(fewest) + len(fewest) * body.samples() * budget
+        pre = Precharge(await self.limiter.admit(caller.tenant, estimate, request_id=request_id))
+        try:
+            yield pre
+        except BaseException:
+            if not pre.settled and pre.admission is not None:
+                self._release(pre.admission, unused=pre.admission.tokens_reserved, used=0)
+            raise
+
     async def admit(
         self,
         caller: Caller,
@@ -149,9 +189,11 @@ class GenerationService:
         max_tokens: int | None,
         request_id: str,
         vocab_size: int,
+        precharge: Precharge | None = None,
     ) -> Job:
         """Check lengths, take from the tenant's buckets and reserve against its monthly quota (each prompt, and
-        max_tokens per sample: `n`, or `best_of`), then resolve the model (404/503 give the tokens back)."""
+        max_tokens per sample: `n`, or `best_of`), or settle the `precharge` with that, then resolve the model
+        (404/503 give the tokens back)."""
         budgets = [self.max_tokens_for(len(prompt), max_tokens) for prompt in prompts]
         stop, logprobs = body.stop_list(), body.engine_logprobs()  # (400s before anything is reserved)
         logit_bias, constraint, n = body.token_biases(vocab_size), body.constraint(), body.samples()
@@ -164,6 +206,9 @@ class GenerationService:
         reserved = sum(len(prompt) + n * budget for prompt, budget in zip(prompts, budgets, strict=True))
         if caller.offline:  # (a batch's line: offline work takes from no per-minute bucket, only the quota)
             admission = await self.limiter.admit_offline(caller.tenant, reserved, request_id=request_id)
+        elif precharge is not None and precharge.admission is not None:
+            admission = await self.limiter.settle(precharge.admission, reserved, request_id=request_id)
+            precharge.settled = True
         else:
             admission = await self.limiter.admit(caller.tenant, reserved, request_id=request_id)
         try:

@@ -11,6 +11,12 @@ never reached the engine) is given back after it finishes. So concurrent long ge
 budget, and short answers cost only what they used. A request that needs more tokens than the tenant's whole
 per-minute budget can never be admitted: 429 without Retry-After.
 
+Charged before tokenizing: a generation's request and an estimate of its tokens (the fewest its prompt's bytes can
+be, ``prompt_guard``, plus max_tokens per sample) are taken before its prompt is tokenized, so an empty bucket refuses
+without the tokenizer's work; `settle` then corrects the tokens to the real count in one script call (the difference
+taken, or given back). Refused there, the estimate is given back, and the request stays counted: it cost a
+tokenization.
+
 Monthly quota: where the tenant's hash sets `tokens_per_month` (absent or 0: no quota), the same script also
 reserves the request's cost (the bucket's estimate) against the UTC month, refusing with 429 `insufficient_quota`
 where the month's metered tokens (``metering``'s month counter, a second or so behind the answers) plus the
@@ -111,6 +117,18 @@ local function reserve(cost, now)
   redis.call('EXPIRE', KEYS[4], tonumber(ARGV[4]))
   redis.call('EXPIRE', KEYS[5], tonumber(ARGV[4]))
 end
+-- the buckets' levels now (KEYS[2]), refilled since their last change; a missing key reads as full
+local function levels(rpm, tpm, now)
+  local s = redis.call('HMGET', KEYS[2], 'req', 'tok', 'ts')
+  if not s[3] then return rpm, tpm end
+  local dt = math.max(0, now - tonumber(s[3]))
+  return math.min(rpm, tonumber(s[1]) + dt * rpm / 60000), math.min(tpm, tonumber(s[2]) + dt * tpm / 60000)
+end
+local function store(req, tok, now)
+  redis.call('HSET', KEYS[2], 'req', tostring(req), 'tok', tostring(tok), 'ts', tostring(now))
+  -- an untouched bucket is full again after a minute: the key may go, and a missing key reads as full
+  redis.call('PEXPIRE', KEYS[2], 60000)
+end
 """.replace("LAPSE_BATCH", str(LAPSE_BATCH))
 )
 
@@ -129,13 +147,7 @@ if quota > 0 then
   if refused then return refused end
 end
 if cost > tpm then return {'too_large', tostring(tpm)} end
-local s = redis.call('HMGET', KEYS[2], 'req', 'tok', 'ts')
-local req, tok = rpm, tpm
-if s[3] then
-  local dt = math.max(0, now - tonumber(s[3]))
-  req = math.min(rpm, tonumber(s[1]) + dt * rpm / 60000)
-  tok = math.min(tpm, tonumber(s[2]) + dt * tpm / 60000)
-end
+local req, tok = levels(rpm, tpm, now)
 if req < 1 or tok < cost then
   local wait_req, wait_tok = 0, 0
   if req < 1 then wait_req = (1 - req) * 60000 / rpm end
@@ -145,9 +157,44 @@ if req < 1 or tok < cost then
   return {'limited', tostring(math.max(wait_req, wait_tok)), which}
 end
 req, tok = req - 1, tok - cost
-redis.call('HSET', KEYS[2], 'req', tostring(req), 'tok', tostring(tok), 'ts', tostring(now))
--- an untouched bucket is full again after a minute: the key may go, and a missing key reads as full
-redis.call('PEXPIRE', KEYS[2], 60000)
+store(req, tok, now)
+local reserved = '0'
+if quota > 0 and cost > 0 then reserve(cost, now); reserved = '1' end
+return {'ok', tostring(math.floor(req)), tostring(math.floor(tok)), tostring(rpm), tostring(tpm), reserved}
+"""
+)
+
+# KEYS[1..7] as TAKE_LUA's, KEYS[8] / KEYS[9] = the reserved tokens / reservations holding the settled admission's
+# entry (unused where it has none); ARGV[1..4] as TAKE_LUA's (ARGV[1]: the tokens the request takes in all), ARGV[5] =
+# the tokens the admission took, ARGV[6] = '1' where it holds a reservation. Settling an admission made on an estimate:
+# the difference is taken from the token bucket (or given back), no request more, and the reservation becomes one of
+# the new tokens; a refusal changes nothing (the admission stands).
+SETTLE_LUA = (
+    QUOTA_LUA
+    + """
+local lim = redis.call('HMGET', KEYS[1], 'requests_per_min', 'tokens_per_min', 'tokens_per_month')
+local rpm, tpm, quota = tonumber(lim[1]), tonumber(lim[2]), tonumber(lim[3]) or 0
+if not rpm or not tpm then return {'no_tenant'} end
+local cost, took, held = tonumber(ARGV[1]), tonumber(ARGV[5]), ARGV[6] == '1'
+local more = cost - took
+local now = clock()
+if quota > 0 then
+  -- (its reservation already counts among the held tokens)
+  local unreserved = cost
+  if held then unreserved = more end
+  if unreserved > 0 then
+    local refused = over_quota(quota, unreserved, now)
+    if refused then return refused end
+  end
+end
+if cost > tpm then return {'too_large', tostring(tpm)} end
+local req, tok = levels(rpm, tpm, now)
+if more > 0 and tok < more then
+  return {'limited', tostring((more - tok) * 60000 / tpm), 'tokens'}
+end
+tok = math.min(tpm, tok - more)
+store(req, tok, now)
+if held and redis.call('ZREM', KEYS[9], ARGV[2] .. ':' .. took) == 1 then take_off(KEYS[8], KEYS[9], took) end
 local reserved = '0'
 if quota > 0 and cost > 0 then reserve(cost, now); reserved = '1' end
 return {'ok', tostring(math.floor(req)), tostring(math.floor(tok)), tostring(rpm), tostring(tpm), reserved}
@@ -255,6 +302,7 @@ class RateLimiter:
         meter_interval_s: float = 1.0,
     ) -> None:
         self._take = redis.register_script(TAKE_LUA)
+        self._settle = redis.register_script(SETTLE_LUA)
         self._offline = redis.register_script(OFFLINE_LUA)
         self._refund = redis.register_script(REFUND_LUA)
         self._timeout_s = redis_timeout_s
@@ -273,6 +321,22 @@ class RateLimiter:
             reservation = Reservation(entry_id, tokens, (keys[3], keys[4])) if res[5] == "1" else None
             return Admission(tenant, tokens, int(res[3]), int(res[1]), int(res[4]), int(res[2]), reservation)
         raise self._refusal(tenant, tokens, res)
+
+    async def settle(self, admission: Admission, tokens: int, *, request_id: str) -> Admission:
+        """The admission of a request charged an estimate before its prompt was tokenized, corrected to `tokens`: the
+        difference taken from the token bucket (or given back) and its quota reservation made one of `tokens`, or
+        RateLimited / QuotaExceeded (429) where the difference does not fit; then `admission` still stands (the
+        caller releases it)."""
+        keys = _keys(admission.tenant)
+        held = admission.reservation
+        entry_id = held.entry_id if held is not None else request_id or uuid.uuid4().hex
+        args = [*self._args(tokens, entry_id), admission.tokens_reserved, "1" if held is not None else "0"]
+        script = self._settle(keys=[*keys, *(held.keys if held is not None else keys[3:5])], args=args)
+        res = await guarded(script, self._timeout_s)
+        if res[0] == "ok":
+            reservation = Reservation(entry_id, tokens, (keys[3], keys[4])) if res[5] == "1" else None
+            return Admission(admission.tenant, tokens, int(res[3]), int(res[1]), int(res[4]), int(res[2]), reservation)
+        raise self._refusal(admission.tenant, tokens, res)
 
     async def admit_offline(self, tenant: str, tokens: int = 0, *, request_id: str = "") -> Admission:
         """Admit offline work (a batch's line): it takes from no bucket, but reserves `tokens` against the tenant's

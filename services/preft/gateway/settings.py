@@ -44,6 +44,14 @@ class GatewaySettings(BaseSettings):
     engine_read_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait for the engine's answer (non-streaming) or its next streamed chunk"
     )
+    engine_unresponsive_s: float = Field(
+        2.0,
+        gt=0,
+        description="Longest wait for the engine's response headers while the engine shows no sign of life (no answer "
+        "to any request, no health check answer, since half of it): then 503 with Retry-After, not a wait for a new "
+        "replica. While it shows life (a busy replica queueing requests, a long non-streaming answer, whose headers "
+        "come with its last token) requests wait on, up to engine_read_timeout_s",
+    )
     engine_max_connections: int = Field(1024, ge=1, description="Connection pool size towards the engine")
 
     model_dir: Path | None = Field(None, description="Base model directory; its tokenizer is used unless tokenizer_dir")
@@ -52,6 +60,31 @@ class GatewaySettings(BaseSettings):
     max_model_len: int = Field(8192, ge=2, description="Prompt + generated tokens the engine can hold per request")
     max_prompt_tokens: int = Field(8191, ge=1, description="Longest prompt accepted, in tokens (longer: 413)")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request sets none (capped by length)")
+    prompt_max_bytes_per_token: int = Field(
+        32,
+        ge=1,
+        description="Bound on a prompt's average UTF-8 bytes per token (real text: 3-6): a prompt text (or rendered "
+        "conversation) over max_prompt_tokens × this many bytes is refused (413) before it is tokenized, and the "
+        "rate limit is charged bytes / this many tokens for it before tokenizing, settled with the real count after",
+    )
+    tokenize_workers: int = Field(
+        1,
+        ge=1,
+        description="Threads tokenizing long prompts off the event loop (keep it below the replica's cores: the event "
+        "loop needs one)",
+    )
+    tokenize_per_tenant: int = Field(
+        2,
+        ge=1,
+        description="Long prompts of one tenant in the tokenizing threads (running or queued) at once per replica, so "
+        "another tenant's waits behind a few of them at most; more wait for a slot",
+    )
+    tokenize_wait_s: float = Field(
+        2.0,
+        ge=0,
+        description="How long a long prompt waits for one of its tenant's tokenizing slots before it is refused with "
+        "429 and Retry-After",
+    )
     tool_call_format: ToolCallFormat = Field(
         "hermes",
         description="How the base model writes tool calls: hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.1), mistral "
@@ -213,6 +246,11 @@ class GatewaySettings(BaseSettings):
         if self.max_prompt_tokens >= self.max_model_len:
             raise ValueError("max_prompt_tokens must be below max_model_len (one token is left to generate)")
         return self
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """Longest prompt text accepted, in UTF-8 bytes (longer: 413 before tokenizing)."""
+        return self.max_prompt_tokens * self.prompt_max_bytes_per_token
 
     @property
     def tokenizer_path(self) -> Path | None:

@@ -60,6 +60,7 @@ class StubEngine:
     """Owns the stub's behaviour (delay, failures) and what it has received: (multiplexed model id, request)."""
 
     token_delay_s: float = 0.0
+    health_delay_s: float = 0.0  # before GET /healthz answers (long: a replica too busy to answer it)
     vocab_size: int = 384
     record: bool = True
     reply: str | None = None  # answer this text (in REPLY_PIECE-character tokens, then "stop"), not ` w<id>` tokens
@@ -71,6 +72,10 @@ class StubEngine:
     # requests being answered now, and the most at once, by priority (live 0, offline 1)
     in_flight: Counter[int] = field(default_factory=Counter)
     most_in_flight: Counter[int] = field(default_factory=Counter)
+
+    async def healthz(self, request: Request) -> Response:
+        await asyncio.sleep(self.health_delay_s)
+        return JSONResponse({"status": "ok"})
 
     def fail_next(
         self, status: int | None = 503, times: int = 1, *, after_chunks: int | None = None, replica_lost: bool = False
@@ -210,9 +215,10 @@ def _error(status: int, kind: str, message: str) -> Response:
 
 
 def create_stub_engine(stub: StubEngine | None = None) -> Starlette:
-    """The stub as an ASGI app (POST /generate); `app.state.stub` is its StubEngine."""
+    """The stub as an ASGI app (POST /generate, GET /healthz); `app.state.stub` is its StubEngine."""
     stub = stub or StubEngine(record=False)
-    app = Starlette(routes=[Route("/generate", stub.generate, methods=["POST"])])
+    routes = [Route("/generate", stub.generate, methods=["POST"]), Route("/healthz", stub.healthz, methods=["GET"])]
+    app = Starlette(routes=routes)
     app.state.stub = stub
     return app
 

@@ -164,19 +164,30 @@ async def start_chat(
     tools = plan.template_tools() if plan is not None else None
     if plan is not None and plan.mode == "auto":
         body.skip_special_tokens = False  # (as vLLM: a call's marker may be a special token, and must reach the reader)
-    prompt_ids = await tokenizer.encode_chat(
+    text = tokenizer.render_chat(
         body.conversation(),
         tools,
         continue_final=body.continue_final_message,
         template_kwargs=body.template_kwargs(),
     )
-    prompt_ids = body.truncated(prompt_ids, generation.settings.max_prompt_tokens)
-    thinking = None
-    if generation.settings.reasoning_format == "think":
-        thinking = Thinking.of_prompt(tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
-    job = await generation.admit(
-        caller, body, [prompt_ids], max_tokens=body.token_limit, request_id=request_id, vocab_size=tokenizer.vocab_size
-    )
+    fewest = [generation.guard.fewest_tokens(text, "conversation, rendered with the chat template,")]
+    max_tokens, vocab_size = body.token_limit, tokenizer.vocab_size
+    async with generation.precharged(caller, body, fewest, max_tokens=max_tokens, request_id=request_id) as pre:
+        # (the template writes any special tokens itself)
+        prompt_ids = await generation.guard.encode(caller.tenant, text, add_special_tokens=False)
+        prompt_ids = body.truncated(prompt_ids, generation.settings.max_prompt_tokens)
+        thinking = None
+        if generation.settings.reasoning_format == "think":
+            thinking = Thinking.of_prompt(tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+        job = await generation.admit(
+            caller,
+            body,
+            [prompt_ids],
+            max_tokens=max_tokens,
+            request_id=request_id,
+            vocab_size=vocab_size,
+            precharge=pre,
+        )
     return job, plan, thinking
 
 

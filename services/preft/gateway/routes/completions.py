@@ -16,6 +16,7 @@ from preft.gateway.deps import CallerDep, CompletionBodyDep, GenerationDep, Toke
 from preft.gateway.generation import GenerationService, total_usage
 from preft.gateway.logprobs import Echo, completion_logprobs
 from preft.gateway.observability import started_s
+from preft.gateway.prompt_guard import PromptGuard
 from preft.gateway.schemas import CompletionBody
 from preft.gateway.sse import stream_response, usage_dict
 from preft.gateway.tokenization import PromptTokenizer
@@ -60,11 +61,17 @@ class CompletionChunks:
         return {**self.head, "choices": [], "usage": usage_dict(usage)}
 
 
-async def _token_ids(prompt: str | list[int], tokenizer: PromptTokenizer) -> list[int]:
+def _fewest_tokens(prompt: str | list[int], guard: PromptGuard) -> int:
+    """The fewest tokens the prompt can have (413 for a text too long to tokenize)."""
+    return guard.fewest_tokens(prompt) if isinstance(prompt, str) else len(prompt)
+
+
+async def _token_ids(prompt: str | list[int], guard: PromptGuard, tenant: str) -> list[int]:
     if isinstance(prompt, str):
-        return await tokenizer.encode(prompt)
-    if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
-        raise InvalidArgument(f"prompt: token ids must be in [0, {tokenizer.vocab_size})")
+        return await guard.encode(tenant, prompt)
+    vocab_size = guard.tokenizer.vocab_size
+    if any(not 0 <= t < vocab_size for t in prompt):
+        raise InvalidArgument(f"prompt: token ids must be in [0, {vocab_size})")
     return list(prompt)
 
 
@@ -110,16 +117,25 @@ async def completion(
     """A text completion, whole or streamed: the answer of POST /v1/completions (and of a batch's line)."""
     body.refuse_unsupported()
     prompts = body.prompts()
-    whole = [await _token_ids(prompt, tokenizer) for prompt in prompts]
-    prompt_ids = [body.truncated(ids, generation.settings.max_prompt_tokens) for ids in whole]
-    echoes = [
-        _echo(prompt, ids, tokenizer, truncated=len(ids) < len(all_ids)) if body.echo else None
-        for prompt, ids, all_ids in zip(prompts, prompt_ids, whole, strict=True)
-    ]
+    fewest = [_fewest_tokens(prompt, generation.guard) for prompt in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    job = await generation.admit(
-        caller, body, prompt_ids, max_tokens=body.max_tokens, request_id=request_id, vocab_size=tokenizer.vocab_size
-    )
+    vocab_size = tokenizer.vocab_size
+    async with generation.precharged(caller, body, fewest, max_tokens=body.max_tokens, request_id=request_id) as pre:
+        whole = [await _token_ids(prompt, generation.guard, caller.tenant) for prompt in prompts]
+        prompt_ids = [body.truncated(ids, generation.settings.max_prompt_tokens) for ids in whole]
+        echoes = [
+            _echo(prompt, ids, tokenizer, truncated=len(ids) < len(all_ids)) if body.echo else None
+            for prompt, ids, all_ids in zip(prompts, prompt_ids, whole, strict=True)
+        ]
+        job = await generation.admit(
+            caller,
+            body,
+            prompt_ids,
+            max_tokens=body.max_tokens,
+            request_id=request_id,
+            vocab_size=vocab_size,
+            precharge=pre,
+        )
     headers = {"x-request-id": request_id, **job.admission.headers()}
     n = body.n or 1
     if body.stream:

@@ -3,6 +3,11 @@
 A client counts a prompt's tokens (what rate limits and the context length charge) or a conversation's, rendered with
 the chat template as the chat route renders it (tools included), and turns token ids back into text. `model` must be a
 model the caller may use (404 otherwise, as on the generation routes).
+
+Bounded like the generation routes: a text over the prompt byte limit (or more token ids than max_model_len) is
+refused (413) before any work, each call takes one request from the tenant's requests/min bucket (none of its tokens:
+counting a prompt is not generating it) before tokenizing, and long texts are tokenized within the tenant's slots off
+the event loop (``prompt_guard``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
 from preft.common.errors import InvalidArgument
-from preft.gateway.deps import CallerDep, ResolverDep, SettingsDep, TokenizerDep, json_body
+from preft.gateway.deps import CallerDep, GenerationDep, ResolverDep, SettingsDep, TokenizerDep, json_body
+from preft.gateway.errors import PayloadTooLarge
 from preft.gateway.resolution import AdapterResolver
 from preft.gateway.schemas import ChatMessage, TemplateKwargs
 from preft.gateway.settings import GatewaySettings
@@ -55,18 +61,25 @@ async def tokenize(
     resolver: ResolverDep,
     settings: SettingsDep,
     tokenizer: TokenizerDep,
+    generation: GenerationDep,
     body: Annotated[TokenizeBody, Depends(json_body(TokenizeBody))],
 ) -> JSONResponse:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidArgument("give either prompt or messages")
-    await _check_model(body.model, caller.tenant, resolver, settings)
+    guard = generation.guard
     if body.prompt is not None:
-        tokens = await tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        text, special, what = body.prompt, body.add_special_tokens, "prompt"
     else:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         turns = [m.turn() for m in body.messages or []]
-        tokens = await tokenizer.encode_chat(turns, tools, template_kwargs=body.chat_template_kwargs)
-    return JSONResponse({"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens})
+        text = tokenizer.render_chat(turns, tools, template_kwargs=body.chat_template_kwargs)
+        special, what = False, "conversation, rendered with the chat template,"  # (the template writes them)
+    guard.fewest_tokens(text, what)
+    await _check_model(body.model, caller.tenant, resolver, settings)
+    admission = await generation.limiter.admit(caller.tenant, 0)
+    tokens = await guard.encode(caller.tenant, text, add_special_tokens=special)
+    answer = {"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens}
+    return JSONResponse(answer, headers=admission.headers())
 
 
 @router.post("/detokenize")
@@ -75,9 +88,16 @@ async def detokenize(
     resolver: ResolverDep,
     settings: SettingsDep,
     tokenizer: TokenizerDep,
+    generation: GenerationDep,
     body: Annotated[DetokenizeBody, Depends(json_body(DetokenizeBody))],
 ) -> JSONResponse:
+    if len(body.tokens) > settings.max_model_len:
+        raise PayloadTooLarge(
+            f"tokens: {len(body.tokens)} token ids; this server detokenizes at most {settings.max_model_len} "
+            "(max_model_len) at once."
+        )
     if any(not 0 <= t < tokenizer.vocab_size for t in body.tokens):
         raise InvalidArgument(f"tokens: token ids must be in [0, {tokenizer.vocab_size})")
     await _check_model(body.model, caller.tenant, resolver, settings)
-    return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+    admission = await generation.limiter.admit(caller.tenant, 0)
+    return JSONResponse({"prompt": tokenizer.decode(body.tokens)}, headers=admission.headers())

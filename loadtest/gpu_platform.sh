@@ -17,10 +17,12 @@ mkdir -p "$state" "${OUT:=/tmp/out}"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 df -h / /tmp | tail -n +2
 set +e
-python3 -m loadtest.platform "$@" --preset "${PRESET:-llama8b}" --state-dir "$state" --out "$state/gpu-platform" \
+# results straight into $OUT (a call stopped at its limit still returns the runs so far), merged with earlier calls
+cp "$state"/gpu-platform.json "$OUT/" 2>/dev/null
+python3 -m loadtest.platform "$@" --preset "${PRESET:-llama8b}" --state-dir "$state" --out "$OUT/gpu-platform" \
   2>&1 | tee "$OUT/$1.log"
 rc=${PIPESTATUS[0]}
-cp "$state"/gpu-platform.json "$state"/gpu-platform.md "$OUT/" 2>/dev/null
+cp "$OUT"/gpu-platform.json "$state/" 2>/dev/null
 # the stack's, the peers' and the engine replica's logs (Ray keeps the replica's in its session folder)
 tar -czf "$OUT/logs.tar.gz" -C / --ignore-failed-read "${state#/}/stack/logs" "${state#/}/logs" \
   tmp/ray/session_latest/logs/serve 2>/dev/null

@@ -238,15 +238,6 @@ def run_platform(args, preset: Preset, results: Results, state: Path) -> None:
             )
             results.data.update(device=device_name(), fleet=asdict(preset.fleet), engine=asdict(preset.flags))
             results.data["engine"]["model"] = str(preset.flags.model.name)
-            if args.cold_start and not results.data["cold_start"]:
-                results.data["cold_start"] = coldstart.measure(
-                    info.gateway_url,
-                    fleet.cold,
-                    fleet.direft,
-                    gpu_slots=preset.flags.max_loras,
-                    host_adapters=preset.flags.max_cpu_loras,
-                )
-                results.save()
             keys = [{"api_key": k, "model": fleet.base_model} for k in fleet.keys]
             targets = {
                 "base": keys,
@@ -265,6 +256,17 @@ def run_platform(args, preset: Preset, results: Results, state: Path) -> None:
                 row = measure.run(load, prom, measure.platform_series(PLATFORM_MODES[mode]), SCRAPE_S)
                 results.add_run(_row(preset, mode, popularity, concurrency, workload, kind, len(targets[mode]), row))
                 log.info("  -> %s", json.dumps(row))
+            # (after the runs: the ratios matter most when a phase is cut short; the set-up below does not depend
+            # on what the runs left in the tiers)
+            if args.cold_start and not results.data["cold_start"]:
+                results.data["cold_start"] = coldstart.measure(
+                    info.gateway_url,
+                    fleet.cold,
+                    fleet.direft,
+                    gpu_slots=preset.flags.max_loras,
+                    host_adapters=preset.flags.max_cpu_loras,
+                )
+                results.save()
             results.data["paging"] = _paging(prom)
             results.save()
     finally:

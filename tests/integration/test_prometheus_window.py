@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
+from loadtest.platform.measure import Series, read_window
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from loadtest.platform.measure import Series, read_window
 from preft.stack import free_port
 from preft.stack.process import LOOPBACK, wait_until
 from preft.stack.servers import PrometheusServer

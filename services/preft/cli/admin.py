@@ -32,6 +32,7 @@ from preft.common.refs import AdapterRef
 from preft.common.settings import AdminSettings
 from preft.registry.client import RegistryClient, scan_adapter_dir
 from preft.registry.usage import parse_iso_day, query_days
+from preft.stack.local import local_admin_token
 
 app = typer.Typer(help="Operate the preft-serve adapter registry.", no_args_is_help=True, add_completion=False)
 tenant_app = typer.Typer(help="Tenants and their limits.", no_args_is_help=True)
@@ -66,16 +67,25 @@ class Options:
 def main(
     ctx: typer.Context,
     registry: Annotated[str | None, typer.Option(help="Registry host:port [env PREFT_ADMIN__REGISTRY].")] = None,
-    token: Annotated[str | None, typer.Option(help="Registry admin token [env PREFT_ADMIN__TOKEN].")] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            help="Registry admin token [env PREFT_ADMIN__TOKEN; default: the local stack's, from "
+            "PREFT_ADMIN__STACK_DIR (.preft/stack)/secrets.json, while `preft up` runs it]."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     settings = AdminSettings()
-    ctx.obj = Options(
-        registry=registry or settings.registry,
-        token=token or settings.token.get_secret_value(),
-        timeout_s=settings.timeout_s,
-        as_json=as_json,
-    )
+    given = settings.model_fields_set  # (what the environment sets; the rest are defaults)
+    asked = registry or (settings.registry if "registry" in given else None)
+    local = None
+    if token is None and "token" not in given:
+        # The stack `preft up` runs here keeps a random token in its owner-only secrets.json: use it when the
+        # registry asked for is that stack's, or none was asked for (its ports may not be the default ones).
+        local = local_admin_token(Path(settings.stack_dir), asked)
+    address, secret = local or (asked or settings.registry, token or settings.token.get_secret_value())
+    ctx.obj = Options(registry=address, token=secret, timeout_s=settings.timeout_s, as_json=as_json)
 
 
 @contextmanager

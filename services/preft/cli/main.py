@@ -3,10 +3,13 @@ on a gateway (`adapters`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shlex
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -15,6 +18,9 @@ from rich.table import Table
 from preft.cli.tenant import app as adapters_app
 from preft.engine.requests import REQUEST_KEYS, GenerationRequest, GenerationResult, RequestError, read_requests
 from preft.vllm_plugin.modes import PositionMode
+
+if TYPE_CHECKING:
+    from preft.stack.local import StackInfo
 
 app = typer.Typer(
     help="preft-serve: many adapters at base-model speed (adapters on prompt tokens only).",
@@ -140,26 +146,49 @@ def generate(
 
 
 StateDirOpt = Annotated[Path, typer.Option("--state-dir", help="Where the local stack keeps its state and logs.")]
+DEFAULT_STATE_DIR = Path(".preft/stack")
 
 
-@app.command()
-def up(state_dir: StateDirOpt = Path(".preft/stack")) -> None:
-    """Start the local platform (Redis, S3, registry, Ray Serve engine, gateway) and print how to call it."""
-    from preft.stack import control
-    from preft.stack.process import ServerError
+def _pasteable(path: Path, cwd: Path) -> str:
+    """`path` as a shell word that works pasted in `cwd`: relative when under it (`.venv/bin/preft`), else absolute."""
+    path = Path(os.path.abspath(path))  # (not resolve(): a venv's python is a symlink out of the venv)
+    with contextlib.suppress(ValueError):
+        return shlex.quote(str(path.relative_to(cwd)))
+    return shlex.quote(str(path))
 
-    err.print(f"starting the local stack in {state_dir} (first start: ~1-2 min) ...")
-    try:
-        info = control.start(state_dir)
-    except ServerError as e:
-        err.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1) from None
-    demo_info = json.loads((state_dir / "demo.json").read_text())
-    key, url = demo_info["api_key"], info.gateway_url
-    lora = (state_dir / "adapters" / "lora").resolve()
-    sys.stdout.write(
-        f"""preft-serve is up: gateway {url}, registry {info.registry_address}, engine {info.engine_url}
-demo tenant {demo_info["tenant"]!r}, adapters {", ".join(demo_info["adapters"])}; stop with `preft down`.
+
+def _commands(executable: Path, cwd: Path) -> tuple[str, str, str]:
+    """How to run this environment's python, `preft` and `preft-admin` from `cwd`: the scripts beside the running
+    interpreter (a venv's bin/), since that directory is rarely on PATH and the system python lacks our packages."""
+    python = _pasteable(executable, cwd)
+    scripts = [executable.parent / name for name in ("preft", "preft-admin")]
+    preft, admin = (
+        _pasteable(path, cwd) if path.is_file() else f"{python} -m preft.cli.{module}"
+        for path, module in zip(scripts, ("main", "admin"), strict=True)
+    )
+    return python, preft, admin
+
+
+def up_message(
+    info: StackInfo, demo: dict, state_dir: Path, *, executable: Path, cwd: Path, already_running: bool = False
+) -> str:
+    """What `preft up` prints on stdout: where the stack is, and commands that work pasted as printed in `cwd`."""
+    python, preft, admin = _commands(executable, cwd)
+    key, url = demo["api_key"], info.gateway_url
+    lora = _pasteable(state_dir / "adapters" / "lora", cwd)
+    state, model = _pasteable(state_dir, cwd), _pasteable(Path(info.model_dir), cwd)
+    # preft-admin looks in .preft/stack by default; another state directory must be named to it.
+    on_default = Path(os.path.abspath(state_dir)) == cwd / DEFAULT_STATE_DIR
+    admin_env = "" if on_default else f"PREFT_ADMIN__STACK_DIR={state} "
+    status = "is already running" if already_running else "is up"
+    return f"""preft-serve {status}: gateway {url}, registry {info.registry_address}, engine {info.engine_url}
+demo tenant {demo["tenant"]!r}, adapters {", ".join(demo["adapters"])}; stop with `{preft} down`.
+
+NOTE: the engine serves a tiny randomly initialised model generated for this demo ({model}): its
+outputs are noise. It shows the platform working (keys, adapters, routing), not a model. A real model directory
+(config.json, weights, tokenizer), with an adapter trained for that model, runs offline with
+  {preft} generate --model MODEL_DIR --prompt 'hello' --adapter ADAPTER_DIR --mode prefill
+and is served by the Kubernetes manifests in deploy/ and helm/ (README: "Deploying on Kubernetes").
 
 curl {url}/v1/completions -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
   -d '{{"model": "demo-lora", "prompt": "the adapter serves a prompt", "max_tokens": 16}}'
@@ -171,9 +200,13 @@ curl -N {url}/v1/chat/completions -H "Authorization: Bearer {key}" -H "Content-T
 curl {url}/v1/adapters -H "Authorization: Bearer {key}" -F name=my-lora -F alias=prod \\
   -F files=@{lora}/adapter_config.json -F files=@{lora}/adapter_model.safetensors
 # the same from the command line (also list, show, alias, share, delete)
-PREFT_BASE_URL={url} PREFT_API_KEY={key} preft adapters upload my-lora {lora}
+PREFT_BASE_URL={url} PREFT_API_KEY={key} {preft} adapters upload my-lora {lora}
 
-python - <<'PY'
+# the operator: preft-admin finds this stack's registry and admin token in {state}/stack.json and
+# {state}/secrets.json (owner-only) by itself; --token or PREFT_ADMIN__TOKEN overrides them
+{admin_env}{admin} tenant list
+
+{python} - <<'PY'
 from openai import OpenAI
 client = OpenAI(base_url="{url}/v1", api_key="{key}")
 print(client.completions.create(model="demo-lora", prompt="the adapter serves a prompt", max_tokens=16).choices[0].text)
@@ -182,7 +215,28 @@ print(chat.choices[0].message.content)
 print(client.responses.create(model="demo-lora", input="hello", max_output_tokens=16).output_text)
 PY
 """
-    )
+
+
+@app.command()
+def up(state_dir: StateDirOpt = DEFAULT_STATE_DIR) -> None:
+    """Start the local platform (Redis, S3, registry, Ray Serve engine, gateway) and print how to call it."""
+    from preft.stack import control
+    from preft.stack.process import ServerError
+
+    info = control.running(state_dir)
+    already_running = info is not None
+    if info is not None:
+        err.print(f"the local stack in {state_dir} is already running (supervisor pid {info.pid})")
+    else:
+        err.print(f"starting the local stack in {state_dir} (first start: ~1-2 min) ...")
+        try:
+            info = control.start(state_dir)
+        except ServerError as e:
+            err.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(1) from None
+    demo = json.loads((state_dir / "demo.json").read_text())
+    exe, cwd = Path(sys.executable), Path.cwd()
+    sys.stdout.write(up_message(info, demo, state_dir, executable=exe, cwd=cwd, already_running=already_running))
 
 
 @app.command()

@@ -70,3 +70,6 @@ class AdminSettings(BaseSettings):
     registry: str = Field("127.0.0.1:50051", description="host:port of the registry's gRPC endpoint")
     token: SecretStr = Field(SecretStr(DEV_TOKEN), description="The registry admin token")
     timeout_s: float = Field(10.0, gt=0, description="Deadline for each call except uploads")
+    stack_dir: str = Field(
+        ".preft/stack", description="`preft up`'s state directory: its registry and token are the defaults"
+    )

@@ -37,6 +37,13 @@ def running_pid(state_dir: Path) -> int | None:
     return pid if pid and _alive(pid) else None
 
 
+def running(state_dir: Path) -> StackInfo | None:
+    """The stack serving from this state directory, if its supervisor is alive and it finished starting."""
+    info = StackInfo.read(state_dir.resolve())
+    # stack.json outlives a supervisor that was killed (it is removed only on a clean stop): check its pid
+    return info if info is not None and _alive(info.pid) else None
+
+
 def start(state_dir: Path, ports: StackPorts | None = None, *, timeout_s: float = 600.0) -> StackInfo:
     """Start the supervisor detached and wait until it reports ready; raise ServerError with its log if it dies."""
     state_dir = state_dir.resolve()

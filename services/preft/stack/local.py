@@ -125,6 +125,18 @@ def _secret(state_dir: Path, name: str) -> str:
     return data[name]
 
 
+def local_admin_token(state_dir: Path, registry: str | None = None) -> tuple[str, str] | None:
+    """(registry address, admin token) of the stack recorded in `state_dir`, if one is up there and `registry`
+    (when given) is its address: `preft-admin` finds the local stack's token without being told it."""
+    info, secrets_path = state_dir / STATE_FILE, state_dir / "secrets.json"
+    try:
+        address = json.loads(info.read_text())["registry_address"]
+        token = json.loads(secrets_path.read_text())["registry_admin_token"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return (address, token) if registry in (None, address) else None
+
+
 class LocalStack:
     """Owns every process of the local platform and the order they start and stop in."""
 

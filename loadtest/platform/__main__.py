@@ -47,12 +47,12 @@ class Ports:
 
 
 SCRAPE_S = 1.0
-# Which requests each mode's numbers are read from (the engine's metric labels).
+# Which requests each mode's numbers are read from: (method, mode), the engine's metric labels.
 PLATFORM_MODES = {
-    "base": 'method="none",mode="base"',
-    "lorap": 'method="lora",mode="prefill"',
-    "direftp": 'method="direft",mode="prefill"',
-    "lora_all": 'method="lora",mode="all"',
+    "base": ("none", "base"),
+    "lorap": ("lora", "prefill"),
+    "direftp": ("direft", "prefill"),
+    "lora_all": ("lora", "all"),
 }
 
 
@@ -251,7 +251,7 @@ def run_platform(args, preset: Preset, results: Results, state: Path) -> None:
                     warmup_s=preset.warmup_s, window_s=preset.window_s,
                 )  # fmt: skip
                 log.info("run: %s %s %s c=%d %s", workload, mode, popularity, concurrency, kind)
-                row = measure.run(load, prom, measure.platform_series(PLATFORM_MODES[mode]), SCRAPE_S)
+                row = measure.run(load, prom, measure.platform_series(*PLATFORM_MODES[mode]), SCRAPE_S)
                 results.add_run(_row(preset, mode, popularity, concurrency, workload, kind, len(targets[mode]), row))
                 log.info("  -> %s", json.dumps(row))
             # (after the runs: the ratios matter most when a phase is cut short; the set-up below does not depend

@@ -30,16 +30,16 @@ class Series:
     http_errors: str  # answers of the completion route that were not 2xx, as clients saw them
 
 
-def platform_series(selector: str) -> Series:
+def platform_series(method: str, mode: str) -> Series:
     """The platform: token and request counters and latency histograms of the engine replicas, by method and mode
-    (`selector` like `method="lora",mode="prefill"`); client errors counted at the gateway."""
-    mode = selector.split("mode=")[1].split(",")[0]  # (the latency histograms carry the mode alone)
+    (the latency histograms carry the mode alone); client errors counted at the gateway."""
+    selector = f'method="{method}",mode="{mode}"'
     return Series(
         generated=f"preft_generated_tokens_total{{{selector}}}",
         prompt=f"preft_prompt_tokens_total{{{selector}}}",
         requests=f'preft_requests_total{{{selector},outcome="ok"}}',
-        ttft=f"preft_time_to_first_token_seconds_bucket{{mode={mode}}}",
-        itl=f"preft_inter_token_latency_seconds_bucket{{mode={mode}}}",
+        ttft=f'preft_time_to_first_token_seconds_bucket{{mode="{mode}"}}',
+        itl=f'preft_inter_token_latency_seconds_bucket{{mode="{mode}"}}',
         http_errors='preft_gateway_requests_total{route="/v1/completions",status_class=~"4xx|5xx"}',
     )
 
@@ -130,7 +130,8 @@ def run(load: Load, prom: PrometheusServer, series: Series, scrape_s: float) -> 
             "-u", str(load.concurrency), "-r", str(max(1, load.concurrency // 4)), "--run-time", f"{total_s:.0f}s",
             "--stop-timeout", "0", "--csv", f"{tmp}/locust", "--only-summary", "--loglevel", "WARNING",
         ]  # fmt: skip
-        locust = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(f"{tmp}/stderr", "w"))  # noqa: SIM115
+        with open(f"{tmp}/stderr", "w") as stderr:
+            locust = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
         started = time.time()
         t0 = started + load.warmup_s
         t1 = t0 + load.window_s
@@ -147,9 +148,15 @@ def run(load: Load, prom: PrometheusServer, series: Series, scrape_s: float) -> 
 
 def _locust_totals(tmp: Path) -> dict:
     stats = tmp / "locust_stats.csv"
-    rows = [r for r in csv.DictReader(stats.open()) if r["Name"] == "Aggregated"] if stats.exists() else []
+    rows = (
+        [r for r in csv.DictReader(stats.read_text().splitlines()) if r["Name"] == "Aggregated"]
+        if stats.exists()
+        else []
+    )
     failures = tmp / "locust_failures.csv"
-    reasons = [r["Error"][:160] for r in csv.DictReader(failures.open())][:3] if failures.exists() else []
+    reasons = (
+        [r["Error"][:160] for r in csv.DictReader(failures.read_text().splitlines())][:3] if failures.exists() else []
+    )
     out = {
         "locust_requests": int(rows[0]["Request Count"]) if rows else 0,
         "locust_failures": int(rows[0]["Failure Count"]) if rows else 0,

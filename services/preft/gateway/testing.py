@@ -41,18 +41,22 @@ from preft.engine.contract import (
 from preft.stack.process import LOOPBACK, free_port, wait_until
 
 REPLY_PIECE = 4  # characters of a scripted reply per token
+GATE_WAIT_S = 30.0  # the longest a gated failure waits for its test (a test that never opens it still ends)
 
 
 @dataclass
 class Failure:
     """How the next request(s) fail: an HTTP status before any byte; or, for streams, after `after_chunks`
     chunks, a dropped connection (status None) or an EngineError line of that status (as the engine does).
-    `replica_lost`: a bare 500 "Internal Server Error", as Ray Serve's proxy answers when the replica died."""
+    `replica_lost`: a bare 500 "Internal Server Error", as Ray Serve's proxy answers when the replica died.
+    `gate`: where set, a stream breaks only once it is set (a test sets it when its client holds the chunks before the
+    break: a connection dropped while they were still unread would discard them, as aiohttp does with unread data)."""
 
     status: int | None = 503
     times: int = 1
     after_chunks: int | None = None
     replica_lost: bool = False
+    gate: threading.Event | None = None
 
 
 @dataclass
@@ -78,9 +82,15 @@ class StubEngine:
         return JSONResponse({"status": "ok"})
 
     def fail_next(
-        self, status: int | None = 503, times: int = 1, *, after_chunks: int | None = None, replica_lost: bool = False
+        self,
+        status: int | None = 503,
+        times: int = 1,
+        *,
+        after_chunks: int | None = None,
+        replica_lost: bool = False,
+        gate: threading.Event | None = None,
     ) -> None:
-        self.failures.append(Failure(status, times, after_chunks, replica_lost))
+        self.failures.append(Failure(status, times, after_chunks, replica_lost, gate))
 
     def _take_failure(self) -> Failure | None:
         if not self.failures:
@@ -188,6 +198,8 @@ class StubEngine:
         logprobs, texts = self.logprobs(req, ids), self.texts(ids)
         for i, t in enumerate(ids):
             if failure is not None and i >= (failure.after_chunks or 0):
+                if failure.gate is not None:
+                    await asyncio.to_thread(failure.gate.wait, GATE_WAIT_S)
                 if failure.status is None:
                     raise ConnectionAbortedError("injected stream failure")  # uvicorn drops the connection
                 kind = _KINDS.get(failure.status, "internal")

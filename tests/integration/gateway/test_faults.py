@@ -5,7 +5,9 @@ and a bug in the gateway (generic 500, logged once)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import Counter
 
 import openai
 import pytest
@@ -172,11 +174,14 @@ def test_stream_failing_midway_ends_with_an_error_event(gateway, registry, stub)
     client = gateway.openai(registry.tenant("acme"))
     for status, says in [(None, "stream broke off"), (503, "engine is unavailable: injected failure")]:
         stub.received.clear()
-        stub.fail_next(status, after_chunks=2)  # the connection drops, or the engine sends an EngineError line
+        gate = threading.Event()  # the break waits until the client holds the chunks before it
+        stub.fail_next(status, after_chunks=2, gate=gate)  # the connection drops, or the engine sends an EngineError
         received = []
         with pytest.raises(openai.APIError, match=says):
             for chunk in client.completions.create(model=BASE, prompt="hi", max_tokens=6, stream=True):
                 received.append(chunk.choices[0].text)
+                if len(received) == 2:
+                    gate.set()
         assert len(received) == 2 and len(stub.received) == 1  # tokens had reached the client: no retry
 
     # an error line before the first chunk is retried like a 503 status
@@ -187,10 +192,15 @@ def test_stream_failing_midway_ends_with_an_error_event(gateway, registry, stub)
 
     # n = 2: one choice's stream breaks off; the client gets the error, and the other choice's stream is closed
     stub.received.clear()
-    stub.fail_next(None, after_chunks=2)
+    gate = threading.Event()
+    stub.fail_next(None, after_chunks=2, gate=gate)
+    per_choice: Counter[int] = Counter()
     with pytest.raises(openai.APIError, match="stream broke off"):
-        list(client.completions.create(model=BASE, prompt="hi", max_tokens=6, n=2, stream=True))
-    assert len(stub.received) == 2
+        for chunk in client.completions.create(model=BASE, prompt="hi", max_tokens=6, n=2, stream=True):
+            per_choice[chunk.choices[0].index] += bool(chunk.choices[0].text)
+            if len(per_choice) == 2 and min(per_choice.values()) >= 2:
+                gate.set()
+    assert len(stub.received) == 2 and min(per_choice.values()) == 2
 
 
 class BrokenEngine:

@@ -35,9 +35,10 @@ import httpx
 import numpy as np
 import openai
 
+from preft.common.loopback import LOOPBACK
 from preft.stack import free_port, wait_until
 from preft.stack.local import DEMO_FILE, LocalStack, StackPorts
-from preft.stack.process import LOOPBACK, ManagedProcess
+from preft.stack.process import ManagedProcess
 
 ADAPTER = "demo-lora"
 # one batch at a time, 128 of its lines at once; its counts recorded every second (the batch's pace is read off them)

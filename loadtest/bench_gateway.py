@@ -34,8 +34,8 @@ import numpy as np
 
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
+from preft.common.engine_contract import MULTIPLEX_HEADER, AdapterFileSpec, AdapterSpec, EngineRequest
 from preft.devtools.tiny import TinyModelSpec, build_lora, build_model
-from preft.engine.contract import MULTIPLEX_HEADER, AdapterFileSpec, AdapterSpec, EngineRequest
 from preft.registry.client import RegistryClient, scan_adapter_dir
 from preft.stack import RedisServer, SeaweedS3, free_port, wait_until
 

@@ -391,7 +391,7 @@ class Bench:
     def params(self, n: int, max_tokens: int, mode: str | None):
         from vllm import SamplingParams
 
-        from preft.vllm_plugin.modes import mode_extra_args
+        from preft.common.modes import mode_extra_args
 
         extra = mode_extra_args(mode) if mode else None
         p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args=extra)

@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from preft.adapters import AdapterInfo, ModelShape, adapter_digest, file_sha256, inspect_adapter
-from preft.engine.contract import AdapterFileSpec, AdapterSpec
+from preft.common.engine_contract import AdapterFileSpec, AdapterSpec
 from preft.engine.paging.pager import Pager
 
 

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from preft.adapters import AdapterInfo, ModelShape, inspect_adapter
+from preft.common.engine_contract import EngineChunk, EngineRequest, Usage
 from preft.common.errors import InvalidArgument, Unavailable
-from preft.engine.contract import EngineChunk, EngineRequest, Usage
 
 
 class ScriptedEngine:

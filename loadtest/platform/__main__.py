@@ -23,8 +23,8 @@ from pathlib import Path
 from loadtest.platform import coldstart, measure, model, report
 from loadtest.platform.fleet import Fleet, FleetSpec, create
 from loadtest.platform.peers import EngineFlags, vllm_serve
+from preft.common.loopback import LOOPBACK, free_port
 from preft.stack.local import LocalStack, StackPorts, StackProfile
-from preft.stack.process import LOOPBACK, free_port
 from preft.stack.servers import PrometheusServer
 
 log = logging.getLogger("loadtest.platform")

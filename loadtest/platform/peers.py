@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from preft.stack.process import LOOPBACK
+from preft.common.loopback import LOOPBACK
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from preft.common.loopback import free_port
 from preft.stack import control
 from preft.stack.local import LocalStack, StackInfo, StackPorts
-from preft.stack.process import free_port
 
 
 @dataclass(frozen=True)

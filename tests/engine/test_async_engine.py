@@ -16,9 +16,9 @@ import psutil
 import pytest
 import torch
 
+from preft.common.engine_contract import LIVE_PRIORITY, OFFLINE_PRIORITY, EngineRequest, OutputConstraint
 from preft.common.errors import InvalidArgument, Unavailable
 from preft.engine.async_engine import AsyncPreftEngine
-from preft.engine.contract import LIVE_PRIORITY, OFFLINE_PRIORITY, EngineRequest, OutputConstraint
 from preft.engine.requests import GenerationRequest
 from preft.engine.vllm_engine import engine_kwargs
 from tests.conftest import random_prompt

@@ -10,8 +10,8 @@ import pytest
 from loadtest.platform.measure import Series, read_window
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from preft.common.loopback import LOOPBACK, wait_until
 from preft.stack import free_port
-from preft.stack.process import LOOPBACK, wait_until
 from preft.stack.servers import PrometheusServer
 
 SCRAPE_S = 0.2

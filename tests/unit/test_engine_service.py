@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from preft.engine.contract import (
+from preft.common.engine_contract import (
     LIVE_PRIORITY,
     MULTIPLEX_HEADER,
     OFFLINE_PRIORITY,

@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from preft.stack import process
-from preft.stack.process import LOOPBACK, ServerError, claim_ports, free_port
+from preft.common import loopback as process
+from preft.common.loopback import LOOPBACK, ServerError, claim_ports, free_port
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from preft.engine.contract import LIVE_PRIORITY, OFFLINE_PRIORITY
+from preft.common.engine_contract import LIVE_PRIORITY, OFFLINE_PRIORITY
 from preft.vllm_plugin import scheduler_patch
 from preft.vllm_plugin.priority_preemption import make_room
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from preft.common.modes import PositionMode
 from preft.engine.requests import read_requests
-from preft.vllm_plugin.modes import PositionMode
 
 
 def test_valid_lines_parse_and_unknown_keys_are_ignored():

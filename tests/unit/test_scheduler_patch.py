@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from preft.vllm_plugin.modes import mode_extra_args
+from preft.common.modes import mode_extra_args
 from preft.vllm_plugin.scheduler_patch import _add_request, _schedule
 
 

@@ -8,8 +8,8 @@ import json
 import jsonschema
 import pytest
 
+from preft.common.engine_contract import OutputConstraint
 from preft.common.errors import InvalidArgument
-from preft.engine.contract import OutputConstraint
 from preft.gateway.tools import NamedToolChoice, ToolCall, ToolPlan, ToolSpec, ToolStream
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from preft.cli.tenant import app as adapters_app
+from preft.common.modes import PositionMode
 from preft.engine.requests import REQUEST_KEYS, GenerationRequest, GenerationResult, RequestError, read_requests
-from preft.vllm_plugin.modes import PositionMode
 
 if TYPE_CHECKING:
     from preft.stack.local import StackInfo
@@ -220,8 +220,8 @@ PY
 @app.command()
 def up(state_dir: StateDirOpt = DEFAULT_STATE_DIR) -> None:
     """Start the local platform (Redis, S3, registry, Ray Serve engine, gateway) and print how to call it."""
+    from preft.common.loopback import ServerError
     from preft.stack import control
-    from preft.stack.process import ServerError
 
     info = control.running(state_dir)
     already_running = info is not None

@@ -17,9 +17,9 @@ from typing import Any
 
 from preft.adapters import AdapterError, AdapterInfo, ModelShape
 from preft.common import metrics
+from preft.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
 from preft.common.errors import InvalidArgument, PreftError, Unavailable
 from preft.engine.catalog import AdapterCatalog, CatalogEntry
-from preft.engine.contract import EngineChunk, EngineRequest, FinishReason, Usage
 from preft.engine.throughput import ThroughputWindow
 from preft.engine.vllm_engine import (
     EngineOptions,

@@ -15,8 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from preft.common.errors import InvalidArgument, PreftError, ResourceExhausted, Unavailable
-from preft.engine.contract import (
+from preft.common.engine_contract import (
     BASE_MODEL_ID,
     MULTIPLEX_HEADER,
     AdapterSpec,
@@ -24,6 +23,7 @@ from preft.engine.contract import (
     EngineError,
     EngineRequest,
 )
+from preft.common.errors import InvalidArgument, PreftError, ResourceExhausted, Unavailable
 from preft.engine.service import EngineService
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Protocol
 
-from preft.engine.contract import EngineChunk, EngineRequest
+from preft.common.engine_contract import EngineChunk, EngineRequest
 from preft.engine.paging.pager import AdapterHost
 from preft.engine.vllm_engine import EngineOptions
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from preft.engine.contract import SamplingOptions, TokenLogprob, check_min_tokens
-from preft.vllm_plugin.modes import PositionMode
+from preft.common.engine_contract import SamplingOptions, TokenLogprob, check_min_tokens
+from preft.common.modes import PositionMode
 
 # The keys of a request line that are not sampling options; all others are SamplingOptions' (unknown ones ignored)
 REQUEST_KEYS = ("id", "prompt_ids", "prompt", "adapter", "mode", "max_tokens")

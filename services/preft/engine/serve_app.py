@@ -20,8 +20,8 @@ from typing import Any
 
 from ray import serve
 
+from preft.common.engine_contract import BASE_MODEL_ID, AdapterSpec
 from preft.engine.async_engine import AsyncPreftEngine
-from preft.engine.contract import BASE_MODEL_ID, AdapterSpec
 from preft.engine.http import create_app
 from preft.engine.paging.disk import claim_slot
 from preft.engine.paging.downloader import BlobSource

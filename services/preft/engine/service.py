@@ -13,8 +13,8 @@ import time
 from collections.abc import AsyncIterator
 
 from preft.common import metrics
+from preft.common.engine_contract import EngineChunk, EngineRequest, EngineResponse
 from preft.common.errors import Unavailable
-from preft.engine.contract import EngineChunk, EngineRequest, EngineResponse
 from preft.engine.paging.hot import HotSource
 from preft.engine.paging.pager import Pager
 from preft.engine.protocol import Engine

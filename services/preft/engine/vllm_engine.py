@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from preft.adapters import AdapterError, ModelShape
+from preft.common.engine_contract import SamplingOptions, TokenLogprob, TopLogprob
+from preft.common.modes import PositionMode, mode_extra_args
 from preft.engine.catalog import AdapterCatalog, CatalogEntry
-from preft.engine.contract import SamplingOptions, TokenLogprob, TopLogprob
 from preft.engine.requests import GenerationRequest, GenerationResult
-from preft.vllm_plugin.modes import PositionMode, mode_extra_args
 
 
 @dataclass(frozen=True)

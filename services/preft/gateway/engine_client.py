@@ -1,4 +1,4 @@
-"""The hop to the engine app (Ray Serve's HTTP proxy), speaking `preft.engine.contract`.
+"""The hop to the engine app (Ray Serve's HTTP proxy), speaking `preft.common.engine_contract`.
 
 Each request carries the adapter's content digest (or "base") in the multiplexing header, so Ray Serve routes it
 to a replica that already holds the adapter. A request is retried once, at once, when the engine could not be
@@ -32,9 +32,9 @@ import logging
 import aiohttp
 from pydantic import ValidationError
 
+from preft.common.engine_contract import MULTIPLEX_HEADER, EngineChunk, EngineError, EngineRequest, EngineResponse
 from preft.common.errors import InvalidArgument, PreftError, Unavailable
 from preft.common.metrics import ENGINE_RETRIES
-from preft.engine.contract import MULTIPLEX_HEADER, EngineChunk, EngineError, EngineRequest, EngineResponse
 from preft.gateway.engine_health import HEALTH_PATH, EngineHealth
 
 logger = logging.getLogger(__name__)

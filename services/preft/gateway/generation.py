@@ -13,9 +13,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from preft.common.engine_contract import MAX_SEED, EngineRequest, EngineResponse, Usage, check_min_tokens
 from preft.common.errors import InvalidArgument, Unavailable
 from preft.common.metrics import GATEWAY_OVERHEAD, QUEUE_DEPTH
-from preft.engine.contract import MAX_SEED, EngineRequest, EngineResponse, Usage, check_min_tokens
 from preft.gateway.auth import Caller
 from preft.gateway.cache_salt import CacheSalts, salt_key
 from preft.gateway.engine_client import EngineClient, EngineStream

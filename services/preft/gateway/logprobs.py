@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from preft.engine.contract import TokenLogprob
+from preft.common.engine_contract import TokenLogprob
 
 
 def completion_logprobs(tokens: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:

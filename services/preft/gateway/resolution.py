@@ -13,15 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from preft.api.v1 import adapter_pb2 as apb
+from preft.common.engine_contract import BASE_MODEL_ID, AdapterSpec
 from preft.common.errors import InvalidArgument, NotFound
+from preft.common.modes import PositionMode
 from preft.common.refs import AdapterRef
-from preft.engine.contract import BASE_MODEL_ID, AdapterSpec
 from preft.gateway.cache import TTLCache
 from preft.gateway.errors import ModelNotFound
 from preft.gateway.registry import AsyncRegistry
 from preft.gateway.usage import UsageRecorder
 from preft.registry.specs import adapter_spec, default_mode
-from preft.vllm_plugin.modes import PositionMode
 
 
 @dataclass(frozen=True)

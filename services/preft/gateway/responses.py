@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from preft.common.engine_contract import MAX_COUNT, EngineChunk, EngineResponse, JsonSchema, Usage
 from preft.common.errors import InvalidArgument
-from preft.engine.contract import MAX_COUNT, EngineChunk, EngineResponse, JsonSchema, Usage
 from preft.gateway.logprobs import chat_logprobs
 from preft.gateway.reasoning import Thinking
 from preft.gateway.schemas import VLLM_FIELDS_NOT_SUPPORTED, GenerationBody, ReasoningEffort, ServiceTier, tier_served

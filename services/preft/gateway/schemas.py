@@ -20,8 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from preft.common.errors import InvalidArgument
-from preft.engine.contract import (
+from preft.common.engine_contract import (
     LIVE_PRIORITY,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
@@ -36,8 +35,9 @@ from preft.engine.contract import (
     LogitBias,
     OutputConstraint,
 )
+from preft.common.errors import InvalidArgument
+from preft.common.modes import PositionMode
 from preft.gateway.tools import MAX_TOOLS, FunctionName, FunctionSpec, NamedToolChoice, ToolChoice, ToolPlan, ToolSpec
-from preft.vllm_plugin.modes import PositionMode
 
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 8  # n (and best_of) at most: each sample is an engine request of its own

@@ -16,8 +16,8 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from preft.common.engine_contract import EngineChunk, Usage
 from preft.common.errors import Unavailable
-from preft.engine.contract import EngineChunk, Usage
 from preft.gateway.engine_client import EngineFailed, EngineStream
 from preft.gateway.errors import sse_error
 from preft.gateway.generation import GenerationService, Job, total_usage

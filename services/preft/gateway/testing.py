@@ -1,4 +1,4 @@
-"""Test doubles for the gateway: a stub engine that speaks `preft.engine.contract`, and uvicorn in a thread.
+"""Test doubles for the gateway: a stub engine that speaks `preft.common.engine_contract`, and uvicorn in a thread.
 
 Used by tests/integration/gateway and loadtest/bench_gateway.py; not part of a deployment. The stub has no
 model: it answers `max_tokens` deterministic fake tokens (` w<id>` each; asked for logprobs, token i's is -(i+1)/8,
@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from preft.engine.contract import (
+from preft.common.engine_contract import (
     BASE_MODEL_ID,
     MULTIPLEX_HEADER,
     EngineChunk,
@@ -38,7 +38,7 @@ from preft.engine.contract import (
     TopLogprob,
     Usage,
 )
-from preft.stack.process import LOOPBACK, free_port, wait_until
+from preft.common.loopback import LOOPBACK, free_port, wait_until
 
 REPLY_PIECE = 4  # characters of a scripted reply per token
 GATE_WAIT_S = 30.0  # the longest a gated failure waits for its test (a test that never opens it still ends)

@@ -27,8 +27,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from preft.common.engine_contract import JsonSchema, OutputConstraint
 from preft.common.errors import InvalidArgument
-from preft.engine.contract import JsonSchema, OutputConstraint
 
 MAX_TOOLS = 128
 ToolCallFormat = Literal["hermes", "llama3_json", "mistral", "pythonic"]

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from preft.adapters import AdapterMethod
-from preft.vllm_plugin.modes import PositionMode
+from preft.common.modes import PositionMode
 
 __all__ = [
     "AdapterMethod",

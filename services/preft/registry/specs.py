@@ -6,8 +6,8 @@ Shared by the gateway (per request) and engine replicas (prefetching hot adapter
 from __future__ import annotations
 
 from preft.api.v1 import adapter_pb2 as apb
-from preft.engine.contract import AdapterFileSpec, AdapterSpec
-from preft.vllm_plugin.modes import PositionMode
+from preft.common.engine_contract import AdapterFileSpec, AdapterSpec
+from preft.common.modes import PositionMode
 
 METHODS = {apb.ADAPTER_METHOD_LORA: "lora", apb.ADAPTER_METHOD_DIREFT: "direft"}
 MODES = {apb.POSITION_MODE_PREFILL: PositionMode.PREFILL, apb.POSITION_MODE_ALL: PositionMode.ALL}

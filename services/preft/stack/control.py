@@ -12,8 +12,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from preft.common.loopback import ServerError
 from preft.stack.local import PIDS_FILE, STATE_FILE, StackInfo, StackPorts
-from preft.stack.process import ServerError
 
 PID_FILE = "supervisor.pid"
 

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from preft.stack.process import LOOPBACK, ManagedProcess, claim_ports, wait_until
+from preft.common.loopback import LOOPBACK, claim_ports, wait_until
+from preft.stack.process import ManagedProcess
 from preft.stack.servers import RedisServer, SeaweedS3
 
 if TYPE_CHECKING:

@@ -14,7 +14,8 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from preft.stack.process import LOOPBACK, ManagedProcess, ServerError, claim_ports, free_port, wait_until
+from preft.common.loopback import LOOPBACK, ServerError, claim_ports, free_port, wait_until
+from preft.stack.process import ManagedProcess
 
 if TYPE_CHECKING:
     from botocore.client import BaseClient

@@ -14,8 +14,8 @@ through the parent chain, on all): the gateway sets one per tenant (or per cache
 
 from __future__ import annotations
 
+from preft.common.modes import is_prefill_only
 from preft.vllm_plugin import compat
-from preft.vllm_plugin.modes import is_prefill_only
 from preft.vllm_plugin.patching import wrap_method
 
 BOUNDARY_KEY = "preft-prefill-boundary"

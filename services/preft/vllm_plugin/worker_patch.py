@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from preft.common.modes import is_prefill_only
 from preft.vllm_plugin import compat
-from preft.vllm_plugin.modes import is_prefill_only
 from preft.vllm_plugin.patching import wrap_method
 from preft.vllm_plugin.token_mapping import build_step_mapping
 

@@ -16,8 +16,8 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
+from preft.common.engine_contract import MULTIPLEX_HEADER, EngineChunk, EngineResponse
 from preft.common.settings import RedisSettings, S3Settings
-from preft.engine.contract import MULTIPLEX_HEADER, EngineChunk, EngineResponse
 from preft.engine.residency import KEY_PREFIX
 from preft.engine.settings import EngineSettings, ReplicaSettings
 from preft.registry.blobstore import BlobStore

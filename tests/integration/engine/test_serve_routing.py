@@ -11,8 +11,8 @@ import pytest
 import redis
 from pydantic import SecretStr
 
+from preft.common.engine_contract import MULTIPLEX_HEADER
 from preft.common.settings import RedisSettings, S3Settings
-from preft.engine.contract import MULTIPLEX_HEADER
 from preft.engine.residency import KEY_PREFIX
 from preft.engine.settings import EngineSettings, ReplicaSettings
 from preft.registry.blobstore import BlobStore

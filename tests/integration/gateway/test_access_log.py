@@ -7,7 +7,8 @@ import sys
 
 import httpx
 
-from preft.stack.process import LOOPBACK, ManagedProcess, free_port, wait_until
+from preft.common.loopback import LOOPBACK, free_port, wait_until
+from preft.stack.process import ManagedProcess
 
 from .conftest import BASE, REGISTRY_TOKEN
 

@@ -4,7 +4,7 @@ side on real vLLM)."""
 
 from __future__ import annotations
 
-from preft.engine.contract import LIVE_PRIORITY, OFFLINE_PRIORITY
+from preft.common.engine_contract import LIVE_PRIORITY, OFFLINE_PRIORITY
 
 from .conftest import BASE
 from .test_batches import CHAT, COMPLETIONS, _batches, _chat, _ended, _request, _start

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from preft.common.loopback import LOOPBACK, free_port
 from preft.gateway.testing import StubEngine, ThreadedServer, create_stub_engine
-from preft.stack.process import LOOPBACK, free_port
 
 from .conftest import BASE, error_of
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from preft.vllm_plugin.modes import PositionMode
+from preft.common.modes import PositionMode
 
 
 def test_registered_default_mode_reaches_the_engine(gateway, registry, stub, tiny_models):

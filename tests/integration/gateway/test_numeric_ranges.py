@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from preft.engine.contract import EngineRequest
+from preft.common.engine_contract import EngineRequest
 
 from .conftest import BASE, error_of
 

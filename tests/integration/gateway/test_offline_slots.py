@@ -12,8 +12,8 @@ from typing import Any
 
 from prometheus_client import REGISTRY
 
+from preft.common.engine_contract import LIVE_PRIORITY, OFFLINE_PRIORITY
 from preft.common.settings import RedisSettings
-from preft.engine.contract import LIVE_PRIORITY, OFFLINE_PRIORITY
 from preft.gateway.offline_slots import SLOTS_KEY, OfflineSlots
 from preft.gateway.redis_client import connect
 from preft.stack import free_port

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from preft.api.v1 import registry_pb2 as pb
-from preft.engine.contract import BASE_MODEL_ID, OutputConstraint
-from preft.vllm_plugin.modes import PositionMode
+from preft.common.engine_contract import BASE_MODEL_ID, OutputConstraint
+from preft.common.modes import PositionMode
 
 from .conftest import BASE, error_of
 

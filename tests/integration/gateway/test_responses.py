@@ -12,7 +12,7 @@ import openai
 import pytest
 import redis
 
-from preft.engine.contract import OutputConstraint
+from preft.common.engine_contract import OutputConstraint
 
 from .conftest import BASE, error_of, until
 

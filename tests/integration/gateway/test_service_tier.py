@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from preft.engine.contract import LIVE_PRIORITY, OFFLINE_PRIORITY
+from preft.common.engine_contract import LIVE_PRIORITY, OFFLINE_PRIORITY
 
 from .conftest import BASE, error_of
 from .test_batches import CHAT, _batches, _chat, _ended, _request, _start

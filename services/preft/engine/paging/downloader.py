@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Protocol
 
 from preft.adapters import ADAPTER_FILES, adapter_digest
+from preft.common.engine_contract import AdapterSpec
 from preft.common.errors import InvalidArgument, NotFound, Unavailable
-from preft.engine.contract import AdapterSpec
 
 
 class BlobSource(Protocol):

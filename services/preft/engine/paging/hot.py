@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from preft.engine.contract import AdapterSpec
+from preft.common.engine_contract import AdapterSpec
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from typing import Literal, Protocol
 
 from preft.adapters import AdapterInfo
 from preft.common import metrics
+from preft.common.engine_contract import AdapterSpec
 from preft.common.errors import InvalidArgument, PreftError, Unavailable
-from preft.engine.contract import AdapterSpec
 from preft.engine.paging.disk import DiskStore
 from preft.engine.paging.downloader import BlobSource, fetch_adapter
 from preft.engine.paging.lru import CapacityError, LruPolicy

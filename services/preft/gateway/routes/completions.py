@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
+from preft.common.engine_contract import EngineChunk, EngineResponse, Usage
 from preft.common.errors import InvalidArgument
-from preft.engine.contract import EngineChunk, EngineResponse, Usage
 from preft.gateway.auth import Caller
 from preft.gateway.deps import CallerDep, CompletionBodyDep, GenerationDep, TokenizerDep
 from preft.gateway.generation import GenerationService, total_usage

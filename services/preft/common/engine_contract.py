@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from preft.vllm_plugin.modes import PositionMode
+from preft.common.modes import PositionMode
 
 BASE_MODEL_ID = "base"  # the multiplexed model id of requests without an adapter
 MULTIPLEX_HEADER = "serve_multiplexed_model_id"

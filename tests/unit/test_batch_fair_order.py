@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from preft.gateway.batches import fair_order
+from preft.gateway.batches.runner import fair_order
 
 
 def _ids(order: list[tuple[str, str]]) -> list[str]:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from preft.common.errors import InvalidArgument
-from preft.gateway.batch_input import MAX_ERRORS, BatchPlan, check_lines, parse_line, requests
+from preft.gateway.files.batch_input import MAX_ERRORS, BatchPlan, check_lines, parse_line, requests
 
 
 def _line(custom_id: str = "a", url: str = "/v1/completions", **fields) -> bytes:

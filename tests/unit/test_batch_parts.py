@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from preft.gateway.batch_parts import encode, merge
-from preft.gateway.batch_store import DoneLines, LineRecord
+from preft.gateway.batches.parts import encode, merge
+from preft.gateway.batches.store import DoneLines, LineRecord
 
 
 def _line(custom_id: str, text: str = "") -> dict[str, Any]:

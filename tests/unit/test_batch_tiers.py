@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from preft.gateway.batch_tiers import COMPACT_AT, FAN_IN, MAX_TIER, Tiers, merged_name, tier_of
+from preft.gateway.batches.tiers import COMPACT_AT, FAN_IN, MAX_TIER, Tiers, merged_name, tier_of
 
 
 def _written(n: int) -> str:

@@ -10,8 +10,8 @@ import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
 from preft.common import metering
-from preft.gateway import metering as gateway_metering
-from preft.gateway.metering import BATCH_PREFIX, Batch, TokenMeter
+from preft.gateway.core import metering as gateway_metering
+from preft.gateway.core.metering import BATCH_PREFIX, Batch, TokenMeter
 
 HOUR = int(datetime(2026, 3, 31, 23, tzinfo=UTC).timestamp())  # (the last hour of a month)
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from preft.gateway.reasoning import Thinking
+from preft.gateway.openai.reasoning import Thinking
 
 
 @pytest.mark.parametrize(

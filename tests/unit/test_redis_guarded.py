@@ -9,7 +9,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from preft.common.errors import Unavailable
-from preft.gateway.redis_client import guarded
+from preft.gateway.core.redis_client import guarded
 
 
 async def _reply_despite_cancel(started: asyncio.Event) -> str:

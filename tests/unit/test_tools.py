@@ -10,7 +10,7 @@ import pytest
 
 from preft.common.engine_contract import OutputConstraint
 from preft.common.errors import InvalidArgument
-from preft.gateway.tools import NamedToolChoice, ToolCall, ToolPlan, ToolSpec, ToolStream
+from preft.gateway.openai.tools import NamedToolChoice, ToolCall, ToolPlan, ToolSpec, ToolStream
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [

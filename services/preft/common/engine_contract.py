@@ -11,7 +11,7 @@ EngineError body: 400 (the request or adapter is invalid), 503 (the adapter cann
 is draining; retrying elsewhere may work), 500 (a bug).
 
 A request's `cache_salt` is vLLM's: requests share cached prompt KV blocks only with requests of the same salt. The
-gateway derives it from the tenant (`preft.gateway.cache_salt`), so one tenant's prompts never warm (or reveal
+gateway derives it from the tenant (`preft.gateway.core.cache_salt`), so one tenant's prompts never warm (or reveal
 themselves through the timing of) another's; it is never taken from a client.
 
 A request's `priority` is vLLM's (lower first): live requests are LIVE_PRIORITY, a batch's lines OFFLINE_PRIORITY, so

@@ -21,9 +21,9 @@ from preft.api.v1 import registry_pb2 as pb
 from preft.common.settings import RedisSettings, RegistrySettings
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
 from preft.gateway.app import create_app
+from preft.gateway.core.tokenization import PromptTokenizer
 from preft.gateway.settings import GatewaySettings
 from preft.gateway.testing import StubEngine, ThreadedServer, create_stub_engine
-from preft.gateway.tokenization import PromptTokenizer
 from preft.registry.client import RegistryClient, scan_adapter_dir
 from preft.registry.server import build_server, build_service
 from tests.integration.conftest import S3Target, make_registry_settings

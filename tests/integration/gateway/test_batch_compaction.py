@@ -16,12 +16,12 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from preft.gateway import batch_parts
-from preft.gateway.batch_compaction import Compactor
-from preft.gateway.batch_parts import PartWriter, part_key, parts_prefix
-from preft.gateway.batch_store import BatchRecord, BatchStore, LeaseLost
-from preft.gateway.batch_tiers import Tiers, tier_of
-from preft.gateway.object_store import ObjectStore
+from preft.gateway.batches import parts as batch_parts
+from preft.gateway.batches.compaction import Compactor
+from preft.gateway.batches.parts import PartWriter, part_key, parts_prefix
+from preft.gateway.batches.store import BatchRecord, BatchStore, LeaseLost
+from preft.gateway.batches.tiers import Tiers, tier_of
+from preft.gateway.files.object_store import ObjectStore
 
 from .conftest import BASE
 from .test_batch_parts import TOKEN, _answer, _run

@@ -11,7 +11,7 @@ import openai
 import pytest
 import redis
 
-from preft.gateway import batches as batches_module
+from preft.gateway.batches import runner as batches_module
 
 from .conftest import BASE
 from .test_batches import COMPLETIONS, _batches, _ended, _request, _start, _until, _upload

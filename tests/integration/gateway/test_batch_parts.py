@@ -16,11 +16,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from preft.common import metering
-from preft.gateway import batch_parts
-from preft.gateway.batch_parts import PartWriter, part_key, parts_prefix
-from preft.gateway.batch_store import BatchRecord, BatchStore, LeaseLost, LineRecord
-from preft.gateway.metering import Metered
-from preft.gateway.object_store import ObjectStore
+from preft.gateway.batches import parts as batch_parts
+from preft.gateway.batches.parts import PartWriter, part_key, parts_prefix
+from preft.gateway.batches.store import BatchRecord, BatchStore, LeaseLost, LineRecord
+from preft.gateway.core.metering import Metered
+from preft.gateway.files.object_store import ObjectStore
 
 TOKEN = "runner-token"
 

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 
 from preft.api.v1 import registry_pb2 as pb
 from preft.common import metering
-from preft.gateway.limits import reservations_key
+from preft.gateway.core.limits import reservations_key
 
 from .conftest import BASE, error_of, redis_now_ms, until
 
@@ -282,7 +282,7 @@ def test_a_replica_stopped_mid_batch_is_taken_over_without_answering_a_line_twic
     stub.token_delay_s = 0.15  # (0.6 s a line)
     created = _start(client, COMPLETIONS, _slow_lines(30))  # (9 s of work: stopped well before its end)
     _until(lambda: client.batches.retrieve(created.id), lambda b: b.request_counts.completed >= 4)
-    runner = first.server.server.config.app.state.batch_runner
+    runner = first.server.server.config.app.state.batches.runner
 
     async def crashed(*_: Any) -> None:  # (a crashed replica lets go of nothing)
         return None
@@ -370,7 +370,7 @@ def test_a_takeover_answers_again_only_the_lines_no_recorded_part_holds(
     stub.token_delay_s = 0.15  # (0.6 s a line: 9 s of work)
     created = _start(client, COMPLETIONS, _slow_lines(30))
     _until(lambda: client.batches.retrieve(created.id), lambda b: b.request_counts.completed >= 6)
-    runner = first.server.server.config.app.state.batch_runner
+    runner = first.server.server.config.app.state.batches.runner
 
     async def crashed(*_: Any) -> None:  # (a crashed replica lets go of nothing)
         return None

@@ -228,6 +228,6 @@ def test_unexpected_error_is_a_generic_500_logged_once(registry, redis_url, toke
             "param": None,
         }
         logged = [r for r in caplog.records if r.exc_info and "secret detail" in str(r.exc_info[1])]
-        assert len(logged) == 1 and logged[0].name == "preft.gateway.errors"
+        assert len(logged) == 1 and logged[0].name == "preft.gateway.core.errors"
     finally:
         stop_gateway(gateway)

@@ -16,10 +16,10 @@ import redis
 from prometheus_client import REGISTRY
 
 from preft.common.settings import RedisSettings
-from preft.gateway import redis_client
-from preft.gateway.file_sweeper import FileSweeper
-from preft.gateway.files import EXPIRING, FileStore
-from preft.gateway.object_store import ObjectStore
+from preft.gateway.core import redis_client
+from preft.gateway.files.object_store import ObjectStore
+from preft.gateway.files.store import EXPIRING, FileStore
+from preft.gateway.files.sweeper import FileSweeper
 from preft.stack import free_port
 
 from .conftest import Gateway
@@ -196,7 +196,7 @@ def test_an_s3_failure_leaves_the_file_for_a_later_round(redis_url, s3_bucket, c
             )
             _expire(redis_url, "acme", file["id"])
             before = _expired_total("batch")
-            with caplog.at_level(logging.WARNING, logger="preft.gateway.file_sweeper"):
+            with caplog.at_level(logging.WARNING, logger="preft.gateway.files.sweeper"):
                 assert await FileSweeper(down, period_s=60, retry_s=1.5).sweep() == 0
             assert f"file {file['id']} of acme expired; not removed" in caplog.text
             assert _objects(s3_bucket) == {f"files/acme/{file['id']}"}  # (its bytes are still there)

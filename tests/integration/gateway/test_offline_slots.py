@@ -14,8 +14,8 @@ from prometheus_client import REGISTRY
 
 from preft.common.engine_contract import LIVE_PRIORITY, OFFLINE_PRIORITY
 from preft.common.settings import RedisSettings
-from preft.gateway.offline_slots import SLOTS_KEY, OfflineSlots
-from preft.gateway.redis_client import connect
+from preft.gateway.batches.offline_slots import SLOTS_KEY, OfflineSlots
+from preft.gateway.core.redis_client import connect
 from preft.stack import free_port
 
 from .conftest import BASE

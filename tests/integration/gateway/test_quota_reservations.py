@@ -20,8 +20,8 @@ import redis
 from preft.api.v1 import registry_pb2 as pb
 from preft.common import metering
 from preft.common.settings import RedisSettings
-from preft.gateway.limits import LAPSE_BATCH, Admission, RateLimiter, Reservation, reservations_key, reserved_key
-from preft.gateway.redis_client import connect
+from preft.gateway.core.limits import LAPSE_BATCH, Admission, RateLimiter, Reservation, reservations_key, reserved_key
+from preft.gateway.core.redis_client import connect
 from preft.stack import free_port
 
 from .conftest import BASE, error_of, redis_now_ms, until

@@ -14,9 +14,9 @@ import redis
 import redis.asyncio as aioredis
 
 from preft.common import metering
-from preft.gateway import metering as gateway_metering
-from preft.gateway.metering import APPLY_LUA, Batch, TokenMeter
-from preft.gateway.routes import token_usage
+from preft.gateway.core import metering as gateway_metering
+from preft.gateway.core.metering import APPLY_LUA, Batch, TokenMeter
+from preft.gateway.manage import token_usage
 from preft.stack import RedisServer, free_port
 
 from .conftest import BASE, error_of

@@ -1,0 +1,1 @@
+"""Tenants manage their adapters (upload, versions, aliases), share them, and read their token usage."""

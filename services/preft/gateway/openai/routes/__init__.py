@@ -1,0 +1,1 @@
+"""The OpenAI generation routes, one module per resource."""

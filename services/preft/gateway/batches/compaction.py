@@ -1,7 +1,7 @@
 """Compacting a running batch's recorded parts: a run of them merged into one part, swapped into their place.
 
-Which parts merge, and when, is ``batch_tiers``'s. A compaction downloads the parts it picked, merges them by index
-(``batch_parts.merge_parts``: each index once, as the part recorded first has it), uploads the merge as a new part,
+Which parts merge, and when, is ``batches.tiers``'s. A compaction downloads the parts it picked, merges them by index
+(``batches.parts.merge_parts``: each index once, as the part recorded first has it), uploads the merge as a new part,
 and swaps it in (``BatchStore.swap_parts``: checked against the lease, and only where the list still holds those
 parts at that place). The parts replaced are then deleted from S3 (left, and logged, where S3 fails: the batch's
 end deletes them). Counts and the done lines do not change: no line moves in or out.

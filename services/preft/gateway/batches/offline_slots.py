@@ -7,7 +7,7 @@ request has reached vLLM: in front of it, Ray Serve's queue is first come, first
 runs its own batches), so a per-replica bound does not bound the fleet; this cap does. Set it below the engines' room
 (replicas × `max_ongoing_requests`), and what is left over is always live traffic's.
 
-A line takes as many slots as the engine requests it makes (``batch_lines``: its parsed body's prompts × samples;
+A line takes as many slots as the engine requests it makes (``batches.lines``: its parsed body's prompts × samples;
 the cap at most, so that any line can run). A slot is an entry `<replica token>:<line>:<k>` of one sorted set in Redis
 (`preft:offline-slots`), scored by when it lapses (Redis' clock, ms): one Lua script drops the lapsed entries and
 takes a line's slots where the cap leaves room for all of them. A replica renews its entries every batch round

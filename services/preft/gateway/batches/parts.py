@@ -9,7 +9,7 @@ lines are answered again by whoever takes the batch on.
 
 Finalizing merges the recorded parts by index (`merge`: a k-way merge of files on disk, `MERGE_FAN_IN` at a time,
 so memory does not grow with the batch); an index in two parts is written once, as the part recorded first has it
-(the one its counts came from). While the batch runs, ``batch_compaction`` merges runs of its recorded parts
+(the one its counts came from). While the batch runs, ``batches.compaction`` merges runs of its recorded parts
 (``merge_parts``) into one in their place, so that finalizing has few to download.
 """
 

@@ -1,4 +1,4 @@
-"""OpenAI's Batch API: a file of requests answered offline, within a completion window (``batches`` runs them).
+"""OpenAI's Batch API: a file of requests answered offline, within a completion window (``batches.runner`` runs them).
 
     POST /v1/batches               {"input_file_id", "endpoint", "completion_window": "24h", "metadata",
                                     "output_expires_after": {"anchor": "created_at", "seconds": 3600-2592000}}

@@ -1,6 +1,6 @@
 """Running batches (OpenAI's Batch API) on the gateway's replicas, any of which may run any batch.
 
-A batch is created `validating` and open (``batch_store``; a tenant has up to `max_open_per_tenant` open). Each
+A batch is created `validating` and open (``batches.store``; a tenant has up to `max_open_per_tenant` open). Each
 replica's runner looks for open batches every `poll_s` (at once after a create or a cancel on its own replica) and
 takes those no runner holds, up to `max_running`: taking one is taking its lease, which the runner renews every
 `poll_s`. Tenants take turns (``fair_order``: fewest batches running over all replicas first, then whose batch
@@ -11,15 +11,15 @@ another replica, or the same one restarted, then takes the batch on where it was
 - validating: the input file is copied within S3 to the batch's own `batches/<tenant>/<id>/input.jsonl` (deleting
   the file later does not stop the batch) and checked whole (``batch_input.BatchPlan``): a bad line, a url that
   is not the batch's endpoint or a custom_id used twice fails the batch, with `errors` naming the lines.
-- in_progress: the lines not yet answered are answered (``batch_lines``: as live requests of the endpoint are),
+- in_progress: the lines not yet answered are answered (``batches.lines``: as live requests of the endpoint are),
   `line_concurrency` at a time, each holding a slot of the fleet's cap on batch requests per engine request it makes
   while it is at the engine (``offline_slots``: live traffic keeps the rest of the engines' room). Answered lines are
-  written to S3 a part at a time (``batch_parts``: a part is up to `part_lines` lines, written at least every
+  written to S3 a part at a time (``batches.parts``: a part is up to `part_lines` lines, written at least every
   `part_s`) and each part is then recorded in Redis, with its lines' counts (while it runs, runs of small parts are
-  merged into one, ``batch_compaction``); a takeover answers only the lines no recorded part holds. So after a crash
+  merged into one, ``batches.compaction``); a takeover answers only the lines no recorded part holds. So after a crash
   the lines in flight are answered again, and so are those answered but not yet in a recorded part: up to a part's
   worth (`part_lines`, or `part_s` of answers). The counts a batch shows move a part at a time, and so does the
-  tenant's metered usage: a line's tokens go to it in the script that records the line (``batch_lines``), so a line
+  tenant's metered usage: a line's tokens go to it in the script that records the line (``batches.lines``), so a line
   answered twice is metered once, and a line stopped midway (cancel, expiry, a crash) not at all. A line refused with a
   5xx of an outage is tried up to `ATTEMPTS` times. The batch stops taking lines when it is cancelled (lines in flight
   are stopped) or when its completion window ends (lines in flight are stopped; every line not answered is recorded as

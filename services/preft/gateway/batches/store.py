@@ -4,7 +4,7 @@ Keys, per batch: `preft:batch:<tenant>:<id>` (a hash: `spec`, the JSON of what w
 timestamps; the request counts and tokens; the output and error file ids; a failed batch's `errors`),
 `preft:batch-done:<tenant>:<id>` (a bitmap: bit i set once request i's answer is recorded),
 `preft:batch-parts:<tenant>:<id>` (a list: the names of the recorded parts, in the order they were recorded; the
-answers themselves are in S3, ``batch_parts``) and `preft:batch-lease:<tenant>:<id>` (the runner's lease: its
+answers themselves are in S3, ``batches.parts``) and `preft:batch-lease:<tenant>:<id>` (the runner's lease: its
 replica's token, expiring unless renewed). Per tenant, `preft:batches:<tenant>` (its batches by creation, for
 listing) and `preft:batches-open:<tenant>` (its batches not ended yet: what its limits count); for all,
 `preft:batches-open` (`<tenant>:<id>` of each batch not ended yet, oldest first: what replicas look for work in)
@@ -544,7 +544,7 @@ class LineRecord:
     line: dict[str, Any]
     input_tokens: int = 0
     output_tokens: int = 0
-    metered: tuple[Metered, ...] = ()  # its generations' tokens, for the tenant's usage (``generation.held_metering``)
+    metered: tuple[Metered, ...] = ()  # its generations' tokens, for the tenant's usage (``openai.generation.HeldMetering``)
 
     @property
     def counts_as(self) -> str:

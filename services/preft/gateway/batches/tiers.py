@@ -1,4 +1,4 @@
-"""Which of a running batch's recorded parts to compact next (pure policy; ``batch_compaction`` does the merging).
+"""Which of a running batch's recorded parts to compact next (pure policy; ``batches.compaction`` does the merging).
 
 A slow batch records a small part every `part_s` (8,640 a day at 10 s), and finalizing would download every one of
 them. Compaction merges a run of recorded parts into one, in place, so the list stays short. The policy is tiered,

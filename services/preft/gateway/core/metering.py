@@ -13,7 +13,7 @@ keeps those counts whole; only where the hours fill `max_pending` too are new re
 alike (``preft_gateway_metering_dropped_total``). A clean shutdown sends what is left once more.
 
 A batch's lines do not pass through the meter: their tokens (``Metered``) are added to the same keys by the script
-that records the part holding them (``batch_store``), once per line however often it was answered.
+that records the part holding them (``batches.store``), once per line however often it was answered.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""OpenAI's Files API: each tenant's own files (``files``), the inputs and outputs of its batches.
+"""OpenAI's Files API: each tenant's own files (``files.store``), the inputs and outputs of its batches.
 
     POST   /v1/files               multipart: file, purpose (batch or user_data), and optionally
                                    expires_after[anchor] (created_at) with expires_after[seconds] (3600-2592000)
@@ -11,7 +11,7 @@ An upload is checked before anything is stored: its size (`files_max_bytes`: 413
 required), its purpose, its expires_after, and for `batch` every line (a 400 naming the first bad one). A file
 expires `expires_after[seconds]` after its creation (its `expires_at`); without expires_after, as OpenAI's,
 `batch` files after 30 days and `user_data` files never. An expired file answers 404 at once, and the replicas'
-sweepers remove it (``file_sweeper``). Batches write their outputs as files of purpose `batch_output`. Another
+sweepers remove it (``files.sweeper``). Batches write their outputs as files of purpose `batch_output`. Another
 tenant's file answers 404, as one that does not exist.
 """
 

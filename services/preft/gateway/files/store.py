@@ -9,7 +9,7 @@ tenant's file is answered exactly as one that does not exist.
 A file may expire (`expires_at`, Unix seconds; OpenAI's default: `batch` uploads after 30 days, others never). From
 then on it answers as one that does not exist, while its keys and bytes are still there; its entry in
 `preft:files:expiring` (a sorted set of `<tenant>:<id>` by when it is due) is how the replicas' sweepers
-(``file_sweeper``) find it. A sweeper claims due entries atomically (their score moves `retry_s` on), forgets the
+(``files.sweeper``) find it. A sweeper claims due entries atomically (their score moves `retry_s` on), forgets the
 file's record (it no longer counts against the tenant's limit), deletes its bytes and then drops the entry; an
 entry it did not finish (S3 failed, the replica stopped) is due again once `retry_s` passed.
 """

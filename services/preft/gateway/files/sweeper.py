@@ -1,6 +1,6 @@
 """Removing expired files: a sweeper on each gateway replica, any of which may remove any tenant's file.
 
-Every `period_s` (first at start) the sweeper claims up to `round_max` files whose expiry has come (``files``: one
+Every `period_s` (first at start) the sweeper claims up to `round_max` files whose expiry has come (``files.store``: one
 atomic claim, so replicas sharing one Redis never take the same file) and removes them, `concurrency` at a time:
 record first, then bytes. A file it could not remove (S3 or Redis failed) is logged and left claimed; it is due
 again `retry_s` later, on whichever replica claims it then. Files expired but not yet removed already answer 404.

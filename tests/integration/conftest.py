@@ -12,6 +12,7 @@ import pytest
 import redis
 from pydantic import SecretStr
 
+from preft.common.redis_acl import new_passwords
 from preft.common.settings import RedisSettings, RegistrySettings, S3Settings
 from preft.stack import RedisServer, SeaweedS3, free_port
 from preft.stack.servers import s3_client
@@ -40,10 +41,22 @@ class S3Target:
         )
 
 
+_ACL_SERVERS: dict[str, RedisServer] = {}  # admin URL -> its server (`service_redis` finds the services' passwords)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("redis"), free_port()) as server:
+    """The session's Redis, with the platform's ACL users: every service under test connects as its own user
+    (`service_redis`), so each test also checks that the service's ACL (`common.redis_acl`) lets it work."""
+    with RedisServer(tmp_path_factory.mktemp("redis"), free_port(), passwords=new_passwords()) as server:
+        _ACL_SERVERS[server.admin_url] = server
         yield server
+        del _ACL_SERVERS[server.admin_url]
+
+
+def service_redis(redis_url: str, service: str, **overrides: Any) -> RedisSettings:
+    """A service's Redis settings on the session's Redis (`redis_url`, the admin's), as that service's ACL user."""
+    return RedisSettings(url=_ACL_SERVERS[redis_url].url_for(service), **overrides)
 
 
 @pytest.fixture(scope="session")
@@ -61,13 +74,13 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
 
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
-    """The session's Redis, emptied before the test."""
-    client = redis.Redis.from_url(redis_server.url)
+    """The session's Redis, emptied before the test: its admin's URL (every key; services: `service_redis`)."""
+    client = redis.Redis.from_url(redis_server.admin_url)
     try:
         client.flushall()
     finally:
         client.close()
-    return redis_server.url
+    return redis_server.admin_url
 
 
 @pytest.fixture
@@ -98,7 +111,7 @@ def make_registry_settings(redis_url: str, s3: S3Target, token: str, **overrides
         "listen_address": "127.0.0.1:0",
         "admin_token": SecretStr(token),
         "worker_threads": 8,
-        "redis": RedisSettings(url=redis_url),
+        "redis": service_redis(redis_url, "registry"),
         "s3": s3.settings(),
         "max_rank": 16,
     }

@@ -6,6 +6,7 @@ import secrets
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,10 +49,15 @@ _ACL_SERVERS: dict[str, RedisServer] = {}  # admin URL -> its server (`service_r
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """The session's Redis, with the platform's ACL users: every service under test connects as its own user
     (`service_redis`), so each test also checks that the service's ACL (`common.redis_acl`) lets it work."""
-    with RedisServer(tmp_path_factory.mktemp("redis"), free_port(), passwords=new_passwords()) as server:
-        _ACL_SERVERS[server.admin_url] = server
+    with acl_redis(tmp_path_factory.mktemp("redis")) as server:
         yield server
-        del _ACL_SERVERS[server.admin_url]
+
+
+def acl_redis(data_dir: Path, **options: Any) -> RedisServer:
+    """A Redis (not started) with the platform's ACL users and new passwords, known to `service_redis`."""
+    server = RedisServer(data_dir, free_port(), passwords=new_passwords(), **options)
+    _ACL_SERVERS[server.admin_url] = server
+    return server
 
 
 def service_redis(redis_url: str, service: str, **overrides: Any) -> RedisSettings:

@@ -13,7 +13,7 @@ HELM_SCENARIOS: dict[str, dict] = {
     "values-gpu": m.helm_values_file("values-gpu.yaml"),
     # every optional part off, Redis and S3 external through existing Secrets, the model on a PVC
     "all-disabled-external": {
-        "redis": {"enabled": False},
+        "redis": {"enabled": False, "auth": {"existingSecret": "ops-redis-acl"}},
         "seaweedfs": {"enabled": False},
         "monitoring": {"enabled": False},
         "networkPolicies": {"enabled": False},

@@ -128,32 +128,44 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
     env = {**os.environ, **{k: v for k, v in sw_env.items() if v is not None}}
     weed_proc = _spawn(procs, [weed, *args], env, tmp_path / "weed.log", tmp_path)
 
-    # Redis: the StatefulSet's args, on a free loopback port.
+    secret_values = {  # what `kubectl create secret` would hold in dev (SeaweedFS without identities takes any key)
+        ("preft-registry-token", "admin-token"): secrets.token_hex(16),
+        ("preft-s3", "access-key"): "dev-" + secrets.token_hex(4),
+        ("preft-s3", "secret-key"): secrets.token_hex(16),
+        **{
+            ("preft-redis-acl", user): secrets.token_urlsafe(24)
+            for user in ("default", "gateway", "registry", "engine")
+        },
+    }
+
+    def env_value(e: dict) -> str:
+        return (
+            e["value"]
+            if "value" in e
+            else secret_values[(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])]
+        )
+
+    # Redis: the StatefulSet's script (its ACL file, then redis-server), its env, on a free loopback port.
     rc = _container(docs, "StatefulSet", "preft-redis")
-    assert rc["args"][0] == "redis-server"
+    assert rc["command"] == ["/bin/sh", "-ec"]
     (tmp_path / "redis").mkdir()
-    rargs = [a if a != "/data" else str(tmp_path / "redis") for a in rc["args"][1:]]
-    redis_proc = _spawn(
-        procs,
-        [redis_server, *rargs, "--port", str(redis_port), "--bind", "127.0.0.1"],
-        dict(os.environ),
-        tmp_path / "redis.log",
-        tmp_path,
+    (tmp_path / "run").mkdir()
+    script = (
+        rc["args"][0]
+        .replace("/run/redis", str(tmp_path / "run"))
+        .replace("--dir /data", f"--dir {tmp_path / 'redis'} --port {redis_port} --bind 127.0.0.1")
+        .replace("exec redis-server", f"exec {redis_server}")
     )
+    redis_env = {**os.environ, **{e["name"]: env_value(e) for e in rc["env"]}}
+    redis_proc = _spawn(procs, ["/bin/sh", "-ec", script], redis_env, tmp_path / "redis.log", tmp_path)
 
     # The registry: `python -m` + the container's args, the env the Deployment assembles.
     reg = _container(docs, "Deployment", "preft-registry")
     (cm_ref,) = reg["envFrom"]
     cm = next(o for o in m.by_kind(docs, "ConfigMap") if o["metadata"]["name"] == cm_ref["configMapRef"]["name"])
-    secret_values = {  # what `kubectl create secret` would hold in dev (SeaweedFS without identities takes any key)
-        ("preft-registry-token", "admin-token"): secrets.token_hex(16),
-        ("preft-s3", "access-key"): "dev-" + secrets.token_hex(4),
-        ("preft-s3", "secret-key"): secrets.token_hex(16),
-    }
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFT_")}, **cm["data"]}
     for e in reg["env"]:
-        ref = e["valueFrom"]["secretKeyRef"]
-        env[e["name"]] = secret_values[(ref["name"], ref["key"])]
+        env[e["name"]] = env_value(e)
     # Service names -> loopback
     env["PREFT_REGISTRY__REDIS__URL"] = env["PREFT_REGISTRY__REDIS__URL"].replace(
         "preft-redis:6379", f"127.0.0.1:{redis_port}"
@@ -169,7 +181,15 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
     import boto3
     import redis
 
-    _wait("redis", lambda: redis.Redis(port=redis_port, socket_timeout=1).ping(), redis_proc, tmp_path / "redis.log")
+    redis_admin = secret_values[("preft-redis-acl", "default")]
+    _wait(
+        "redis",
+        lambda: redis.Redis(port=redis_port, password=redis_admin, socket_timeout=1).ping(),
+        redis_proc,
+        tmp_path / "redis.log",
+    )
+    with pytest.raises(redis.AuthenticationError):  # (its ACL file: nobody without a password)
+        redis.Redis(port=redis_port, socket_timeout=1).ping()
 
     def s3_up() -> bool:
         boto3.client(
@@ -211,8 +231,7 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
     gcm = next(o for o in m.by_kind(docs, "ConfigMap") if o["metadata"]["name"] == cm_ref["configMapRef"]["name"])
     genv = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFT_")}, **gcm["data"]}
     for e in gw["env"]:
-        ref = e["valueFrom"]["secretKeyRef"]
-        genv[e["name"]] = secret_values[(ref["name"], ref["key"])]
+        genv[e["name"]] = env_value(e)
     assert genv["PREFT_GATEWAY__MODEL_DIR"] == "/models/base"
     genv["PREFT_GATEWAY__MODEL_DIR"] = str(model_dir)
     genv["PREFT_GATEWAY__REDIS__URL"] = genv["PREFT_GATEWAY__REDIS__URL"].replace(

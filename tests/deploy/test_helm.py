@@ -72,6 +72,8 @@ def test_existing_secrets_are_referenced_and_nothing_is_generated(helm_outputs):
     assert reg["PREFT_REGISTRY__ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ops-registry", "key": "token"}
     for env, prefix in ((gw, "PREFT_GATEWAY__"), (reg, "PREFT_REGISTRY__"), (eng, "PREFT_ENGINE__")):
         assert env[f"{prefix}REDIS__URL"]["valueFrom"]["secretKeyRef"] == {"name": "ops-redis", "key": "redis-url"}
+        user = prefix.split("_")[1].lower()
+        assert env[f"{prefix}REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "ops-redis-acl", "key": user}
     for env, prefix in ((reg, "PREFT_REGISTRY__"), (eng, "PREFT_ENGINE__")):
         assert env[f"{prefix}S3__ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "ops-s3", "key": "id"}
         assert env[f"{prefix}S3__SECRET_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "ops-s3", "key": "key"}
@@ -180,3 +182,31 @@ def test_a_gateway_setting_does_not_restart_the_ray_cluster():
     after = checksums(m.helm_render({"gateway": {"env": {"KEY_CACHE_TTL_S": "5"}}}))
     changed = {k for k in before if before[k] != after[k]}
     assert changed == {"Deployment/preft-gateway"}
+
+
+def test_redis_has_the_codes_acl_users_and_each_service_its_own(helm_outputs):
+    from preft.common.redis_acl import ADMIN_USER, SERVICES, acl_lines
+
+    docs = helm_outputs["defaults"]
+    (redis,) = m.one(docs, "StatefulSet", "preft-redis")["spec"]["template"]["spec"]["containers"]
+    placeholders = {user: f"${{REDIS_PASSWORD_{user.upper()}}}" for user in (ADMIN_USER, *SERVICES)}
+    users = [line.strip() for line in redis["args"][0].splitlines() if line.strip().startswith("user ")]
+    assert users == acl_lines(placeholders)
+    secret = m.one(docs, "Secret", "preft-redis-acl")
+    passwords = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert sorted(passwords) == sorted([ADMIN_USER, *SERVICES]) and len(set(passwords.values())) == 4
+    for scenario, outputs in helm_outputs.items():
+        for name, user, prefix in (
+            ("preft-gateway", "gateway", "PREFT_GATEWAY__"),
+            ("preft-registry", "registry", "PREFT_REGISTRY__"),
+        ):
+            (c,) = m.one(outputs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+            env = {e["name"]: e for e in c["env"]}
+            assert env[f"{prefix}REDIS__USERNAME"]["value"] == user, scenario
+            ref = env[f"{prefix}REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"]
+            assert ref["key"] == user and ref["name"] in ("preft-redis-acl", "ops-redis-acl"), scenario
+    ray = m.one(docs, "RayService", "preft-engine")["spec"]["rayClusterConfig"]
+    head_env = {e["name"]: e for e in ray["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
+    assert head_env["PREFT_ENGINE__REDIS__USERNAME"]["value"] == "engine"
+    existing = m.helm_render({"redis": {"auth": {"existingSecret": "ops-redis-acl"}}})
+    assert not [s for s in m.by_kind(existing, "Secret") if s["metadata"]["name"].endswith("redis-acl")]

@@ -107,6 +107,24 @@ app.kubernetes.io/part-of: preft-serve
   valueFrom:
     secretKeyRef: {name: {{ include "preft.redisSecretName" $ctx }}, key: {{ include "preft.redisSecretKey" $ctx }}}
 {{- end }}
+- name: {{ .prefix }}REDIS__USERNAME
+  value: {{ .user }}
+- name: {{ .prefix }}REDIS__PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ include "preft.redisAclSecretName" $ctx }}, key: {{ .user }}}
+{{- end }}
+
+{{/* The Redis ACL users' passwords (keys: default = the admin, gateway, registry, engine). */}}
+{{- define "preft.redisAclSecretName" -}}
+{{- default (printf "%s-redis-acl" (include "preft.fullname" .)) .Values.redis.auth.existingSecret }}
+{{- end }}
+
+{{/* A service's Redis ACL rules, password left out: services/preft/common/redis_acl.py's (tests/deploy check them).
+Call with (dict "user" "gateway"). */}}
+{{- define "preft.redisAclRules" -}}
+{{- if eq .user "gateway" }}resetkeys ~preft:limits:* ~preft:quota-reserved:* ~preft:quota-reservations:* ~preft:usage:* ~preft:usage-hour:* ~preft:usage-minute:* ~preft:usage-month:* ~preft:usage-batch:* ~preft:file:* ~preft:files:* ~preft:batch:* ~preft:batch-done:* ~preft:batch-parts:* ~preft:batch-lease:* ~preft:batches:* ~preft:batches-open ~preft:batches-open:* ~preft:batches-started ~preft:offline-slots ~preft:response:* ~preft:response-run:* ~preft:response-events:* ~preft:conversation:* ~preft:conversation-order:* ~preft:conversation-items:* ~preft:conversations:* %R~preft:key:* %R~preft:keyid:* %R~preft:tenant:* resetchannels -@all +@read +@write +@transaction +@connection +evalsha +evalsha_ro +script|load +script|exists +time -@dangerous -scan -randomkey -function{{ end }}
+{{- if eq .user "registry" }}resetkeys ~preft:tenant:* ~preft:tenants ~preft:key:* ~preft:keyid:* ~preft:keys ~preft:base:* ~preft:bases ~preft:adapter:* ~preft:adapters ~preft:blobrefs ~preft:blobtouch ~preft:gc:deleting ~preft:hot %R~preft:usage:* resetchannels -@all +@read +@write +@transaction +@connection +evalsha +evalsha_ro +script|load +script|exists -@dangerous -scan -randomkey -function{{ end }}
+{{- if eq .user "engine" }}resetkeys ~preft:residency:* %R~preft:hot:specs resetchannels -@all +@read +@write +@transaction +@connection -@dangerous -scan -randomkey -function{{ end }}
 {{- end }}
 
 {{- define "preft.s3Env" -}}

@@ -5,7 +5,8 @@ Example: `PREFT_REGISTRY__REDIS__URL=redis://10.0.0.5:6379/0`, `PREFT_REGISTRY__
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -14,11 +15,52 @@ DEV_TOKEN = "dev-admin-token"  # the placeholder `preft up` uses; refused outsid
 
 
 class RedisSettings(BaseModel):
-    """Where Redis is and how long to wait for it."""
+    """Where Redis is, who this service is there (its ACL user, `common.redis_acl`), and how long to wait for it."""
 
-    url: str = Field("redis://127.0.0.1:6379/0", description="redis:// URL (db index included)")
+    url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL (db index included)")
+    username: str | None = Field(None, description="ACL user (gateway, registry or engine); None: `default`")
+    password: SecretStr | None = Field(None, description="The user's password; None: no AUTH (dev only)")
     socket_timeout_s: float = Field(1.0, description="Per-command timeout; a down Redis fails fast, never hangs")
     max_connections: int = Field(64, description="Connection pool size")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _credentials_out_of_url(cls, data: Any) -> Any:
+        """Credentials written into the URL move to `username`/`password`, so the URL (logged, shown in reprs)
+        never holds the password."""
+        if not isinstance(data, dict) or not isinstance(data.get("url"), str):
+            return data
+        parts = urlsplit(data["url"])
+        if parts.password is None and parts.username is None:
+            return data
+        host = parts.netloc.rpartition("@")[2]
+        data = {**data, "url": urlunsplit(parts._replace(netloc=host))}
+        if parts.username and data.get("username") is None:
+            data["username"] = unquote(parts.username)
+        if parts.password is not None and data.get("password") is None:
+            data["password"] = unquote(parts.password)
+        return data
+
+    def client_options(self) -> dict[str, Any]:
+        """redis-py's connection arguments besides the URL: the credentials and timeouts."""
+        return {
+            "username": self.username,
+            "password": None if self.password is None else self.password.get_secret_value(),
+            "socket_timeout": self.socket_timeout_s,
+            "socket_connect_timeout": self.socket_timeout_s,
+            "max_connections": self.max_connections,
+        }
+
+
+def unauthenticated_redis(service: str, redis: RedisSettings) -> str | None:
+    """Why `redis` is refused outside dev (None when it is not): every service authenticates as its own ACL user."""
+    if redis.password is None or not redis.username:
+        upper = service.upper()
+        return (
+            f"set PREFT_{upper}__REDIS__USERNAME and PREFT_{upper}__REDIS__PASSWORD (its Redis ACL user): "
+            "an unauthenticated Redis is only allowed in dev"
+        )
+    return None
 
 
 class S3Settings(BaseModel):
@@ -59,6 +101,8 @@ class RegistrySettings(BaseSettings):
     def _no_placeholder_secret_outside_dev(self) -> RegistrySettings:
         if self.environment != "dev" and self.admin_token.get_secret_value() == DEV_TOKEN:
             raise ValueError("set PREFT_REGISTRY__ADMIN_TOKEN: the placeholder token is only allowed in dev")
+        if self.environment != "dev" and (refusal := unauthenticated_redis("registry", self.redis)):
+            raise ValueError(refusal)
         return self
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from preft.common.settings import DEV_TOKEN, RedisSettings, S3Settings
+from preft.common.settings import DEV_TOKEN, RedisSettings, S3Settings, unauthenticated_redis
 from preft.gateway.reasoning import ReasoningFormat
 from preft.gateway.tools import ToolCallFormat
 
@@ -239,6 +239,8 @@ class GatewaySettings(BaseSettings):
     def _check(self) -> GatewaySettings:
         if self.environment != "dev" and self.registry_token.get_secret_value() == DEV_TOKEN:
             raise ValueError("set PREFT_GATEWAY__REGISTRY_TOKEN: the placeholder token is only allowed in dev")
+        if self.environment != "dev" and (refusal := unauthenticated_redis("gateway", self.redis)):
+            raise ValueError(refusal)
         if self.batches_poll_s * 2 >= self.batches_lease_s:
             raise ValueError("batches_poll_s must be under half of batches_lease_s (a lease is renewed every poll)")
         if self.quota_reservation_lapse_s <= self.engine_read_timeout_s:

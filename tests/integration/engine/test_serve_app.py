@@ -78,7 +78,7 @@ def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs, ray_met
         cpu_omp_threads_bind="1",  # vLLM's worker computes on core 1; core 0 is left to Ray and the replica
         disk_cache_dir=disk,
         s3=bucket,
-        redis=RedisSettings(url=redis_server.url),
+        redis=RedisSettings(url=redis_server.url_for("engine")),
         residency_heartbeat_s=1.0,
         residency_ttl_s=5.0,
         replica=ReplicaSettings(
@@ -219,7 +219,7 @@ def test_bad_adapter_spec_is_refused_and_the_replica_keeps_serving(serve_app, sp
 
 
 def test_replica_publishes_its_adapters_to_redis(serve_app, specs, redis_server):
-    r = redis.Redis.from_url(redis_server.url)
+    r = redis.Redis.from_url(redis_server.admin_url)
     keys = []
     for _ in range(30):
         keys = list(r.scan_iter(f"{KEY_PREFIX}*"))
@@ -290,7 +290,7 @@ def test_deleting_the_app_drains_in_flight_requests_first(serve_app, redis_serve
     from ray import serve
 
     client, _ = serve_app
-    r = redis.Redis.from_url(redis_server.url)
+    r = redis.Redis.from_url(redis_server.admin_url)
     assert list(r.scan_iter(f"{KEY_PREFIX}*")), "the replica publishes residency while it runs"
     body = {"request_id": "long", "prompt_token_ids": [4, 5, 6], "max_tokens": 300, "ignore_eos": True, "stream": True}
     lines: list[dict] = []

@@ -40,13 +40,13 @@ def routed(model_dirs, adapters, s3_server, redis_server, tmp_path_factory):
     )
     store = BlobStore(s3)
     specs = {name: upload(store, path) for name, path in adapters["llama"].items()}
-    redis.Redis.from_url(redis_server.url).flushall()
+    redis.Redis.from_url(redis_server.admin_url).flushall()
     settings = EngineSettings(
         model_dir=model_dirs["llama"],
         max_cpu_loras=4,
         disk_cache_dir=tmp_path_factory.mktemp("routing-cache"),
         s3=s3,
-        redis=RedisSettings(url=redis_server.url),
+        redis=RedisSettings(url=redis_server.url_for("engine")),
         residency_heartbeat_s=0.5,
         residency_ttl_s=5.0,
         replica=ReplicaSettings(num_replicas=2, num_cpus_per_replica=0.5, max_adapters_per_replica=4),
@@ -90,7 +90,7 @@ def test_requests_for_an_adapter_stick_to_the_replica_that_holds_it(routed, redi
         )
         assert r.status_code == 200, r.text
     time.sleep(1.5)  # a heartbeat or two
-    held = _residency(redis_server.url)
+    held = _residency(redis_server.admin_url)
     # Serve picks a replica for an adapter it has not seen by load, so one replica may hold all three (a replica
     # holding nothing has no key: Redis drops empty sets).
     assert 1 <= len(held) <= 2, held

@@ -18,7 +18,7 @@ from pydantic import SecretStr
 
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
-from preft.common.settings import RedisSettings, RegistrySettings
+from preft.common.settings import RegistrySettings
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
 from preft.gateway.app import create_app
 from preft.gateway.settings import GatewaySettings
@@ -26,7 +26,7 @@ from preft.gateway.testing import StubEngine, ThreadedServer, create_stub_engine
 from preft.gateway.tokenization import PromptTokenizer
 from preft.registry.client import RegistryClient, scan_adapter_dir
 from preft.registry.server import build_server, build_service
-from tests.integration.conftest import S3Target, make_registry_settings
+from tests.integration.conftest import S3Target, make_registry_settings, service_redis
 
 REGISTRY_TOKEN = "gateway-test-registry-token"
 BASE = "tiny-llama"
@@ -147,7 +147,7 @@ def start_gateway(
     """A gateway served by uvicorn in a thread; `tokenizer=None` makes the app load it from model_dir."""
     values: dict[str, Any] = {
         "environment": "prod",
-        "redis": RedisSettings(url=redis_url),
+        "redis": service_redis(redis_url, "gateway"),
         "registry_address": registry_address,
         "registry_token": SecretStr(REGISTRY_TOKEN),
         "engine_url": engine_url,

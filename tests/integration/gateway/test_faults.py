@@ -14,7 +14,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from preft.registry.server import build_server
-from preft.stack import RedisServer, free_port
+from preft.stack import free_port
+from tests.integration.conftest import acl_redis
 
 from .conftest import BASE, error_of, start_gateway, start_registry, stop_gateway
 
@@ -26,10 +27,10 @@ def _retries(reason: str) -> float:
 
 
 def test_redis_down_is_503_within_a_second_and_recovers_by_itself(tmp_path, s3_bucket, engine, tokenizer, tiny_models):
-    redis = RedisServer(tmp_path / "redis", free_port(), persist=True).start()
-    registry = start_registry(redis.url, s3_bucket, (tiny_models["model"] / "config.json").read_text())
+    redis = acl_redis(tmp_path / "redis", persist=True).start()
+    registry = start_registry(redis.admin_url, s3_bucket, (tiny_models["model"] / "config.json").read_text())
     gateway = start_gateway(
-        redis_url=redis.url,
+        redis_url=redis.admin_url,
         registry_address=registry.address,
         engine_url=engine.url,
         model_dir=tiny_models["model"],

@@ -52,5 +52,5 @@ def test_the_overlays_and_the_confined_chart_label_by_tenant_and_the_open_chart_
 
 
 def test_the_chart_refuses_tenant_labels_without_network_policies():
-    with pytest.raises(Exception, match="metricsTenantLabel needs networkPolicies.enabled"):
+    with pytest.raises(Exception, match=r"metricsTenantLabel needs networkPolicies\.enabled"):
         m.helm_render({"engine": {"metricsTenantLabel": True}, "networkPolicies": {"enabled": False}})

@@ -39,7 +39,7 @@ HELM_SCENARIOS: dict[str, dict] = {
         "pdb": {"enabled": True},
         "externalRedis": {"url": "rediss://:pw@redis.internal:6380/0"},
         "image": {"engine": {"digest": "sha256:" + "ab" * 32}},
-        "engine": {"workers": {"gpus": 2, "replicas": 2}, "gpusPerReplica": 1},
+        "engine": {"workers": {"gpus": 2, "replicas": 2}, "gpusPerReplica": 1, "metricsTenantLabel": True},
     },
 }
 

@@ -157,7 +157,11 @@ def test_serve_replicas_and_worker_params_reach_the_rayservice():
     (app,) = m.serve_config(ray)["applications"]
     assert app["deployments"] == [{"name": "Engine", "num_replicas": 3}]
     params = ray["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["rayStartParams"]
-    assert params == {"object-store-memory": "1000000000"}
+    assert params == {
+        "object-store-memory": "1000000000",
+        "node-ip-address": "$MY_POD_IP",  # (the chart's own, beside the values')
+        "metrics-export-port": "8080",
+    }
 
 
 def test_notes_render():

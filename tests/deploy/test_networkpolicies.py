@@ -70,6 +70,11 @@ FORBIDDEN = [
     (pod("registry"), INTERNET, 22),
     (pod("redis"), INTERNET, 443),
     (PROMETHEUS, pod("registry"), 50051),
+    # Ray's metrics port serves the engine's tenant-labelled metrics: Prometheus' alone
+    (STRANGER, pod("engine"), 8080),
+    (INGRESS, pod("engine"), 8080),
+    (pod("gateway"), pod("engine"), 8080),
+    (pod("registry"), pod("engine"), 8080),
 ]
 
 

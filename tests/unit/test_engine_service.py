@@ -305,3 +305,19 @@ def test_ndjson_line_format_is_one_json_object_per_line(replica):
         assert lines[-1] == "" and all(json.loads(line) for line in lines[:-1])
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("tenant_label", "seen"), [(False, ""), (True, "acme")])
+def test_the_tenant_id_reaches_the_engine_only_with_tenant_labels(replica, tenant_label, seen):
+    """The engine labels its metrics with the request's tenant: served on Serve's and Ray's metrics ports, so only
+    where those are confined (ReplicaSettings.metrics_tenant_label)."""
+    _, engine, _, _, _ = replica
+    service = EngineService(engine=engine, pager=replica[0].pager, tenant_label=tenant_label)
+
+    async def scenario():
+        await service.start()
+        await service.complete(EngineRequest.model_validate(body(tenant="acme")))
+        await service.drain(1)
+
+    asyncio.run(scenario())
+    assert engine.seen_tenants == [seen]

@@ -100,6 +100,13 @@ app.kubernetes.io/part-of: preft-serve
 
 {{/* Environment entries shared by the services. Call with (dict "ctx" $ "prefix" "PREFT_GATEWAY__"). ----------- */}}
 
+{{- /* The pod IP, for `ray start --node-ip-address=$MY_POD_IP` (KubeRay runs `ray start` in a shell). */}}
+{{- define "preft.podIPEnv" -}}
+- name: MY_POD_IP
+  valueFrom:
+    fieldRef: {fieldPath: status.podIP}
+{{- end }}
+
 {{- define "preft.redisEnv" -}}
 {{- $ctx := .ctx }}
 {{- if ne (include "preft.redisMode" $ctx) "internal" }}

@@ -100,6 +100,7 @@ class EngineDeployment:
             publisher=publisher,
             hot_source=hot_source,
             prefetch_adapters=settings.prefetch_adapters,
+            tenant_label=settings.replica.metrics_tenant_label,
         )
         # Serve's multiplexing decorator takes its size when applied, so it is applied here, from the settings.
         # "+ 1": the "base" id is registered too (every replica serves base requests).

@@ -46,6 +46,12 @@ class ReplicaSettings(BaseModel):
         description="How often a replica copies its preft_* metrics into Ray's, which each Ray node exports on its "
         "metrics port for a per-pod scrape (engine.ray_metrics); 0 = never (the replica's /metrics still serves them)",
     )
+    metrics_tenant_label: bool = Field(
+        False,
+        description="Label preft_requests_total, preft_prompt_tokens_total and preft_generated_tokens_total with the "
+        "request's tenant id (off: the label is empty). The replica serves them on Serve's port (/metrics) and on "
+        "Ray's metrics port: turn on only where both are confined to the platform, by loopback or a NetworkPolicy",
+    )
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Extra environment variables of the replica processes (runtime_env)"
     )

@@ -326,17 +326,17 @@ class LocalStack:
 
     def _start_engine(self) -> None:
         """Ray (this process is the driver) and the engine's Serve application, as the profile sizes it."""
-        import ray
         from pydantic import SecretStr
         from ray import serve
 
         from preft.common.settings import RedisSettings, S3Settings
         from preft.engine.serve_app import build_app
         from preft.engine.settings import EngineSettings
+        from preft.stack.ray_local import start_local_ray
 
         p = self.profile
         log.info("starting ray serve and the engine (%s)", "vLLM on GPU" if p.ray_num_gpus else "vLLM on CPU")
-        ray.init(
+        start_local_ray(  # every Ray socket on 127.0.0.1, as the stack's own servers
             num_cpus=p.ray_num_cpus,
             num_gpus=p.ray_num_gpus,
             object_store_memory=1 << 30,  # (the engine passes no large objects through Ray)
@@ -363,6 +363,7 @@ class LocalStack:
             registry_address=f"{LOOPBACK}:{self.ports.registry}",
             registry_token=self.admin_token,
         )
+        settings.replica.metrics_tenant_label = True  # (every port that serves them listens on loopback here)
         serve.run(build_app(settings), name=settings.app_name, route_prefix=settings.route_prefix)
         wait_until(
             lambda: httpx.get(f"http://{LOOPBACK}:{self.ports.serve}/healthz", timeout=2).status_code == 200,

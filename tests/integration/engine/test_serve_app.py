@@ -62,6 +62,7 @@ def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs, ray_met
     from ray import serve
 
     from preft.engine.serve_app import build_app
+    from preft.stack.ray_local import start_local_ray
 
     disk = tmp_path_factory.mktemp("adapter-cache")
     settings = EngineSettings(
@@ -92,7 +93,7 @@ def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs, ray_met
         app_name=APP,
     )
     port = free_port()
-    ray.init(
+    start_local_ray(
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

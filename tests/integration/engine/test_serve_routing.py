@@ -29,6 +29,7 @@ def routed(model_dirs, adapters, s3_server, redis_server, tmp_path_factory):
     from ray import serve
 
     from preft.engine.serve_app import build_app
+    from preft.stack.ray_local import start_local_ray
 
     bucket = f"test-{uuid.uuid4().hex[:24]}"
     s3_server.client().create_bucket(Bucket=bucket)
@@ -53,7 +54,7 @@ def routed(model_dirs, adapters, s3_server, redis_server, tmp_path_factory):
         app_name=APP,
     )
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(settings, engine_cls=ScriptedEngine), name=APP, route_prefix="/")

@@ -35,7 +35,8 @@ import numpy as np
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
 from preft.devtools.tiny import TinyModelSpec, build_lora, build_model
-from preft.engine.contract import MULTIPLEX_HEADER, AdapterFileSpec, AdapterSpec, EngineRequest
+from preft.engine.contract import MULTIPLEX_HEADER, AdapterFileSpec, AdapterSpec, EngineRequest, bearer
+from preft.gateway.testing import STUB_ENGINE_TOKEN
 from preft.registry.client import RegistryClient, scan_adapter_dir
 from preft.stack import RedisServer, SeaweedS3, free_port, wait_until
 
@@ -130,6 +131,7 @@ def run(args: argparse.Namespace, levels: list[int], tmp: Path, redis_url: str, 
                 "PREFT_GATEWAY__REGISTRY_ADDRESS": f"127.0.0.1:{registry_port}",
                 "PREFT_GATEWAY__REGISTRY_TOKEN": TOKEN,
                 "PREFT_GATEWAY__ENGINE_URL": f"http://127.0.0.1:{stub_port}",
+                "PREFT_GATEWAY__ENGINE_TOKEN": STUB_ENGINE_TOKEN,
                 "PREFT_GATEWAY__MODEL_DIR": str(model),
                 "PREFT_GATEWAY__SERVED_MODEL_NAME": BASE,
             },
@@ -179,7 +181,11 @@ def make_variants(
         return {
             "url": f"{stub_url}/generate",
             "content": req.model_dump_json(exclude_none=True).encode(),
-            "headers": {MULTIPLEX_HEADER: adapter.digest, "content-type": "application/json"},
+            "headers": {
+                MULTIPLEX_HEADER: adapter.digest,
+                "authorization": bearer(STUB_ENGINE_TOKEN),
+                "content-type": "application/json",
+            },
             "stream": stream,
         }
 

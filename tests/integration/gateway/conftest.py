@@ -22,7 +22,7 @@ from preft.common.settings import RedisSettings, RegistrySettings
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
 from preft.gateway.app import create_app
 from preft.gateway.settings import GatewaySettings
-from preft.gateway.testing import StubEngine, ThreadedServer, create_stub_engine
+from preft.gateway.testing import STUB_ENGINE_TOKEN, StubEngine, ThreadedServer, create_stub_engine
 from preft.gateway.tokenization import PromptTokenizer
 from preft.registry.client import RegistryClient, scan_adapter_dir
 from preft.registry.server import build_server, build_service
@@ -151,6 +151,7 @@ def start_gateway(
         "registry_address": registry_address,
         "registry_token": SecretStr(REGISTRY_TOKEN),
         "engine_url": engine_url,
+        "engine_token": SecretStr(STUB_ENGINE_TOKEN),
         "model_dir": model_dir,
         "served_model_name": BASE,
         "max_model_len": 512,

@@ -7,6 +7,7 @@ import sys
 
 import httpx
 
+from preft.gateway.testing import STUB_ENGINE_TOKEN
 from preft.stack.process import LOOPBACK, ManagedProcess, free_port, wait_until
 
 from .conftest import BASE, REGISTRY_TOKEN
@@ -24,6 +25,7 @@ def test_the_access_log_shows_no_query_secret_or_authorization(tmp_path, redis_u
         "PREFT_GATEWAY__REGISTRY_ADDRESS": registry.address,
         "PREFT_GATEWAY__REGISTRY_TOKEN": REGISTRY_TOKEN,
         "PREFT_GATEWAY__ENGINE_URL": engine.url,
+        "PREFT_GATEWAY__ENGINE_TOKEN": STUB_ENGINE_TOKEN,
         "PREFT_GATEWAY__MODEL_DIR": str(tiny_models["model"]),
         "PREFT_GATEWAY__SERVED_MODEL_NAME": BASE,
         "PREFT_GATEWAY__MAX_MODEL_LEN": "512",

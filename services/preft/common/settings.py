@@ -74,7 +74,9 @@ class RegistrySettings(BaseSettings):
     def _no_placeholder_secret_outside_dev(self) -> RegistrySettings:
         if self.environment != "dev" and self.admin_token.get_secret_value() == DEV_TOKEN:
             raise ValueError("set PREFT_REGISTRY__ADMIN_TOKEN: the placeholder token is only allowed in dev")
-        tokens = [t.get_secret_value() for t in (self.admin_token, self.gateway_token, self.reader_token) if t]
+        tokens = [
+            t.get_secret_value() for t in (self.admin_token, self.gateway_token, self.reader_token) if t is not None
+        ]
         if len(set(tokens)) < len(tokens) or not all(tokens):
             raise ValueError("the registry's admin, gateway and reader tokens must be non-empty and differ")
         return self

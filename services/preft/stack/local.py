@@ -149,6 +149,11 @@ class LocalStack:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         claim_ports(asdict(ports).values())  # the S3 server's internal ports must not land on one not bound yet
         self.admin_token = _secret(self.state_dir, "registry_admin_token")
+        # The gateway and the engine get narrower credentials than the admin token: a compromised one of them cannot
+        # administer tenants and keys, and no local process but the gateway can spend the engine (docs/security.md).
+        self.gateway_registry_token = _secret(self.state_dir, "registry_gateway_token")
+        self.reader_token = _secret(self.state_dir, "registry_reader_token")
+        self.engine_token = _secret(self.state_dir, "engine_token")
         self.s3_secret = _secret(self.state_dir, "s3_secret_key")
         self.redis = RedisServer(self.state_dir / "redis", ports.redis, persist=True)
         self.s3 = SeaweedS3(self.state_dir / "s3", ports.s3, access_key="preft-local", secret_key=self.s3_secret)
@@ -257,6 +262,8 @@ class LocalStack:
             "PREFT_REGISTRY__ENVIRONMENT": "prod",
             "PREFT_REGISTRY__LISTEN_ADDRESS": f"{LOOPBACK}:{self.ports.registry}",
             "PREFT_REGISTRY__ADMIN_TOKEN": self.admin_token,
+            "PREFT_REGISTRY__GATEWAY_TOKEN": self.gateway_registry_token,
+            "PREFT_REGISTRY__READER_TOKEN": self.reader_token,
             "PREFT_REGISTRY__REDIS__URL": self.redis.url,
             **self._s3_env("PREFT_REGISTRY__"),
         }
@@ -345,7 +352,8 @@ class LocalStack:
             ),
             redis=RedisSettings(url=self.redis.url),
             registry_address=f"{LOOPBACK}:{self.ports.registry}",
-            registry_token=self.admin_token,
+            registry_token=self.reader_token,
+            api_token=self.engine_token,
         )
         serve.run(build_app(settings), name=settings.app_name, route_prefix=settings.route_prefix)
         wait_until(
@@ -362,8 +370,9 @@ class LocalStack:
             "PREFT_GATEWAY__PORT": str(port),
             "PREFT_GATEWAY__REDIS__URL": self.redis.url,
             "PREFT_GATEWAY__REGISTRY_ADDRESS": f"{LOOPBACK}:{self.ports.registry}",
-            "PREFT_GATEWAY__REGISTRY_TOKEN": self.admin_token,
+            "PREFT_GATEWAY__REGISTRY_TOKEN": self.gateway_registry_token,
             "PREFT_GATEWAY__ENGINE_URL": f"http://{LOOPBACK}:{self.ports.serve}",
+            "PREFT_GATEWAY__ENGINE_TOKEN": self.engine_token,
             "PREFT_GATEWAY__MODEL_DIR": str(self.model_dir),
             "PREFT_GATEWAY__SERVED_MODEL_NAME": self.profile.served_model_name,
             "PREFT_GATEWAY__MAX_MODEL_LEN": str(self.profile.max_model_len),

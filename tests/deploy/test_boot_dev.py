@@ -106,11 +106,25 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
         tmp_path,
     )
 
-    # SeaweedFS: the StatefulSet's command and args; the pod IP, data dir and internal ports adapted to loopback.
+    secret_values = {  # what `kubectl create secret` would hold in dev
+        ("preft-registry-token", "admin-token"): secrets.token_hex(16),
+        ("preft-registry-token", "gateway-token"): secrets.token_hex(16),
+        ("preft-registry-token", "reader-token"): secrets.token_hex(16),
+        ("preft-engine-token", "token"): secrets.token_hex(16),
+        ("preft-s3", "access-key"): "dev-" + secrets.token_hex(4),
+        ("preft-s3", "secret-key"): secrets.token_hex(16),
+    }
+
+    def secret_env(container) -> dict[str, str]:
+        refs = [(e["name"], e["valueFrom"]["secretKeyRef"]) for e in container["env"] if "secretKeyRef" in str(e)]
+        return {name: secret_values[(ref["name"], ref["key"])] for name, ref in refs}
+
+    # SeaweedFS: the StatefulSet's command (its JWT keys) and args; the data dir, S3 bind and ports adapted to loopback.
     sw = _container(docs, "StatefulSet", "preft-seaweedfs")
     sw_env = {e["name"]: e.get("value") for e in sw["env"]}
-    args = [a.replace("$(POD_IP)", "127.0.0.1") for a in sw["args"]]
-    args = [a for a in args if not a.startswith(("-dir=", "-ip.bind=", "-s3.port="))]
+    assert sw["command"][:2] == ["/bin/sh", "-c"] and sw["command"][2].endswith('exec weed "$@"')
+    assert {"-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer.disableHttp"} <= set(sw["args"])  # S3 alone beyond the pod
+    args = [a for a in sw["args"] if not a.startswith(("-dir=", "-s3.ip.bind=", "-s3.port="))]
     (tmp_path / "weed").mkdir()
     args += [
         f"-dir={tmp_path / 'weed'}",
@@ -125,8 +139,9 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
         f"-s3.port.grpc={s3_grpc}",
         "-master.electionTimeout=1s",
     ]
-    env = {**os.environ, **{k: v for k, v in sw_env.items() if v is not None}}
-    weed_proc = _spawn(procs, [weed, *args], env, tmp_path / "weed.log", tmp_path)
+    env = {**os.environ, **{k: v for k, v in sw_env.items() if v is not None}, **secret_env(sw)}
+    weed_proc = _spawn(procs, [*sw["command"][:4], *args], {**env, "PATH": f"{Path(weed).parent}:{env['PATH']}"},
+                       tmp_path / "weed.log", tmp_path)  # fmt: skip
 
     # Redis: the StatefulSet's args, on a free loopback port.
     rc = _container(docs, "StatefulSet", "preft-redis")
@@ -145,15 +160,7 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
     reg = _container(docs, "Deployment", "preft-registry")
     (cm_ref,) = reg["envFrom"]
     cm = next(o for o in m.by_kind(docs, "ConfigMap") if o["metadata"]["name"] == cm_ref["configMapRef"]["name"])
-    secret_values = {  # what `kubectl create secret` would hold in dev (SeaweedFS without identities takes any key)
-        ("preft-registry-token", "admin-token"): secrets.token_hex(16),
-        ("preft-s3", "access-key"): "dev-" + secrets.token_hex(4),
-        ("preft-s3", "secret-key"): secrets.token_hex(16),
-    }
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFT_")}, **cm["data"]}
-    for e in reg["env"]:
-        ref = e["valueFrom"]["secretKeyRef"]
-        env[e["name"]] = secret_values[(ref["name"], ref["key"])]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFT_")}, **cm["data"], **secret_env(reg)}
     # Service names -> loopback
     env["PREFT_REGISTRY__REDIS__URL"] = env["PREFT_REGISTRY__REDIS__URL"].replace(
         "preft-redis:6379", f"127.0.0.1:{redis_port}"
@@ -176,8 +183,8 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
             "s3",
             endpoint_url=f"http://127.0.0.1:{s3_port}",
             region_name="us-east-1",
-            aws_access_key_id="any",
-            aws_secret_access_key="any",
+            aws_access_key_id=secret_values[("preft-s3", "access-key")],
+            aws_secret_access_key=secret_values[("preft-s3", "secret-key")],
         ).list_buckets()
         return True
 
@@ -203,16 +210,18 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
         aws_secret_access_key=env["PREFT_REGISTRY__S3__SECRET_KEY"],
     )
     s3.head_bucket(Bucket=cm["data"]["PREFT_REGISTRY__S3__BUCKET"])
+    from botocore.exceptions import ClientError
+
+    with pytest.raises(ClientError):  # (the dev SeaweedFS takes only the Secret's key pair)
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{s3_port}", region_name="us-east-1",
+                     aws_access_key_id="any", aws_secret_access_key="any").list_buckets()  # fmt: skip
 
     # The gateway: its Deployment's env (ConfigMap + the registry token), the tiny model its dev init container makes.
     gw = _container(docs, "Deployment", "preft-gateway")
     assert init_proc.wait(timeout=120) == 0, (tmp_path / "init.log").read_text()[-3000:]
     (cm_ref,) = gw["envFrom"]
     gcm = next(o for o in m.by_kind(docs, "ConfigMap") if o["metadata"]["name"] == cm_ref["configMapRef"]["name"])
-    genv = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFT_")}, **gcm["data"]}
-    for e in gw["env"]:
-        ref = e["valueFrom"]["secretKeyRef"]
-        genv[e["name"]] = secret_values[(ref["name"], ref["key"])]
+    genv = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFT_")}, **gcm["data"], **secret_env(gw)}
     assert genv["PREFT_GATEWAY__MODEL_DIR"] == "/models/base"
     genv["PREFT_GATEWAY__MODEL_DIR"] = str(model_dir)
     genv["PREFT_GATEWAY__REDIS__URL"] = genv["PREFT_GATEWAY__REDIS__URL"].replace(

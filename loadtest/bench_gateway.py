@@ -34,9 +34,10 @@ import numpy as np
 
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
-from preft.common.engine_contract import MULTIPLEX_HEADER, AdapterFileSpec, AdapterSpec, EngineRequest
+from preft.common.engine_contract import MULTIPLEX_HEADER, AdapterFileSpec, AdapterSpec, EngineRequest, bearer
 from preft.common.redis_acl import new_passwords
 from preft.devtools.tiny import TinyModelSpec, build_lora, build_model
+from preft.gateway.testing import STUB_ENGINE_TOKEN
 from preft.registry.client import RegistryClient, scan_adapter_dir
 from preft.stack import RedisServer, SeaweedS3, free_port, wait_until
 
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace, levels: list[int], tmp: Path, redis: RedisServ
                 "PREFT_GATEWAY__REGISTRY_ADDRESS": f"127.0.0.1:{registry_port}",
                 "PREFT_GATEWAY__REGISTRY_TOKEN": TOKEN,
                 "PREFT_GATEWAY__ENGINE_URL": f"http://127.0.0.1:{stub_port}",
+                "PREFT_GATEWAY__ENGINE_TOKEN": STUB_ENGINE_TOKEN,
                 "PREFT_GATEWAY__MODEL_DIR": str(model),
                 "PREFT_GATEWAY__SERVED_MODEL_NAME": BASE,
             },
@@ -180,7 +182,11 @@ def make_variants(
         return {
             "url": f"{stub_url}/generate",
             "content": req.model_dump_json(exclude_none=True).encode(),
-            "headers": {MULTIPLEX_HEADER: adapter.digest, "content-type": "application/json"},
+            "headers": {
+                MULTIPLEX_HEADER: adapter.digest,
+                "authorization": bearer(STUB_ENGINE_TOKEN),
+                "content-type": "application/json",
+            },
             "stream": stream,
         }
 

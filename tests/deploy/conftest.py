@@ -26,7 +26,15 @@ HELM_SCENARIOS: dict[str, dict] = {
             "existingSecretSecretKeyKey": "key",
             "endpointUrl": "https://s3.eu-west-1.amazonaws.com",
         },
-        "registry": {"auth": {"existingSecret": "ops-registry", "existingSecretKey": "token"}},
+        "registry": {
+            "auth": {
+                "existingSecret": "ops-registry",
+                "existingSecretKey": "token",
+                "existingSecretGatewayTokenKey": "gw",
+                "existingSecretReaderTokenKey": "ro",
+            }
+        },
+        "engine": {"auth": {"existingSecret": "ops-engine", "existingSecretKey": "shared"}},
         "model": {"source": "pvc", "existingClaim": "llama-8b", "path": "llama-3-8b"},
     },
     # everything on, external Redis by URL (a chart Secret), S3 by IRSA (no keys), a digest-pinned engine image

@@ -106,11 +106,29 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
         tmp_path,
     )
 
-    # SeaweedFS: the StatefulSet's command and args; the pod IP, data dir and internal ports adapted to loopback.
+    secret_values = {  # what `kubectl create secret` would hold in dev
+        ("preft-registry-token", "admin-token"): secrets.token_hex(16),
+        ("preft-registry-token", "gateway-token"): secrets.token_hex(16),
+        ("preft-registry-token", "reader-token"): secrets.token_hex(16),
+        ("preft-engine-token", "token"): secrets.token_hex(16),
+        ("preft-s3", "access-key"): "dev-" + secrets.token_hex(4),
+        ("preft-s3", "secret-key"): secrets.token_hex(16),
+        **{
+            ("preft-redis-acl", user): secrets.token_urlsafe(24)
+            for user in ("default", "gateway", "registry", "engine")
+        },
+    }
+
+    def secret_env(container) -> dict[str, str]:
+        refs = [(e["name"], e["valueFrom"]["secretKeyRef"]) for e in container["env"] if "secretKeyRef" in str(e)]
+        return {name: secret_values[(ref["name"], ref["key"])] for name, ref in refs}
+
+    # SeaweedFS: the StatefulSet's command (its JWT keys) and args; the data dir, S3 bind and ports adapted to loopback.
     sw = _container(docs, "StatefulSet", "preft-seaweedfs")
     sw_env = {e["name"]: e.get("value") for e in sw["env"]}
-    args = [a.replace("$(POD_IP)", "127.0.0.1") for a in sw["args"]]
-    args = [a for a in args if not a.startswith(("-dir=", "-ip.bind=", "-s3.port="))]
+    assert sw["command"][:2] == ["/bin/sh", "-c"] and sw["command"][2].endswith('exec weed "$@"')
+    assert {"-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer.disableHttp"} <= set(sw["args"])  # S3 alone beyond the pod
+    args = [a for a in sw["args"] if not a.startswith(("-dir=", "-s3.ip.bind=", "-s3.port="))]
     (tmp_path / "weed").mkdir()
     args += [
         f"-dir={tmp_path / 'weed'}",
@@ -125,18 +143,9 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
         f"-s3.port.grpc={s3_grpc}",
         "-master.electionTimeout=1s",
     ]
-    env = {**os.environ, **{k: v for k, v in sw_env.items() if v is not None}}
-    weed_proc = _spawn(procs, [weed, *args], env, tmp_path / "weed.log", tmp_path)
-
-    secret_values = {  # what `kubectl create secret` would hold in dev (SeaweedFS without identities takes any key)
-        ("preft-registry-token", "admin-token"): secrets.token_hex(16),
-        ("preft-s3", "access-key"): "dev-" + secrets.token_hex(4),
-        ("preft-s3", "secret-key"): secrets.token_hex(16),
-        **{
-            ("preft-redis-acl", user): secrets.token_urlsafe(24)
-            for user in ("default", "gateway", "registry", "engine")
-        },
-    }
+    env = {**os.environ, **{k: v for k, v in sw_env.items() if v is not None}, **secret_env(sw)}
+    weed_proc = _spawn(procs, [*sw["command"][:4], *args], {**env, "PATH": f"{Path(weed).parent}:{env['PATH']}"},
+                       tmp_path / "weed.log", tmp_path)  # fmt: skip
 
     def env_value(e: dict) -> str:
         return (
@@ -196,8 +205,8 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
             "s3",
             endpoint_url=f"http://127.0.0.1:{s3_port}",
             region_name="us-east-1",
-            aws_access_key_id="any",
-            aws_secret_access_key="any",
+            aws_access_key_id=secret_values[("preft-s3", "access-key")],
+            aws_secret_access_key=secret_values[("preft-s3", "secret-key")],
         ).list_buckets()
         return True
 
@@ -223,6 +232,11 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
         aws_secret_access_key=env["PREFT_REGISTRY__S3__SECRET_KEY"],
     )
     s3.head_bucket(Bucket=cm["data"]["PREFT_REGISTRY__S3__BUCKET"])
+    from botocore.exceptions import ClientError
+
+    with pytest.raises(ClientError):  # (the dev SeaweedFS takes only the Secret's key pair)
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{s3_port}", region_name="us-east-1",
+                     aws_access_key_id="any", aws_secret_access_key="any").list_buckets()  # fmt: skip
 
     # The gateway: its Deployment's env (ConfigMap + the registry token), the tiny model its dev init container makes.
     gw = _container(docs, "Deployment", "preft-gateway")

@@ -68,8 +68,17 @@ def test_existing_secrets_are_referenced_and_nothing_is_generated(helm_outputs):
     gw = _env(docs, ("Deployment", "preft-gateway"))
     reg = _env(docs, ("Deployment", "preft-registry"))
     eng = _env(docs, ("RayService", "preft-engine"))
-    assert gw["PREFT_GATEWAY__REGISTRY_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ops-registry", "key": "token"}
-    assert reg["PREFT_REGISTRY__ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ops-registry", "key": "token"}
+    refs = [
+        (gw, "PREFT_GATEWAY__REGISTRY_TOKEN", ("ops-registry", "gw")),  # the gateway role, not the admin token
+        (gw, "PREFT_GATEWAY__ENGINE_TOKEN", ("ops-engine", "shared")),
+        (reg, "PREFT_REGISTRY__ADMIN_TOKEN", ("ops-registry", "token")),
+        (reg, "PREFT_REGISTRY__GATEWAY_TOKEN", ("ops-registry", "gw")),
+        (reg, "PREFT_REGISTRY__READER_TOKEN", ("ops-registry", "ro")),
+        (eng, "PREFT_ENGINE__API_TOKEN", ("ops-engine", "shared")),
+        (eng, "PREFT_ENGINE__REGISTRY_TOKEN", ("ops-registry", "ro")),  # read-only: engines hold no admin token
+    ]
+    for env, name, (secret, key) in refs:
+        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": key}, name
     for env, prefix in ((gw, "PREFT_GATEWAY__"), (reg, "PREFT_REGISTRY__"), (eng, "PREFT_ENGINE__")):
         assert env[f"{prefix}REDIS__URL"]["valueFrom"]["secretKeyRef"] == {"name": "ops-redis", "key": "redis-url"}
         user = prefix.split("_")[1].lower()
@@ -126,12 +135,33 @@ def test_everything_enabled(helm_outputs):
 
 
 def test_generated_registry_token_is_random_and_given_token_is_used():
-    def token(docs):
-        return base64.b64decode(m.one(docs, "Secret", "preft-registry-token")["data"]["admin-token"]).decode()
+    def token(docs, secret="preft-registry-token", key="admin-token"):
+        return base64.b64decode(m.one(docs, "Secret", secret)["data"][key]).decode()
 
-    a, b = token(m.helm_render()), token(m.helm_render())
+    first, second = m.helm_render(), m.helm_render()
+    a, b = token(first), token(second)
     assert len(a) == 48 and a != b
+    generated = {token(first, key=k) for k in ("admin-token", "gateway-token", "reader-token")}
+    generated.add(token(first, "preft-engine-token", "token"))
+    assert len(generated) == 4 and all(len(t) == 48 for t in generated)  # one random token per role
     assert token(m.helm_render({"registry": {"auth": {"adminToken": "s3cr3t-from-set"}}})) == "s3cr3t-from-set"
+    given = m.helm_render({"registry": {"auth": {"readerToken": "r-from-set"}}, "engine": {"auth": {"token": "e-set"}}})
+    assert token(given, key="reader-token") == "r-from-set"
+    assert token(given, "preft-engine-token", "token") == "e-set"
+    env = _env(given, ("Deployment", "preft-gateway"))
+    assert env["PREFT_GATEWAY__ENGINE_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "preft-engine-token",
+        "key": "token",
+    }
+
+
+def test_the_release_seaweedfs_takes_only_the_s3_key_pair_and_binds_s3_alone():
+    (c,) = m.one(m.helm_render(), "StatefulSet", "preft-seaweedfs")["spec"]["template"]["spec"]["containers"]
+    assert {"-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3.ip.bind=0.0.0.0", "-filer.disableHttp"} <= set(c["args"])
+    assert "SIGNING_READ_KEY" in c["command"][2] and c["command"][2].endswith('exec weed "$@"')
+    env = {e["name"]: e for e in c["env"]}
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "preft-s3", "key": "access-key"}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "preft-s3", "key": "secret-key"}
 
 
 def test_fullname_follows_the_release():

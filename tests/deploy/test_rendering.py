@@ -32,7 +32,7 @@ def test_objects_pass_kubernetes_and_crd_schemas(all_outputs, source):
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_references_resolve(all_outputs, source):
-    external = m.EXTERNAL_SECRETS | {"ops-redis", "ops-redis-acl", "ops-s3", "ops-registry"}
+    external = m.EXTERNAL_SECRETS | {"ops-redis", "ops-redis-acl", "ops-s3", "ops-registry", "ops-engine"}
     problems = m.reference_problems(all_outputs[source], external_secrets=external)
     assert not problems, "\n".join(problems)
 

@@ -63,6 +63,32 @@ app.kubernetes.io/part-of: preft-serve
 {{- if .Values.registry.auth.existingSecret }}{{ .Values.registry.auth.existingSecretKey }}{{ else }}admin-token{{ end }}
 {{- end }}
 
+{{- define "preft.registryGatewayTokenKey" -}}
+{{- with .Values.registry.auth }}{{ if .existingSecret }}{{ .existingSecretGatewayTokenKey }}{{ else }}gateway-token{{ end }}{{ end }}
+{{- end }}
+
+{{- define "preft.registryReaderTokenKey" -}}
+{{- with .Values.registry.auth }}{{ if .existingSecret }}{{ .existingSecretReaderTokenKey }}{{ else }}reader-token{{ end }}{{ end }}
+{{- end }}
+
+{{- define "preft.engineTokenSecretName" -}}
+{{- default (printf "%s-engine-token" (include "preft.fullname" .)) .Values.engine.auth.existingSecret }}
+{{- end }}
+
+{{- define "preft.engineTokenSecretKey" -}}
+{{- if .Values.engine.auth.existingSecret }}{{ .Values.engine.auth.existingSecretKey }}{{ else }}token{{ end }}
+{{- end }}
+
+{{/* The engine's token (its /generate) and its read-only registry token, on the Ray head and workers. */}}
+{{- define "preft.engineAuthEnv" -}}
+- name: PREFT_ENGINE__API_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "preft.engineTokenSecretName" . }}, key: {{ include "preft.engineTokenSecretKey" . }}}
+- name: PREFT_ENGINE__REGISTRY_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "preft.registryTokenSecretName" . }}, key: {{ include "preft.registryReaderTokenKey" . }}}
+{{- end }}
+
 {{/* S3 credentials: "existing", "chart" (values or SeaweedFS dummies) or "none" (default AWS credential chain). */}}
 {{- define "preft.s3CredentialsMode" -}}
 {{- if .Values.s3.existingSecret }}existing

@@ -12,6 +12,13 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEV_TOKEN = "dev-admin-token"  # the placeholder `preft up` uses; refused outside environment=dev
+DEV_ENGINE_TOKEN = "dev-engine-token"  # the engine token's placeholder; refused outside environment=dev
+
+
+def refuse_placeholder(environment: str, secret: SecretStr | None, placeholder: str, variable: str) -> None:
+    """Raise unless `secret` was set to something other than its dev placeholder (in environment=dev, anything goes)."""
+    if environment != "dev" and secret is not None and secret.get_secret_value() == placeholder:
+        raise ValueError(f"set {variable}: the placeholder value is only allowed in dev")
 
 
 class RedisSettings(BaseModel):
@@ -83,7 +90,15 @@ class RegistrySettings(BaseSettings):
 
     environment: Literal["dev", "prod"] = Field("prod", description="dev allows the placeholder admin token")
     listen_address: str = Field("127.0.0.1:50051", description="host:port the gRPC server binds")
-    admin_token: SecretStr = Field(SecretStr(DEV_TOKEN), description="Bearer token every caller must send")
+    admin_token: SecretStr = Field(SecretStr(DEV_TOKEN), description="Bearer token allowed every RPC (operators)")
+    gateway_token: SecretStr | None = Field(
+        None,
+        description="Bearer token allowed the RPCs the gateway makes for tenants (resolve, list, publish, share, "
+        "delete adapters; record uses) but not tenant, key, limit, base model or gc administration; None: no such role",
+    )
+    reader_token: SecretStr | None = Field(
+        None, description="Read-only bearer token of engine replicas (the Hot ranking alone); None: no such role"
+    )
     worker_threads: int = Field(16, ge=1, description="gRPC server threads (one per in-flight call)")
     redis: RedisSettings = Field(default_factory=RedisSettings)
     s3: S3Settings = Field(default_factory=S3Settings)
@@ -103,6 +118,11 @@ class RegistrySettings(BaseSettings):
             raise ValueError("set PREFT_REGISTRY__ADMIN_TOKEN: the placeholder token is only allowed in dev")
         if self.environment != "dev" and (refusal := unauthenticated_redis("registry", self.redis)):
             raise ValueError(refusal)
+        tokens = [
+            t.get_secret_value() for t in (self.admin_token, self.gateway_token, self.reader_token) if t is not None
+        ]
+        if len(set(tokens)) < len(tokens) or not all(tokens):
+            raise ValueError("the registry's admin, gateway and reader tokens must be non-empty and differ")
         return self
 
 

@@ -151,6 +151,11 @@ class LocalStack:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         claim_ports(asdict(ports).values())  # the S3 server's internal ports must not land on one not bound yet
         self.admin_token = _secret(self.state_dir, "registry_admin_token")
+        # The gateway and the engine get narrower credentials than the admin token: a compromised one of them cannot
+        # administer tenants and keys, and no local process but the gateway can spend the engine (docs/security.md).
+        self.gateway_registry_token = _secret(self.state_dir, "registry_gateway_token")
+        self.reader_token = _secret(self.state_dir, "registry_reader_token")
+        self.engine_token = _secret(self.state_dir, "engine_token")
         self.s3_secret = _secret(self.state_dir, "s3_secret_key")
         # one Redis ACL user per service (common.redis_acl), and the admin's own password, none of them for another
         self.redis_passwords = {
@@ -270,6 +275,8 @@ class LocalStack:
             "PREFT_REGISTRY__ENVIRONMENT": "prod",
             "PREFT_REGISTRY__LISTEN_ADDRESS": f"{LOOPBACK}:{self.ports.registry}",
             "PREFT_REGISTRY__ADMIN_TOKEN": self.admin_token,
+            "PREFT_REGISTRY__GATEWAY_TOKEN": self.gateway_registry_token,
+            "PREFT_REGISTRY__READER_TOKEN": self.reader_token,
             **self._redis_env("PREFT_REGISTRY__", "registry"),
             **self._s3_env("PREFT_REGISTRY__"),
         }
@@ -361,7 +368,8 @@ class LocalStack:
                 url=self.redis.url, username="engine", password=SecretStr(self.redis_passwords["engine"])
             ),
             registry_address=f"{LOOPBACK}:{self.ports.registry}",
-            registry_token=self.admin_token,
+            registry_token=self.reader_token,
+            api_token=self.engine_token,
         )
         settings.replica.metrics_tenant_label = True  # (every port that serves them listens on loopback here)
         serve.run(build_app(settings), name=settings.app_name, route_prefix=settings.route_prefix)
@@ -379,8 +387,9 @@ class LocalStack:
             "PREFT_GATEWAY__PORT": str(port),
             **self._redis_env("PREFT_GATEWAY__", "gateway"),
             "PREFT_GATEWAY__REGISTRY_ADDRESS": f"{LOOPBACK}:{self.ports.registry}",
-            "PREFT_GATEWAY__REGISTRY_TOKEN": self.admin_token,
+            "PREFT_GATEWAY__REGISTRY_TOKEN": self.gateway_registry_token,
             "PREFT_GATEWAY__ENGINE_URL": f"http://{LOOPBACK}:{self.ports.serve}",
+            "PREFT_GATEWAY__ENGINE_TOKEN": self.engine_token,
             "PREFT_GATEWAY__MODEL_DIR": str(self.model_dir),
             "PREFT_GATEWAY__SERVED_MODEL_NAME": self.profile.served_model_name,
             "PREFT_GATEWAY__MAX_MODEL_LEN": str(self.profile.max_model_len),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import secrets
 import shutil
 import stat
 import sys
@@ -207,6 +208,9 @@ class SeaweedS3(LocalServer):
 
     Owns `data_dir`: the identities file (one admin identity; anonymous requests are refused), the log, and the
     volume, filer and master data under `data_dir/data`. Internal ports are picked once and kept across restarts.
+    Only the S3 port serves blobs: the filer's HTTP API is off, and the volume server reads and writes only with a
+    JWT signed by keys that live in this process alone (fresh ones each start), so a local caller that skips S3's
+    signature check gets 401/404. What stays open on loopback is the internal gRPC (weed's mTLS is not set up).
     """
 
     name = "seaweedfs"
@@ -283,6 +287,8 @@ class SeaweedS3(LocalServer):
             f"-volume.max={self.max_volumes}",
             "-volume.preStopSeconds=0",
             "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
+            # The filer's HTTP API serves and deletes any path without credentials; S3 talks to it over gRPC.
+            "-filer.disableHttp",
             "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={p['s3_grpc']}",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             # Behave like AWS: no bucket appears on a PUT to a missing one, and only empty buckets can be deleted.
@@ -290,7 +296,16 @@ class SeaweedS3(LocalServer):
             f"-s3.config={self._write_identities()}",
         ]  # fmt: skip
         # Every bucket is its own collection; the default grows 7 volumes for a collection's first write.
-        return argv, {"WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
+        env = {"WEED_MASTER_VOLUME_GROWTH_COPY_1": "1", **self._jwt_keys()}
+        return argv, env
+
+    @staticmethod
+    def _jwt_keys() -> dict[str, str]:
+        """Keys of the JWTs the master and filer hand the S3 gateway for each volume read and write (weed reads them
+        from WEED_* variables, which only this user can see). They never leave the process, so each start makes new
+        ones; without them the volume server's HTTP port reads and writes any blob for anyone."""
+        names = ("JWT_SIGNING_KEY", "JWT_SIGNING_READ_KEY", "JWT_FILER_SIGNING_KEY", "JWT_FILER_SIGNING_READ_KEY")
+        return {f"WEED_{name}": secrets.token_urlsafe(32) for name in names}
 
     def _ready(self) -> bool:
         # S3 answers before the volume server has registered with the master; writes until then stall for

@@ -29,6 +29,8 @@ from tests.reference import reference_generate
 
 pytestmark = pytest.mark.engine
 
+ENGINE_TOKEN = "engine-test-token"
+AUTH = {"authorization": f"Bearer {ENGINE_TOKEN}"}  # (the client's default: every request is the gateway's)
 APP = "preft-engine-test"
 
 
@@ -91,6 +93,7 @@ def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs, ray_met
             ray_metrics_interval_s=1.0,
         ),
         app_name=APP,
+        api_token=SecretStr(ENGINE_TOKEN),
     )
     port = free_port()
     start_local_ray(
@@ -105,7 +108,7 @@ def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs, ray_met
         started = time.perf_counter()
         serve.run(build_app(settings), name=APP, route_prefix="/")
         deploy_s = time.perf_counter() - started
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=120) as client:
             health = client.get("/healthz").json()
             print(
                 f"\nserve.run until ready: {deploy_s:.1f} s; engine start inside the replica: "

@@ -171,6 +171,19 @@ def test_engine_down_is_503(make_gateway, registry):
     assert _retries("connect") == before + 2
 
 
+def test_a_gateway_without_the_engine_token_is_refused_by_the_engine(make_gateway, registry, stub, caplog):
+    """The stub requires the token as the engine does: the other tests' answers show the gateway sends it; with the
+    wrong one every request is refused (not retried) and the gateway says why in its log, not to the client."""
+    from pydantic import SecretStr
+
+    gateway = make_gateway(engine_token=SecretStr("not-the-engine-token"))
+    http = gateway.http(registry.tenant("acme"))
+    for stream in (False, True):
+        answer = http.post("/v1/completions", json={**BODY, "stream": stream})
+        assert answer.status_code == 500 and "engine token" not in answer.text
+    assert stub.received == [] and "the engine refused the gateway's token" in caplog.text
+
+
 def test_stream_failing_midway_ends_with_an_error_event(gateway, registry, stub):
     client = gateway.openai(registry.tenant("acme"))
     for status, says in [(None, "stream broke off"), (503, "engine is unavailable: injected failure")]:

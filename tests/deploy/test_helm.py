@@ -28,7 +28,9 @@ def test_lint_is_clean(values_file):
         ({"engine": {"maxLoras": "four"}}, "/engine/maxLoras"),
         ({"engine": {"workers": {"gpu": 1}}}, "additional properties 'gpu' not allowed"),
         ({"model": {"source": "pvc"}}, "/model/existingClaim"),
-        ({"model": {"source": "s3"}}, "/model/source"),
+        ({"model": {"source": "s3"}}, "/model/uri"),
+        ({"model": {"source": "hf", "uri": "hf://org/name@main"}}, "/model/uri"),  # (a branch can move)
+        ({"model": {"source": "gcs"}}, "/model/source"),
         ({"externalRedis": {"url": "http://redis:6379"}}, "/externalRedis/url"),
         ({"engine": {"head": {"rayStartParams": {"num-cpus": 0}}}}, "/engine/head/rayStartParams/num-cpus"),
         ({"gateway": {"resources": {"limits": {"memory": None}}}}, "/gateway/resources/limits"),  # null removes a key

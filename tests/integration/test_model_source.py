@@ -17,6 +17,7 @@ import pytest
 
 from preft.common.errors import InvalidArgument, NotFound, Unavailable
 from preft.common.model_source import COMPLETE, MANIFEST, ModelSource, fetch, push
+from tests.deploy import manifests as m
 
 pytestmark = pytest.mark.integration
 
@@ -123,3 +124,58 @@ def test_a_hugging_face_source_is_its_snapshot_in_the_hub_cache(model, tmp_path,
     assert fetch(f"hf://acme/tiny@{commit}", tmp_path / "cache") == snapshot
     with pytest.raises(Unavailable, match="could not be fetched"):
         fetch(f"hf://acme/other@{commit}", tmp_path / "cache")
+
+
+def _fetch_init(values: dict) -> dict[str, dict]:
+    """The chart's fetch-model init container of each pod template, by the object's name."""
+    docs = m.helm_render(values)
+    out = {}
+    for o in docs:
+        for _, tpl in m.pod_templates(o):
+            for c in tpl["spec"].get("initContainers", []):
+                if c["name"] == "fetch-model":
+                    volumes = {v["name"]: v for v in tpl["spec"]["volumes"]}
+                    out.setdefault(o["metadata"]["name"], {**c, "models_volume": volumes["models"]})
+    return out
+
+
+def test_the_charts_init_container_fetches_the_model_as_rendered(model, s3_bucket, tmp_path):
+    source = f"s3://{s3_bucket.bucket}/chart/tiny"
+    push(model, source, s3=s3_bucket.settings())
+    values = {
+        "model": {"source": "s3", "uri": source, "path": "base"},
+        "seaweedfs": {"enabled": False},
+        "s3": {"endpointUrl": s3_bucket.endpoint_url, "accessKey": "x", "secretKey": "y"},
+    }
+    inits = _fetch_init(values)
+    assert set(inits) == {"preft-gateway", "preft-engine"}
+    gateway, engine = inits["preft-gateway"], inits["preft-engine"]
+    assert engine["models_volume"]["emptyDir"] == {"sizeLimit": "64Gi"} and gateway["image"] != engine["image"]
+    for name, init in inits.items():  # run as rendered, the Secret's keys being the bucket's
+        env = {e["name"]: e.get("value") for e in init["env"]}
+        secrets = {
+            "PREFT_MODEL__S3__ACCESS_KEY": s3_bucket.access_key,
+            "PREFT_MODEL__S3__SECRET_KEY": s3_bucket.secret_key,
+        }
+        assert {e["name"] for e in init["env"] if "valueFrom" in e} == set(secrets)
+        root = tmp_path / name
+        command = [a.replace("/models", str(root)) for a in init["command"]]
+        assert command[:3] == ["python", "-m", "preft.common.model_source"]
+        run = subprocess.run(
+            [sys.executable, *command[1:]],
+            env={**os.environ, **{k: v for k, v in env.items() if v is not None}, **secrets, "HOME": str(tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 0, run.stderr
+        fetched = set(_files((root / "base").resolve()))
+        if env["PREFT_MODEL__TOKENIZER_ONLY"] == "true":
+            assert "config.json" in fetched and "model.safetensors" not in fetched
+        else:
+            assert fetched == set(_files(model))
+
+    hf = _fetch_init({"model": {"source": "hf", "uri": "hf://acme/tiny@" + "a" * 40, "hfTokenSecret": "hf"}})
+    env = {e["name"]: e for e in hf["preft-engine"]["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    assert "PREFT_MODEL__S3__ACCESS_KEY" not in env

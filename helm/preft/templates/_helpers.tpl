@@ -191,14 +191,62 @@ Call with (dict "user" "gateway"). */}}
 {{ .prefix }}S3__REGION: {{ $ctx.Values.s3.region | quote }}
 {{- end }}
 
-{{/* The model volume: the PVC, or an emptyDir that the tiny-model init container fills. ------------------------ */}}
+{{/* The model volume: the PVC, or an emptyDir that an init container fills (the tiny model, or the model fetched
+from S3 or Hugging Face). Call with (dict "ctx" $ "tokenizerOnly" bool): the gateway's needs only the tokenizer. */}}
 
 {{- define "preft.modelVolume" -}}
+{{- $ctx := .ctx }}
 - name: models
-{{- if eq .Values.model.source "pvc" }}
-  persistentVolumeClaim: {claimName: {{ required "model.existingClaim is required when model.source=pvc" .Values.model.existingClaim }}, readOnly: true}
+{{- if eq $ctx.Values.model.source "pvc" }}
+  persistentVolumeClaim: {claimName: {{ required "model.existingClaim is required when model.source=pvc" $ctx.Values.model.existingClaim }}, readOnly: true}
+{{- else if and (has $ctx.Values.model.source (list "s3" "hf")) (not .tokenizerOnly) }}
+  emptyDir: {sizeLimit: {{ $ctx.Values.model.cacheSizeLimit }}}
 {{- else }}
   emptyDir: {sizeLimit: 256Mi}
+{{- end }}
+{{- end }}
+
+{{/* The init container that fetches the model (model.source=s3|hf) into the models volume, checked against its
+digests, and links it at the model directory (`python -m preft.common.model_source`). Call with (dict "ctx" $
+"image" <image values> "tokenizerOnly" bool "readOnlyRoot" bool). */}}
+{{- define "preft.fetchModelInit" -}}
+{{- $ctx := .ctx }}
+{{- $m := $ctx.Values.model }}
+- name: fetch-model
+  image: {{ include "preft.image" .image }}
+  imagePullPolicy: {{ .image.pullPolicy }}
+  command: ["python", "-m", "preft.common.model_source", "fetch", "--cache-dir", "/models/.cache", "--link", {{ include "preft.modelDir" $ctx | quote }}]
+  env:
+    - {name: HOME, value: /tmp}
+    - {name: PREFT_MODEL__SOURCE, value: {{ required "model.uri is required when model.source is s3 or hf" $m.uri | quote }}}
+    - {name: PREFT_MODEL__TOKENIZER_ONLY, value: {{ .tokenizerOnly | quote }}}
+    {{- if eq $m.source "s3" }}
+    {{- with include "preft.s3Endpoint" $ctx }}
+    - {name: PREFT_MODEL__S3__ENDPOINT_URL, value: {{ . | quote }}}
+    {{- end }}
+    - {name: PREFT_MODEL__S3__REGION, value: {{ $ctx.Values.s3.region | quote }}}
+    {{- include "preft.s3Env" (dict "ctx" $ctx "prefix" "PREFT_MODEL__") | nindent 4 }}
+    {{- else if $m.hfTokenSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef: {name: {{ $m.hfTokenSecret }}, key: token}
+    {{- end }}
+  resources: {requests: {cpu: 250m, memory: 512Mi}, limits: {cpu: "2", memory: 2Gi}}
+  securityContext:
+    {{- toYaml (set (deepCopy $ctx.Values.containerSecurityContext) "readOnlyRootFilesystem" .readOnlyRoot) | nindent 4 }}
+  volumeMounts:
+    - {name: models, mountPath: /models}
+    {{- if .readOnlyRoot }}
+    - {name: tmp, mountPath: /tmp}
+    {{- end }}
+{{- end }}
+
+{{/* The init containers that fill the models volume, if the source needs one. Same arguments as fetchModelInit. */}}
+{{- define "preft.modelInit" -}}
+{{- if eq .ctx.Values.model.source "tiny" }}
+{{- include "preft.tinyModelInit" . }}
+{{- else if has .ctx.Values.model.source (list "s3" "hf") }}
+{{- include "preft.fetchModelInit" . }}
 {{- end }}
 {{- end }}
 

@@ -34,8 +34,10 @@ import numpy as np
 
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
-from preft.common.engine_contract import MULTIPLEX_HEADER, AdapterFileSpec, AdapterSpec, EngineRequest
+from preft.common.engine_contract import MULTIPLEX_HEADER, AdapterFileSpec, AdapterSpec, EngineRequest, bearer
+from preft.common.redis_acl import new_passwords
 from preft.devtools.tiny import TinyModelSpec, build_lora, build_model
+from preft.gateway.testing import STUB_ENGINE_TOKEN
 from preft.registry.client import RegistryClient, scan_adapter_dir
 from preft.stack import RedisServer, SeaweedS3, free_port, wait_until
 
@@ -57,10 +59,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="preft-gateway-bench-") as tmp_name:
         tmp = Path(tmp_name)
         with (
-            RedisServer(tmp / "redis", free_port(), persist=False) as redis_server,
+            RedisServer(tmp / "redis", free_port(), persist=False, passwords=new_passwords()) as redis_server,
             SeaweedS3(tmp / "s3", free_port(), access_key="bench", secret_key="bench-secret") as s3,
         ):
-            report = run(args, levels, tmp, redis_server.url, s3.endpoint_url)
+            report = run(args, levels, tmp, redis_server, s3.endpoint_url)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     samples = report.pop("_samples_s")
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
@@ -73,7 +75,7 @@ def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(argv, env={**os.environ, **env}, stdout=out, stderr=out)
 
 
-def run(args: argparse.Namespace, levels: list[int], tmp: Path, redis_url: str, s3_url: str) -> dict[str, Any]:
+def run(args: argparse.Namespace, levels: list[int], tmp: Path, redis: RedisServer, s3_url: str) -> dict[str, Any]:
     model = build_model(tmp / "model", TinyModelSpec(arch="llama", seed=1))
     lora = build_lora(tmp / "lora", model, rank=8, seed=2)
     registry_port, stub_port, gateway_port = free_port(), free_port(), free_port()
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace, levels: list[int], tmp: Path, redis_url: str, 
             {
                 "PREFT_REGISTRY__LISTEN_ADDRESS": f"127.0.0.1:{registry_port}",
                 "PREFT_REGISTRY__ADMIN_TOKEN": TOKEN,
-                "PREFT_REGISTRY__REDIS__URL": redis_url,
+                "PREFT_REGISTRY__REDIS__URL": redis.url_for("registry"),  # (its own ACL user)
                 "PREFT_REGISTRY__S3__ENDPOINT_URL": s3_url,
                 "PREFT_REGISTRY__S3__ACCESS_KEY": "bench",
                 "PREFT_REGISTRY__S3__SECRET_KEY": "bench-secret",
@@ -126,10 +128,11 @@ def run(args: argparse.Namespace, levels: list[int], tmp: Path, redis_url: str, 
             {
                 "PREFT_GATEWAY__PORT": str(gateway_port),
                 "PREFT_GATEWAY__ACCESS_LOG": "false",
-                "PREFT_GATEWAY__REDIS__URL": redis_url,
+                "PREFT_GATEWAY__REDIS__URL": redis.url_for("gateway"),  # (its own ACL user)
                 "PREFT_GATEWAY__REGISTRY_ADDRESS": f"127.0.0.1:{registry_port}",
                 "PREFT_GATEWAY__REGISTRY_TOKEN": TOKEN,
                 "PREFT_GATEWAY__ENGINE_URL": f"http://127.0.0.1:{stub_port}",
+                "PREFT_GATEWAY__ENGINE_TOKEN": STUB_ENGINE_TOKEN,
                 "PREFT_GATEWAY__MODEL_DIR": str(model),
                 "PREFT_GATEWAY__SERVED_MODEL_NAME": BASE,
             },
@@ -179,7 +182,11 @@ def make_variants(
         return {
             "url": f"{stub_url}/generate",
             "content": req.model_dump_json(exclude_none=True).encode(),
-            "headers": {MULTIPLEX_HEADER: adapter.digest, "content-type": "application/json"},
+            "headers": {
+                MULTIPLEX_HEADER: adapter.digest,
+                "authorization": bearer(STUB_ENGINE_TOKEN),
+                "content-type": "application/json",
+            },
             "stream": stream,
         }
 

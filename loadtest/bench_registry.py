@@ -27,6 +27,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from preft.api.v1 import registry_pb2 as pb
+from preft.common.redis_acl import new_passwords
 from preft.registry.client import LocalFile, RegistryClient
 from preft.stack import RedisServer, SeaweedS3, free_port, wait_until
 
@@ -85,10 +86,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="preft-registry-bench-") as tmp_name:
         tmp = Path(tmp_name)
         with (
-            RedisServer(tmp / "redis", free_port(), persist=False) as redis_server,
+            RedisServer(tmp / "redis", free_port(), persist=False, passwords=new_passwords()) as redis_server,
             SeaweedS3(tmp / "s3", free_port(), access_key="bench", secret_key="bench-secret") as s3,
         ):
-            report = run(args, tmp, redis_server.url, s3.endpoint_url)
+            report = run(args, tmp, redis_server, s3.endpoint_url)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     samples = report.pop("_resolve_samples_s")
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
@@ -96,13 +97,13 @@ def main() -> None:
     print(json.dumps(report, indent=2))
 
 
-def run(args: argparse.Namespace, tmp: Path, redis_url: str, s3_url: str) -> dict:
+def run(args: argparse.Namespace, tmp: Path, redis: RedisServer, s3_url: str) -> dict:
     port = free_port()
     env = {
         **os.environ,
         "PREFT_REGISTRY__LISTEN_ADDRESS": f"127.0.0.1:{port}",
         "PREFT_REGISTRY__ADMIN_TOKEN": TOKEN,
-        "PREFT_REGISTRY__REDIS__URL": redis_url,
+        "PREFT_REGISTRY__REDIS__URL": redis.url_for("registry"),  # (its own ACL user)
         "PREFT_REGISTRY__S3__ENDPOINT_URL": s3_url,
         "PREFT_REGISTRY__S3__ACCESS_KEY": "bench",
         "PREFT_REGISTRY__S3__SECRET_KEY": "bench-secret",

@@ -22,6 +22,7 @@ class ScriptedEngine:
         self.loaded: set[str] = set()
         self.aborted: list[str] = []
         self.seen_adapters: list[Path | None] = []
+        self.seen_tenants: list[str] = []  # (the tenant id is what the real engine labels its metrics with)
 
     async def start(self) -> None:
         self.started = True
@@ -40,6 +41,7 @@ class ScriptedEngine:
         if max(request.prompt_token_ids) >= self.shape.vocab_size:
             raise InvalidArgument("prompt token id outside the vocabulary")
         self.seen_adapters.append(adapter_dir)
+        self.seen_tenants.append(request.tenant)
         base = sum(request.prompt_token_ids)
         finished = False
         try:

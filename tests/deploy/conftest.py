@@ -13,7 +13,7 @@ HELM_SCENARIOS: dict[str, dict] = {
     "values-gpu": m.helm_values_file("values-gpu.yaml"),
     # every optional part off, Redis and S3 external through existing Secrets, the model on a PVC
     "all-disabled-external": {
-        "redis": {"enabled": False},
+        "redis": {"enabled": False, "auth": {"existingSecret": "ops-redis-acl"}},
         "seaweedfs": {"enabled": False},
         "monitoring": {"enabled": False},
         "networkPolicies": {"enabled": False},
@@ -26,7 +26,15 @@ HELM_SCENARIOS: dict[str, dict] = {
             "existingSecretSecretKeyKey": "key",
             "endpointUrl": "https://s3.eu-west-1.amazonaws.com",
         },
-        "registry": {"auth": {"existingSecret": "ops-registry", "existingSecretKey": "token"}},
+        "registry": {
+            "auth": {
+                "existingSecret": "ops-registry",
+                "existingSecretKey": "token",
+                "existingSecretGatewayTokenKey": "gw",
+                "existingSecretReaderTokenKey": "ro",
+            }
+        },
+        "engine": {"auth": {"existingSecret": "ops-engine", "existingSecretKey": "shared"}},
         "model": {"source": "pvc", "existingClaim": "llama-8b", "path": "llama-3-8b"},
     },
     # everything on, external Redis by URL (a chart Secret), S3 by IRSA (no keys), a digest-pinned engine image
@@ -39,7 +47,7 @@ HELM_SCENARIOS: dict[str, dict] = {
         "pdb": {"enabled": True},
         "externalRedis": {"url": "rediss://:pw@redis.internal:6380/0"},
         "image": {"engine": {"digest": "sha256:" + "ab" * 32}},
-        "engine": {"workers": {"gpus": 2, "replicas": 2}, "gpusPerReplica": 1},
+        "engine": {"workers": {"gpus": 2, "replicas": 2}, "gpusPerReplica": 1, "metricsTenantLabel": True},
     },
 }
 

@@ -44,7 +44,7 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.json",
 }
 # Secrets the manifests read but never create (deploy/secrets.example.env documents them).
-EXTERNAL_SECRETS = {"preft-registry-token", "preft-s3", "preft-redis"}
+EXTERNAL_SECRETS = {"preft-registry-token", "preft-engine-token", "preft-s3", "preft-redis", "preft-redis-acl"}
 
 Obj = dict[str, Any]
 

@@ -106,11 +106,29 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
         tmp_path,
     )
 
-    # SeaweedFS: the StatefulSet's command and args; the pod IP, data dir and internal ports adapted to loopback.
+    secret_values = {  # what `kubectl create secret` would hold in dev
+        ("preft-registry-token", "admin-token"): secrets.token_hex(16),
+        ("preft-registry-token", "gateway-token"): secrets.token_hex(16),
+        ("preft-registry-token", "reader-token"): secrets.token_hex(16),
+        ("preft-engine-token", "token"): secrets.token_hex(16),
+        ("preft-s3", "access-key"): "dev-" + secrets.token_hex(4),
+        ("preft-s3", "secret-key"): secrets.token_hex(16),
+        **{
+            ("preft-redis-acl", user): secrets.token_urlsafe(24)
+            for user in ("default", "gateway", "registry", "engine")
+        },
+    }
+
+    def secret_env(container) -> dict[str, str]:
+        refs = [(e["name"], e["valueFrom"]["secretKeyRef"]) for e in container["env"] if "secretKeyRef" in str(e)]
+        return {name: secret_values[(ref["name"], ref["key"])] for name, ref in refs}
+
+    # SeaweedFS: the StatefulSet's command (its JWT keys) and args; the data dir, S3 bind and ports adapted to loopback.
     sw = _container(docs, "StatefulSet", "preft-seaweedfs")
     sw_env = {e["name"]: e.get("value") for e in sw["env"]}
-    args = [a.replace("$(POD_IP)", "127.0.0.1") for a in sw["args"]]
-    args = [a for a in args if not a.startswith(("-dir=", "-ip.bind=", "-s3.port="))]
+    assert sw["command"][:2] == ["/bin/sh", "-c"] and sw["command"][2].endswith('exec weed "$@"')
+    assert {"-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer.disableHttp"} <= set(sw["args"])  # S3 alone beyond the pod
+    args = [a for a in sw["args"] if not a.startswith(("-dir=", "-s3.ip.bind=", "-s3.port="))]
     (tmp_path / "weed").mkdir()
     args += [
         f"-dir={tmp_path / 'weed'}",
@@ -125,35 +143,38 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
         f"-s3.port.grpc={s3_grpc}",
         "-master.electionTimeout=1s",
     ]
-    env = {**os.environ, **{k: v for k, v in sw_env.items() if v is not None}}
-    weed_proc = _spawn(procs, [weed, *args], env, tmp_path / "weed.log", tmp_path)
+    env = {**os.environ, **{k: v for k, v in sw_env.items() if v is not None}, **secret_env(sw)}
+    weed_proc = _spawn(procs, [*sw["command"][:4], *args], {**env, "PATH": f"{Path(weed).parent}:{env['PATH']}"},
+                       tmp_path / "weed.log", tmp_path)  # fmt: skip
 
-    # Redis: the StatefulSet's args, on a free loopback port.
+    def env_value(e: dict) -> str:
+        return (
+            e["value"]
+            if "value" in e
+            else secret_values[(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])]
+        )
+
+    # Redis: the StatefulSet's script (its ACL file, then redis-server), its env, on a free loopback port.
     rc = _container(docs, "StatefulSet", "preft-redis")
-    assert rc["args"][0] == "redis-server"
+    assert rc["command"] == ["/bin/sh", "-ec"]
     (tmp_path / "redis").mkdir()
-    rargs = [a if a != "/data" else str(tmp_path / "redis") for a in rc["args"][1:]]
-    redis_proc = _spawn(
-        procs,
-        [redis_server, *rargs, "--port", str(redis_port), "--bind", "127.0.0.1"],
-        dict(os.environ),
-        tmp_path / "redis.log",
-        tmp_path,
+    (tmp_path / "run").mkdir()
+    script = (
+        rc["args"][0]
+        .replace("/run/redis", str(tmp_path / "run"))
+        .replace("--dir /data", f"--dir {tmp_path / 'redis'} --port {redis_port} --bind 127.0.0.1")
+        .replace("exec redis-server", f"exec {redis_server}")
     )
+    redis_env = {**os.environ, **{e["name"]: env_value(e) for e in rc["env"]}}
+    redis_proc = _spawn(procs, ["/bin/sh", "-ec", script], redis_env, tmp_path / "redis.log", tmp_path)
 
     # The registry: `python -m` + the container's args, the env the Deployment assembles.
     reg = _container(docs, "Deployment", "preft-registry")
     (cm_ref,) = reg["envFrom"]
     cm = next(o for o in m.by_kind(docs, "ConfigMap") if o["metadata"]["name"] == cm_ref["configMapRef"]["name"])
-    secret_values = {  # what `kubectl create secret` would hold in dev (SeaweedFS without identities takes any key)
-        ("preft-registry-token", "admin-token"): secrets.token_hex(16),
-        ("preft-s3", "access-key"): "dev-" + secrets.token_hex(4),
-        ("preft-s3", "secret-key"): secrets.token_hex(16),
-    }
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFT_")}, **cm["data"]}
     for e in reg["env"]:
-        ref = e["valueFrom"]["secretKeyRef"]
-        env[e["name"]] = secret_values[(ref["name"], ref["key"])]
+        env[e["name"]] = env_value(e)
     # Service names -> loopback
     env["PREFT_REGISTRY__REDIS__URL"] = env["PREFT_REGISTRY__REDIS__URL"].replace(
         "preft-redis:6379", f"127.0.0.1:{redis_port}"
@@ -169,15 +190,23 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
     import boto3
     import redis
 
-    _wait("redis", lambda: redis.Redis(port=redis_port, socket_timeout=1).ping(), redis_proc, tmp_path / "redis.log")
+    redis_admin = secret_values[("preft-redis-acl", "default")]
+    _wait(
+        "redis",
+        lambda: redis.Redis(port=redis_port, password=redis_admin, socket_timeout=1).ping(),
+        redis_proc,
+        tmp_path / "redis.log",
+    )
+    with pytest.raises(redis.AuthenticationError):  # (its ACL file: nobody without a password)
+        redis.Redis(port=redis_port, socket_timeout=1).ping()
 
     def s3_up() -> bool:
         boto3.client(
             "s3",
             endpoint_url=f"http://127.0.0.1:{s3_port}",
             region_name="us-east-1",
-            aws_access_key_id="any",
-            aws_secret_access_key="any",
+            aws_access_key_id=secret_values[("preft-s3", "access-key")],
+            aws_secret_access_key=secret_values[("preft-s3", "secret-key")],
         ).list_buckets()
         return True
 
@@ -203,6 +232,11 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
         aws_secret_access_key=env["PREFT_REGISTRY__S3__SECRET_KEY"],
     )
     s3.head_bucket(Bucket=cm["data"]["PREFT_REGISTRY__S3__BUCKET"])
+    from botocore.exceptions import ClientError
+
+    with pytest.raises(ClientError):  # (the dev SeaweedFS takes only the Secret's key pair)
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{s3_port}", region_name="us-east-1",
+                     aws_access_key_id="any", aws_secret_access_key="any").list_buckets()  # fmt: skip
 
     # The gateway: its Deployment's env (ConfigMap + the registry token), the tiny model its dev init container makes.
     gw = _container(docs, "Deployment", "preft-gateway")
@@ -211,8 +245,7 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
     gcm = next(o for o in m.by_kind(docs, "ConfigMap") if o["metadata"]["name"] == cm_ref["configMapRef"]["name"])
     genv = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFT_")}, **gcm["data"]}
     for e in gw["env"]:
-        ref = e["valueFrom"]["secretKeyRef"]
-        genv[e["name"]] = secret_values[(ref["name"], ref["key"])]
+        genv[e["name"]] = env_value(e)
     assert genv["PREFT_GATEWAY__MODEL_DIR"] == "/models/base"
     genv["PREFT_GATEWAY__MODEL_DIR"] = str(model_dir)
     genv["PREFT_GATEWAY__REDIS__URL"] = genv["PREFT_GATEWAY__REDIS__URL"].replace(

@@ -28,7 +28,9 @@ def test_lint_is_clean(values_file):
         ({"engine": {"maxLoras": "four"}}, "/engine/maxLoras"),
         ({"engine": {"workers": {"gpu": 1}}}, "additional properties 'gpu' not allowed"),
         ({"model": {"source": "pvc"}}, "/model/existingClaim"),
-        ({"model": {"source": "s3"}}, "/model/source"),
+        ({"model": {"source": "s3"}}, "/model/uri"),
+        ({"model": {"source": "hf", "uri": "hf://org/name@main"}}, "/model/uri"),  # (a branch can move)
+        ({"model": {"source": "gcs"}}, "/model/source"),
         ({"externalRedis": {"url": "http://redis:6379"}}, "/externalRedis/url"),
         ({"engine": {"head": {"rayStartParams": {"num-cpus": 0}}}}, "/engine/head/rayStartParams/num-cpus"),
         ({"gateway": {"resources": {"limits": {"memory": None}}}}, "/gateway/resources/limits"),  # null removes a key
@@ -68,10 +70,21 @@ def test_existing_secrets_are_referenced_and_nothing_is_generated(helm_outputs):
     gw = _env(docs, ("Deployment", "preft-gateway"))
     reg = _env(docs, ("Deployment", "preft-registry"))
     eng = _env(docs, ("RayService", "preft-engine"))
-    assert gw["PREFT_GATEWAY__REGISTRY_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ops-registry", "key": "token"}
-    assert reg["PREFT_REGISTRY__ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ops-registry", "key": "token"}
+    refs = [
+        (gw, "PREFT_GATEWAY__REGISTRY_TOKEN", ("ops-registry", "gw")),  # the gateway role, not the admin token
+        (gw, "PREFT_GATEWAY__ENGINE_TOKEN", ("ops-engine", "shared")),
+        (reg, "PREFT_REGISTRY__ADMIN_TOKEN", ("ops-registry", "token")),
+        (reg, "PREFT_REGISTRY__GATEWAY_TOKEN", ("ops-registry", "gw")),
+        (reg, "PREFT_REGISTRY__READER_TOKEN", ("ops-registry", "ro")),
+        (eng, "PREFT_ENGINE__API_TOKEN", ("ops-engine", "shared")),
+        (eng, "PREFT_ENGINE__REGISTRY_TOKEN", ("ops-registry", "ro")),  # read-only: engines hold no admin token
+    ]
+    for env, name, (secret, key) in refs:
+        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": key}, name
     for env, prefix in ((gw, "PREFT_GATEWAY__"), (reg, "PREFT_REGISTRY__"), (eng, "PREFT_ENGINE__")):
         assert env[f"{prefix}REDIS__URL"]["valueFrom"]["secretKeyRef"] == {"name": "ops-redis", "key": "redis-url"}
+        user = prefix.split("_")[1].lower()
+        assert env[f"{prefix}REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "ops-redis-acl", "key": user}
     for env, prefix in ((reg, "PREFT_REGISTRY__"), (eng, "PREFT_ENGINE__")):
         assert env[f"{prefix}S3__ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "ops-s3", "key": "id"}
         assert env[f"{prefix}S3__SECRET_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "ops-s3", "key": "key"}
@@ -124,12 +137,33 @@ def test_everything_enabled(helm_outputs):
 
 
 def test_generated_registry_token_is_random_and_given_token_is_used():
-    def token(docs):
-        return base64.b64decode(m.one(docs, "Secret", "preft-registry-token")["data"]["admin-token"]).decode()
+    def token(docs, secret="preft-registry-token", key="admin-token"):
+        return base64.b64decode(m.one(docs, "Secret", secret)["data"][key]).decode()
 
-    a, b = token(m.helm_render()), token(m.helm_render())
+    first, second = m.helm_render(), m.helm_render()
+    a, b = token(first), token(second)
     assert len(a) == 48 and a != b
+    generated = {token(first, key=k) for k in ("admin-token", "gateway-token", "reader-token")}
+    generated.add(token(first, "preft-engine-token", "token"))
+    assert len(generated) == 4 and all(len(t) == 48 for t in generated)  # one random token per role
     assert token(m.helm_render({"registry": {"auth": {"adminToken": "s3cr3t-from-set"}}})) == "s3cr3t-from-set"
+    given = m.helm_render({"registry": {"auth": {"readerToken": "r-from-set"}}, "engine": {"auth": {"token": "e-set"}}})
+    assert token(given, key="reader-token") == "r-from-set"
+    assert token(given, "preft-engine-token", "token") == "e-set"
+    env = _env(given, ("Deployment", "preft-gateway"))
+    assert env["PREFT_GATEWAY__ENGINE_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "preft-engine-token",
+        "key": "token",
+    }
+
+
+def test_the_release_seaweedfs_takes_only_the_s3_key_pair_and_binds_s3_alone():
+    (c,) = m.one(m.helm_render(), "StatefulSet", "preft-seaweedfs")["spec"]["template"]["spec"]["containers"]
+    assert {"-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3.ip.bind=0.0.0.0", "-filer.disableHttp"} <= set(c["args"])
+    assert "SIGNING_READ_KEY" in c["command"][2] and c["command"][2].endswith('exec weed "$@"')
+    env = {e["name"]: e for e in c["env"]}
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "preft-s3", "key": "access-key"}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "preft-s3", "key": "secret-key"}
 
 
 def test_fullname_follows_the_release():
@@ -155,7 +189,11 @@ def test_serve_replicas_and_worker_params_reach_the_rayservice():
     (app,) = m.serve_config(ray)["applications"]
     assert app["deployments"] == [{"name": "Engine", "num_replicas": 3}]
     params = ray["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["rayStartParams"]
-    assert params == {"object-store-memory": "1000000000"}
+    assert params == {
+        "object-store-memory": "1000000000",
+        "node-ip-address": "$MY_POD_IP",  # (the chart's own, beside the values')
+        "metrics-export-port": "8080",
+    }
 
 
 def test_notes_render():
@@ -180,3 +218,31 @@ def test_a_gateway_setting_does_not_restart_the_ray_cluster():
     after = checksums(m.helm_render({"gateway": {"env": {"KEY_CACHE_TTL_S": "5"}}}))
     changed = {k for k in before if before[k] != after[k]}
     assert changed == {"Deployment/preft-gateway"}
+
+
+def test_redis_has_the_codes_acl_users_and_each_service_its_own(helm_outputs):
+    from preft.common.redis_acl import ADMIN_USER, SERVICES, acl_lines
+
+    docs = helm_outputs["defaults"]
+    (redis,) = m.one(docs, "StatefulSet", "preft-redis")["spec"]["template"]["spec"]["containers"]
+    placeholders = {user: f"${{REDIS_PASSWORD_{user.upper()}}}" for user in (ADMIN_USER, *SERVICES)}
+    users = [line.strip() for line in redis["args"][0].splitlines() if line.strip().startswith("user ")]
+    assert users == acl_lines(placeholders)
+    secret = m.one(docs, "Secret", "preft-redis-acl")
+    passwords = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert sorted(passwords) == sorted([ADMIN_USER, *SERVICES]) and len(set(passwords.values())) == 4
+    for scenario, outputs in helm_outputs.items():
+        for name, user, prefix in (
+            ("preft-gateway", "gateway", "PREFT_GATEWAY__"),
+            ("preft-registry", "registry", "PREFT_REGISTRY__"),
+        ):
+            (c,) = m.one(outputs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+            env = {e["name"]: e for e in c["env"]}
+            assert env[f"{prefix}REDIS__USERNAME"]["value"] == user, scenario
+            ref = env[f"{prefix}REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"]
+            assert ref["key"] == user and ref["name"] in ("preft-redis-acl", "ops-redis-acl"), scenario
+    ray = m.one(docs, "RayService", "preft-engine")["spec"]["rayClusterConfig"]
+    head_env = {e["name"]: e for e in ray["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
+    assert head_env["PREFT_ENGINE__REDIS__USERNAME"]["value"] == "engine"
+    existing = m.helm_render({"redis": {"auth": {"existingSecret": "ops-redis-acl"}}})
+    assert not [s for s in m.by_kind(existing, "Secret") if s["metadata"]["name"].endswith("redis-acl")]

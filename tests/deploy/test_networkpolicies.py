@@ -35,6 +35,7 @@ NEEDED = [
     (INGRESS, pod("gateway"), 8080),
     (pod("gateway"), pod("registry"), 50051),
     (pod("gateway"), pod("engine"), 8000),
+    (pod("engine"), pod("registry"), 50051),  # (the reader token: the Hot ranking for prefetch)
     (pod("engine"), pod("engine"), 6379),  # Ray GCS
     (pod("engine"), pod("engine"), 12345),  # Ray workers' ports
     (KUBERAY, pod("engine"), 8265),
@@ -66,10 +67,21 @@ FORBIDDEN = [
     (STRANGER, pod("engine"), 8265),
     (pod("redis"), pod("seaweedfs"), 8333),
     (pod("registry"), pod("engine"), 8000),
+    (pod("redis"), pod("engine"), 8000),  # only the gateway spends the engine (beside its token)
+    (pod("seaweedfs"), pod("engine"), 8000),
+    (STRANGER, pod("seaweedfs"), 8333),
+    (pod("gateway"), pod("seaweedfs"), 9333),  # SeaweedFS's master, volume and filer: in the pod only
+    (pod("engine"), pod("seaweedfs"), 8080),
+    (pod("registry"), pod("seaweedfs"), 8888),
     (pod("gateway"), pod("engine"), 8265),  # the Ray dashboard is not the gateway's business
     (pod("registry"), INTERNET, 22),
     (pod("redis"), INTERNET, 443),
     (PROMETHEUS, pod("registry"), 50051),
+    # Ray's metrics port serves the engine's tenant-labelled metrics: Prometheus' alone
+    (STRANGER, pod("engine"), 8080),
+    (INGRESS, pod("engine"), 8080),
+    (pod("gateway"), pod("engine"), 8080),
+    (pod("registry"), pod("engine"), 8080),
 ]
 
 

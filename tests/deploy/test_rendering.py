@@ -32,7 +32,7 @@ def test_objects_pass_kubernetes_and_crd_schemas(all_outputs, source):
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_references_resolve(all_outputs, source):
-    external = m.EXTERNAL_SECRETS | {"ops-redis", "ops-s3", "ops-registry"}
+    external = m.EXTERNAL_SECRETS | {"ops-redis", "ops-redis-acl", "ops-s3", "ops-registry", "ops-engine"}
     problems = m.reference_problems(all_outputs[source], external_secrets=external)
     assert not problems, "\n".join(problems)
 
@@ -176,3 +176,27 @@ def test_chart_and_overlays_share_rules_and_dashboard(kustomize_outputs, helm_ou
     assert (m.CHART / "dashboards" / "preft-serve.json").read_text() == (
         m.DEPLOY / "base" / "monitoring" / "dashboards" / "preft-serve.json"
     ).read_text()
+
+
+def _acl_script_lines(script: str) -> list[str]:
+    return [line.strip() for line in script.splitlines() if line.strip().startswith("user ")]
+
+
+def test_the_dev_redis_has_the_codes_acl_users_and_each_service_its_own(kustomize_outputs):
+    from preft.common.redis_acl import ADMIN_USER, SERVICES, acl_lines
+
+    docs = kustomize_outputs["dev"]
+    (redis,) = m.one(docs, "StatefulSet", "preft-redis")["spec"]["template"]["spec"]["containers"]
+    placeholders = {user: f"${{REDIS_PASSWORD_{user.upper()}}}" for user in (ADMIN_USER, *SERVICES)}
+    assert _acl_script_lines(redis["args"][0]) == acl_lines(placeholders)
+    assert "--aclfile /run/redis/users.acl" in redis["args"][0]
+    for name in kustomize_outputs:
+        for kind, obj, prefix, user in (
+            ("Deployment", "preft-gateway", "PREFT_GATEWAY__", "gateway"),
+            ("Deployment", "preft-registry", "PREFT_REGISTRY__", "registry"),
+        ):
+            (c,) = m.one(kustomize_outputs[name], kind, obj)["spec"]["template"]["spec"]["containers"]
+            env = {e["name"]: e for e in c["env"]}
+            assert env[f"{prefix}REDIS__USERNAME"]["value"] == user
+            ref = env[f"{prefix}REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": "preft-redis-acl", "key": user}

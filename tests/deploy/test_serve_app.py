@@ -31,6 +31,12 @@ def test_serve_config_builds_the_engine_app(all_outputs, source, monkeypatch):
     cm = next(o for o in m.by_kind(docs, "ConfigMap") if o["metadata"]["name"].startswith(ray["metadata"]["name"]))
     for k, v in cm["data"].items():
         monkeypatch.setenv(k, v)
+    # ... and the Secrets' values its env names (the engine refuses to start without its token)
+    (head,) = ray["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"]
+    secret_names = {e["name"] for e in head.get("env") or [] if "secretKeyRef" in (e.get("valueFrom") or {})}
+    assert {"PREFT_ENGINE__API_TOKEN", "PREFT_ENGINE__REGISTRY_TOKEN"} <= secret_names
+    for name in secret_names:
+        monkeypatch.setenv(name, f"secret-of-{name.lower()}")
     application = call_user_app_builder_with_args_if_necessary(builder, app.get("args") or {})
     deployment = application._bound_deployment  # Serve exposes no public accessor
     assert [d["name"] for d in app["deployments"]] == [deployment.name]

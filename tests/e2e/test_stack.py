@@ -294,6 +294,26 @@ def test_tenants_cannot_see_each_others_adapters_on_any_route(stack, tenants):
     assert not {m.id for m in beta.models.list()} & {"acme/private", "demo-lora", "demo/demo-lora"}
 
 
+def test_only_the_gateway_reaches_the_engine_and_blobs_need_s3_signatures(stack):
+    """Trust behind the gateway: a local caller without the engine token gets 401; the engine's and the gateway's
+    registry tokens are narrower than the admin's; SeaweedFS listens on loopback only."""
+    import psutil
+
+    from preft.common.errors import PermissionDenied
+    from preft.registry.client import RegistryClient
+
+    body = {"request_id": "x", "prompt_token_ids": [1, 2], "max_tokens": 1}
+    refused = httpx.post(f"{stack.info.engine_url}/generate", json=body, headers={"serve_multiplexed_model_id": "base"})
+    assert refused.status_code == 401
+    local = stack.local()
+    for token in (local.reader_token, local.gateway_registry_token):
+        with RegistryClient(stack.info.registry_address, token, timeout_s=10) as c, pytest.raises(PermissionDenied):
+            c.call("IssueKey", pb.IssueKeyRequest(tenant="demo"))
+    pid = json.loads((stack.state_dir / "pids.json").read_text())["s3"]
+    listening = {c.laddr.ip for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN}
+    assert listening == {"127.0.0.1"}
+
+
 def test_rate_limit_and_key_revocation(stack, tenants):
     slow = client(stack, tenants["slow"])
     statuses = []

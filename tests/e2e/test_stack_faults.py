@@ -72,7 +72,9 @@ def test_redis_down_503_within_a_second_then_recovers(stack):
             demo.completions.create(model="demo-direft", prompt=PROMPT, max_tokens=2)
         assert e.value.status_code == 503 and time.monotonic() - start < 1.0
     finally:
-        redis = RedisServer(stack.state_dir / "redis", stack.info.ports.redis, persist=True).start()
+        redis = RedisServer(
+            stack.state_dir / "redis", stack.info.ports.redis, persist=True, passwords=stack.local().redis_passwords
+        ).start()
     try:
         assert _until_ok(lambda: demo.completions.create(model="demo-direft", prompt=PROMPT, max_tokens=2)).choices
         with stack.local().registry_client() as c:  # the data survived (append-only file)

@@ -6,12 +6,14 @@ import secrets
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from pydantic import SecretStr
 
+from preft.common.redis_acl import new_passwords
 from preft.common.settings import RedisSettings, RegistrySettings, S3Settings
 from preft.stack import RedisServer, SeaweedS3, free_port
 from preft.stack.servers import s3_client
@@ -40,10 +42,27 @@ class S3Target:
         )
 
 
+_ACL_SERVERS: dict[str, RedisServer] = {}  # admin URL -> its server (`service_redis` finds the services' passwords)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("redis"), free_port()) as server:
+    """The session's Redis, with the platform's ACL users: every service under test connects as its own user
+    (`service_redis`), so each test also checks that the service's ACL (`common.redis_acl`) lets it work."""
+    with acl_redis(tmp_path_factory.mktemp("redis")) as server:
         yield server
+
+
+def acl_redis(data_dir: Path, **options: Any) -> RedisServer:
+    """A Redis (not started) with the platform's ACL users and new passwords, known to `service_redis`."""
+    server = RedisServer(data_dir, free_port(), passwords=new_passwords(), **options)
+    _ACL_SERVERS[server.admin_url] = server
+    return server
+
+
+def service_redis(redis_url: str, service: str, **overrides: Any) -> RedisSettings:
+    """A service's Redis settings on the session's Redis (`redis_url`, the admin's), as that service's ACL user."""
+    return RedisSettings(url=_ACL_SERVERS[redis_url].url_for(service), **overrides)
 
 
 @pytest.fixture(scope="session")
@@ -61,13 +80,13 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
 
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
-    """The session's Redis, emptied before the test."""
-    client = redis.Redis.from_url(redis_server.url)
+    """The session's Redis, emptied before the test: its admin's URL (every key; services: `service_redis`)."""
+    client = redis.Redis.from_url(redis_server.admin_url)
     try:
         client.flushall()
     finally:
         client.close()
-    return redis_server.url
+    return redis_server.admin_url
 
 
 @pytest.fixture
@@ -98,7 +117,7 @@ def make_registry_settings(redis_url: str, s3: S3Target, token: str, **overrides
         "listen_address": "127.0.0.1:0",
         "admin_token": SecretStr(token),
         "worker_threads": 8,
-        "redis": RedisSettings(url=redis_url),
+        "redis": service_redis(redis_url, "registry"),
         "s3": s3.settings(),
         "max_rank": 16,
     }

@@ -6,11 +6,13 @@ import os
 from pathlib import Path
 
 import boto3
+import httpx
+import psutil
 import pytest
 import redis
 from botocore.exceptions import ClientError
 
-from preft.stack import RedisServer, free_port
+from preft.stack import RedisServer, SeaweedS3, free_port
 from tests.integration.conftest import S3Target
 
 MiB = 1 << 20
@@ -102,8 +104,36 @@ def test_s3_refuses_bad_credentials(s3_bucket: S3Target, secret: str | None) -> 
         lambda: client.get_object(Bucket=s3_bucket.bucket, Key="k"),
         lambda: client.put_object(Bucket=s3_bucket.bucket, Key="k", Body=b"overwritten"),
         lambda: client.list_objects_v2(Bucket=s3_bucket.bucket),
+        lambda: client.delete_object(Bucket=s3_bucket.bucket, Key="k"),
     ):
         with pytest.raises(ClientError) as refused:
             call()
         assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 403
     assert s3_bucket.client().get_object(Bucket=s3_bucket.bucket, Key="k")["Body"].read() == b"private"
+
+
+def test_s3_server_listens_on_loopback_only(s3_server: SeaweedS3) -> None:
+    process = psutil.Process(s3_server.pid)
+    listening = [
+        c.laddr
+        for p in (process, *process.children(recursive=True))
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert {s3_server.s3_port, s3_server.ports["master"], s3_server.ports["filer_grpc"]} <= {a.port for a in listening}
+    assert {a.ip for a in listening} == {"127.0.0.1"}
+
+
+def test_s3_server_serves_blobs_only_through_signed_s3(s3_server: SeaweedS3, s3_bucket: S3Target) -> None:
+    """The filer's and the volume server's own HTTP ports bypass S3's signature check: they must not serve blobs."""
+    s3_bucket.client().put_object(Bucket=s3_bucket.bucket, Key="blobs/k", Body=b"private")
+    filer = f"http://127.0.0.1:{s3_server.ports['filer']}/buckets/{s3_bucket.bucket}"
+    with httpx.Client(timeout=5) as http:
+        assert http.get(f"{filer}/blobs/k").status_code == 404
+        assert http.get(f"{filer}/").status_code == 404  # (no listing either)
+        assert http.delete(f"{filer}/blobs/k").status_code == 404
+        assigned = http.get(f"http://127.0.0.1:{s3_server.ports['master']}/dir/assign").json()
+        needle = f"http://{assigned['url']}/{assigned['fid']}"
+        assert http.post(needle, files={"file": ("f", b"planted")}).status_code == 401
+        assert http.get(needle).status_code == 401
+    assert s3_bucket.client().get_object(Bucket=s3_bucket.bucket, Key="blobs/k")["Body"].read() == b"private"

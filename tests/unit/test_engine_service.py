@@ -26,6 +26,15 @@ from tests.adapter_specs import spec_for
 from tests.fake_engine import ScriptedEngine
 from tests.unit.test_pager import MemoryBlobs
 
+TOKEN = "unit-test-engine-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(autouse=True)
+def _engine_token(monkeypatch):
+    """Settings outside dev refuse the placeholder engine token."""
+    monkeypatch.setenv("PREFT_ENGINE__API_TOKEN", TOKEN)
+
 
 @pytest.fixture
 def replica(model_dirs, adapters, tmp_path):
@@ -47,7 +56,7 @@ def replica(model_dirs, adapters, tmp_path):
     async def on_adapter(model_id, spec):
         hook_calls.append((model_id, spec.digest if spec else None))
 
-    app = create_app(service, on_adapter=on_adapter)
+    app = create_app(service, token=TOKEN, on_adapter=on_adapter)
     specs = {name: spec_for(path, ref=f"t/{name}@v1") for name, path in adapters["llama"].items()}
     return service, engine, app, specs, hook_calls
 
@@ -61,7 +70,7 @@ def body(**kw) -> dict:
 async def post(app, data: dict, headers: dict | None = None) -> httpx.Response:
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
-        return await client.post("/generate", json=data, headers=headers or {})
+        return await client.post("/generate", json=data, headers={**AUTH, **(headers or {})})
 
 
 def test_non_streaming_and_streaming_answers_follow_the_contract(replica):
@@ -174,7 +183,7 @@ def test_a_dead_engine_answers_503_and_fails_health(replica):
             engine.dead = True
             h = await client.get("/healthz")
             assert h.status_code == 503 and "died" in h.json()["message"]
-            r = await client.post("/generate", json=body())
+            r = await client.post("/generate", json=body(), headers=AUTH)
             assert r.status_code == 503 and r.json()["type"] == "unavailable"
 
     asyncio.run(scenario())
@@ -210,6 +219,32 @@ def test_metrics_endpoint_exposes_preft_metrics(replica):
         assert "preft_queue_depth" in text and "preft_paging_hits_total" in text
 
     asyncio.run(scenario())
+
+
+def test_generate_answers_only_the_gateway_token_while_health_and_metrics_stay_open(replica):
+    service, engine, app, _, hooks = replica
+
+    async def scenario():
+        await service.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}, {"x-token": TOKEN}):
+                r = await client.post("/generate", json=body(), headers=headers)
+                assert r.status_code == 401 and r.json()["type"] == "unauthenticated", headers
+            assert (await client.get("/healthz")).status_code == 200
+            assert (await client.get("/metrics")).status_code == 200
+        assert engine.seen_adapters == [] and hooks == []  # refused before anything ran
+
+    asyncio.run(scenario())
+
+
+def test_engine_token_placeholder_is_refused_outside_dev(monkeypatch, tmp_path):
+    monkeypatch.delenv("PREFT_ENGINE__API_TOKEN")
+    with pytest.raises(ValueError, match="set PREFT_ENGINE__API_TOKEN"):
+        EngineSettings(model_dir=tmp_path)
+    assert EngineSettings(model_dir=tmp_path, environment="dev").api_token.get_secret_value() == "dev-engine-token"
+    with pytest.raises(ValueError, match="non-empty"):
+        create_app(None, token="")  # type: ignore[arg-type]
 
 
 def test_settings_read_nested_environment(monkeypatch, tmp_path):
@@ -305,3 +340,19 @@ def test_ndjson_line_format_is_one_json_object_per_line(replica):
         assert lines[-1] == "" and all(json.loads(line) for line in lines[:-1])
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("tenant_label", "seen"), [(False, ""), (True, "acme")])
+def test_the_tenant_id_reaches_the_engine_only_with_tenant_labels(replica, tenant_label, seen):
+    """The engine labels its metrics with the request's tenant: served on Serve's and Ray's metrics ports, so only
+    where those are confined (ReplicaSettings.metrics_tenant_label)."""
+    _, engine, _, _, _ = replica
+    service = EngineService(engine=engine, pager=replica[0].pager, tenant_label=tenant_label)
+
+    async def scenario():
+        await service.start()
+        await service.complete(EngineRequest.model_validate(body(tenant="acme")))
+        await service.drain(1)
+
+    asyncio.run(scenario())
+    assert engine.seen_tenants == [seen]

@@ -63,6 +63,32 @@ app.kubernetes.io/part-of: preft-serve
 {{- if .Values.registry.auth.existingSecret }}{{ .Values.registry.auth.existingSecretKey }}{{ else }}admin-token{{ end }}
 {{- end }}
 
+{{- define "preft.registryGatewayTokenKey" -}}
+{{- with .Values.registry.auth }}{{ if .existingSecret }}{{ .existingSecretGatewayTokenKey }}{{ else }}gateway-token{{ end }}{{ end }}
+{{- end }}
+
+{{- define "preft.registryReaderTokenKey" -}}
+{{- with .Values.registry.auth }}{{ if .existingSecret }}{{ .existingSecretReaderTokenKey }}{{ else }}reader-token{{ end }}{{ end }}
+{{- end }}
+
+{{- define "preft.engineTokenSecretName" -}}
+{{- default (printf "%s-engine-token" (include "preft.fullname" .)) .Values.engine.auth.existingSecret }}
+{{- end }}
+
+{{- define "preft.engineTokenSecretKey" -}}
+{{- if .Values.engine.auth.existingSecret }}{{ .Values.engine.auth.existingSecretKey }}{{ else }}token{{ end }}
+{{- end }}
+
+{{/* The engine's token (its /generate) and its read-only registry token, on the Ray head and workers. */}}
+{{- define "preft.engineAuthEnv" -}}
+- name: PREFT_ENGINE__API_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "preft.engineTokenSecretName" . }}, key: {{ include "preft.engineTokenSecretKey" . }}}
+- name: PREFT_ENGINE__REGISTRY_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "preft.registryTokenSecretName" . }}, key: {{ include "preft.registryReaderTokenKey" . }}}
+{{- end }}
+
 {{/* S3 credentials: "existing", "chart" (values or SeaweedFS dummies) or "none" (default AWS credential chain). */}}
 {{- define "preft.s3CredentialsMode" -}}
 {{- if .Values.s3.existingSecret }}existing
@@ -100,6 +126,13 @@ app.kubernetes.io/part-of: preft-serve
 
 {{/* Environment entries shared by the services. Call with (dict "ctx" $ "prefix" "PREFT_GATEWAY__"). ----------- */}}
 
+{{- /* The pod IP, for `ray start --node-ip-address=$MY_POD_IP` (KubeRay runs `ray start` in a shell). */}}
+{{- define "preft.podIPEnv" -}}
+- name: MY_POD_IP
+  valueFrom:
+    fieldRef: {fieldPath: status.podIP}
+{{- end }}
+
 {{- define "preft.redisEnv" -}}
 {{- $ctx := .ctx }}
 {{- if ne (include "preft.redisMode" $ctx) "internal" }}
@@ -107,6 +140,24 @@ app.kubernetes.io/part-of: preft-serve
   valueFrom:
     secretKeyRef: {name: {{ include "preft.redisSecretName" $ctx }}, key: {{ include "preft.redisSecretKey" $ctx }}}
 {{- end }}
+- name: {{ .prefix }}REDIS__USERNAME
+  value: {{ .user }}
+- name: {{ .prefix }}REDIS__PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ include "preft.redisAclSecretName" $ctx }}, key: {{ .user }}}
+{{- end }}
+
+{{/* The Redis ACL users' passwords (keys: default = the admin, gateway, registry, engine). */}}
+{{- define "preft.redisAclSecretName" -}}
+{{- default (printf "%s-redis-acl" (include "preft.fullname" .)) .Values.redis.auth.existingSecret }}
+{{- end }}
+
+{{/* A service's Redis ACL rules, password left out: services/preft/common/redis_acl.py's (tests/deploy check them).
+Call with (dict "user" "gateway"). */}}
+{{- define "preft.redisAclRules" -}}
+{{- if eq .user "gateway" }}resetkeys ~preft:limits:* ~preft:quota-reserved:* ~preft:quota-reservations:* ~preft:usage:* ~preft:usage-hour:* ~preft:usage-minute:* ~preft:usage-month:* ~preft:usage-batch:* ~preft:file:* ~preft:files:* ~preft:batch:* ~preft:batch-done:* ~preft:batch-parts:* ~preft:batch-lease:* ~preft:batches:* ~preft:batches-open ~preft:batches-open:* ~preft:batches-started ~preft:offline-slots ~preft:response:* ~preft:response-run:* ~preft:response-events:* ~preft:conversation:* ~preft:conversation-order:* ~preft:conversation-items:* ~preft:conversations:* %R~preft:key:* %R~preft:keyid:* %R~preft:tenant:* resetchannels -@all +@read +@write +@transaction +@connection +evalsha +evalsha_ro +script|load +script|exists +time -@dangerous -scan -randomkey -function{{ end }}
+{{- if eq .user "registry" }}resetkeys ~preft:tenant:* ~preft:tenants ~preft:key:* ~preft:keyid:* ~preft:keys ~preft:base:* ~preft:bases ~preft:adapter:* ~preft:adapters ~preft:blobrefs ~preft:blobtouch ~preft:gc:deleting ~preft:hot %R~preft:usage:* resetchannels -@all +@read +@write +@transaction +@connection +evalsha +evalsha_ro +script|load +script|exists -@dangerous -scan -randomkey -function{{ end }}
+{{- if eq .user "engine" }}resetkeys ~preft:residency:* %R~preft:hot:specs resetchannels -@all +@read +@write +@transaction +@connection -@dangerous -scan -randomkey -function{{ end }}
 {{- end }}
 
 {{- define "preft.s3Env" -}}
@@ -140,14 +191,62 @@ app.kubernetes.io/part-of: preft-serve
 {{ .prefix }}S3__REGION: {{ $ctx.Values.s3.region | quote }}
 {{- end }}
 
-{{/* The model volume: the PVC, or an emptyDir that the tiny-model init container fills. ------------------------ */}}
+{{/* The model volume: the PVC, or an emptyDir that an init container fills (the tiny model, or the model fetched
+from S3 or Hugging Face). Call with (dict "ctx" $ "tokenizerOnly" bool): the gateway's needs only the tokenizer. */}}
 
 {{- define "preft.modelVolume" -}}
+{{- $ctx := .ctx }}
 - name: models
-{{- if eq .Values.model.source "pvc" }}
-  persistentVolumeClaim: {claimName: {{ required "model.existingClaim is required when model.source=pvc" .Values.model.existingClaim }}, readOnly: true}
+{{- if eq $ctx.Values.model.source "pvc" }}
+  persistentVolumeClaim: {claimName: {{ required "model.existingClaim is required when model.source=pvc" $ctx.Values.model.existingClaim }}, readOnly: true}
+{{- else if and (has $ctx.Values.model.source (list "s3" "hf")) (not .tokenizerOnly) }}
+  emptyDir: {sizeLimit: {{ $ctx.Values.model.cacheSizeLimit }}}
 {{- else }}
   emptyDir: {sizeLimit: 256Mi}
+{{- end }}
+{{- end }}
+
+{{/* The init container that fetches the model (model.source=s3|hf) into the models volume, checked against its
+digests, and links it at the model directory (`python -m preft.common.model_source`). Call with (dict "ctx" $
+"image" <image values> "tokenizerOnly" bool "readOnlyRoot" bool). */}}
+{{- define "preft.fetchModelInit" -}}
+{{- $ctx := .ctx }}
+{{- $m := $ctx.Values.model }}
+- name: fetch-model
+  image: {{ include "preft.image" .image }}
+  imagePullPolicy: {{ .image.pullPolicy }}
+  command: ["python", "-m", "preft.common.model_source", "fetch", "--cache-dir", "/models/.cache", "--link", {{ include "preft.modelDir" $ctx | quote }}]
+  env:
+    - {name: HOME, value: /tmp}
+    - {name: PREFT_MODEL__SOURCE, value: {{ required "model.uri is required when model.source is s3 or hf" $m.uri | quote }}}
+    - {name: PREFT_MODEL__TOKENIZER_ONLY, value: {{ .tokenizerOnly | quote }}}
+    {{- if eq $m.source "s3" }}
+    {{- with include "preft.s3Endpoint" $ctx }}
+    - {name: PREFT_MODEL__S3__ENDPOINT_URL, value: {{ . | quote }}}
+    {{- end }}
+    - {name: PREFT_MODEL__S3__REGION, value: {{ $ctx.Values.s3.region | quote }}}
+    {{- include "preft.s3Env" (dict "ctx" $ctx "prefix" "PREFT_MODEL__") | nindent 4 }}
+    {{- else if $m.hfTokenSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef: {name: {{ $m.hfTokenSecret }}, key: token}
+    {{- end }}
+  resources: {requests: {cpu: 250m, memory: 512Mi}, limits: {cpu: "2", memory: 2Gi}}
+  securityContext:
+    {{- toYaml (set (deepCopy $ctx.Values.containerSecurityContext) "readOnlyRootFilesystem" .readOnlyRoot) | nindent 4 }}
+  volumeMounts:
+    - {name: models, mountPath: /models}
+    {{- if .readOnlyRoot }}
+    - {name: tmp, mountPath: /tmp}
+    {{- end }}
+{{- end }}
+
+{{/* The init containers that fill the models volume, if the source needs one. Same arguments as fetchModelInit. */}}
+{{- define "preft.modelInit" -}}
+{{- if eq .ctx.Values.model.source "tiny" }}
+{{- include "preft.tinyModelInit" . }}
+{{- else if has .ctx.Values.model.source (list "s3" "hf") }}
+{{- include "preft.fetchModelInit" . }}
 {{- end }}
 {{- end }}
 

@@ -25,7 +25,7 @@ from rich.table import Table
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
 from preft.cli.cluster import cluster_app
-from preft.cli.render import err, human_size, usage_error
+from preft.cli.render import JsonAnywhere, err, human_size, usage_error, version_option
 from preft.common.errors import InvalidArgument, PreftError
 from preft.common.metering import MAX_QUERY_DAYS, day_of
 from preft.common.refs import AdapterRef
@@ -34,13 +34,13 @@ from preft.registry.client import RegistryClient, scan_adapter_dir
 from preft.registry.usage import parse_iso_day, query_days
 from preft.stack.local import local_admin_token
 
-app = typer.Typer(help="Operate the preft-serve adapter registry.", no_args_is_help=True, add_completion=False)
-tenant_app = typer.Typer(help="Tenants and their limits.", no_args_is_help=True)
-key_app = typer.Typer(help="Tenant API keys (the secret is shown once, at issue).", no_args_is_help=True)
-base_app = typer.Typer(help="Base models that adapters are validated against.", no_args_is_help=True)
-adapter_app = typer.Typer(
-    help="Adapters: upload, list, show, versions, alias, share, delete, hot.", no_args_is_help=True
-)
+# (help texts are plain text: Rich markup would swallow the "[env …]" hints)
+GROUP = dict(no_args_is_help=True, rich_markup_mode=None)
+app = typer.Typer(help="Operate the preft-serve adapter registry.", add_completion=False, cls=JsonAnywhere, **GROUP)
+tenant_app = typer.Typer(help="Tenants and their limits.", **GROUP)
+key_app = typer.Typer(help="Tenant API keys (the secret is shown once, at issue).", **GROUP)
+base_app = typer.Typer(help="Base models that adapters are validated against.", **GROUP)
+adapter_app = typer.Typer(help="Adapters: upload, list, show, versions, alias, share, delete, hot.", **GROUP)
 for sub, name in (
     (tenant_app, "tenant"),
     (key_app, "key"),
@@ -74,7 +74,10 @@ def main(
             "PREFT_ADMIN__STACK_DIR (.preft/stack)/secrets.json, while `preft up` runs it]."
         ),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON instead of tables (or --json after a command).")
+    ] = False,
+    _version: Annotated[bool, version_option("preft-serve")] = False,
 ) -> None:
     settings = AdminSettings()
     given = settings.model_fields_set  # (what the environment sets; the rest are defaults)

@@ -412,8 +412,9 @@ def _api_message(e: Any) -> str:
 
 # -- the typer app -----------------------------------------------------------------------------------------------
 
-cluster_app = typer.Typer(help="preft-serve on Kubernetes: status, apply, scale.", no_args_is_help=True)
-scale_app = typer.Typer(help="Scale parts of the deployment.", no_args_is_help=True)
+GROUP = dict(no_args_is_help=True, rich_markup_mode=None)
+cluster_app = typer.Typer(help="preft-serve on Kubernetes: status, apply, scale.", **GROUP)
+scale_app = typer.Typer(help="Scale parts of the deployment.", **GROUP)
 cluster_app.add_typer(scale_app, name="scale")
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)

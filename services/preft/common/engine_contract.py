@@ -1,9 +1,13 @@
 """The internal contract between the gateway and engine replicas (HTTP + JSON through the Ray Serve proxy).
 
     POST /generate
+    header authorization: Bearer <engine token>: the secret the gateway and the engine share (else 401); only the
+        gateway may spend the engine's capacity or pick a request's cache salt and priority
     header serve_multiplexed_model_id: <adapter content digest> (or "base"): Ray Serve routes to a replica that
         already holds the adapter when one is not overloaded
     body: EngineRequest (JSON)
+
+GET /healthz and GET /metrics need no token (probes and Prometheus).
 
 Non-streaming answers are one EngineResponse. Streaming answers (`stream: true`) are newline-delimited JSON:
 EngineChunk lines, the last one with `finish_reason` and `usage` set. Errors are an HTTP status with an
@@ -29,6 +33,14 @@ from preft.common.modes import PositionMode
 
 BASE_MODEL_ID = "base"  # the multiplexed model id of requests without an adapter
 MULTIPLEX_HEADER = "serve_multiplexed_model_id"
+AUTH_HEADER = "authorization"  # "Bearer <engine token>" on /generate
+
+
+def bearer(token: str) -> str:
+    """The authorization header's value that carries `token`."""
+    return f"Bearer {token}"
+
+
 LIVE_PRIORITY = 0  # vLLM's scheduling priority of interactive requests (lower is scheduled first)
 OFFLINE_PRIORITY = 1  # of offline work (a batch's lines): behind every queued live request
 
@@ -299,5 +311,5 @@ class EngineResponse(BaseModel):
 class EngineError(BaseModel):
     """Body of an error answer."""
 
-    type: Literal["invalid_request", "unavailable", "internal"]
+    type: Literal["invalid_request", "unavailable", "internal", "unauthenticated"]
     message: str

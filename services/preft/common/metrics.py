@@ -1,6 +1,7 @@
 """Every Prometheus metric of the platform, declared once (prefix `preft_`, base units, bounded labels).
 
-Label values are bounded: tenant ids (operators create them), method (lora|direft|none), mode (prefill|all|base),
+Label values are bounded: tenant ids (operators create them; on the engine's metrics only with
+`ReplicaSettings.metrics_tenant_label`, as its ports serve them), method (lora|direft|none), mode (prefill|all|base),
 tier (gpu|host|disk|s3), reason (a fixed vocabulary per service), a batch's status and a line's outcome, a
 file's purpose. No request ids, no adapter names, no batch or file ids.
 """

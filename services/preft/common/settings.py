@@ -5,20 +5,69 @@ Example: `PREFT_REGISTRY__REDIS__URL=redis://10.0.0.5:6379/0`, `PREFT_REGISTRY__
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEV_TOKEN = "dev-admin-token"  # the placeholder `preft up` uses; refused outside environment=dev
+DEV_ENGINE_TOKEN = "dev-engine-token"  # the engine token's placeholder; refused outside environment=dev
+
+
+def refuse_placeholder(environment: str, secret: SecretStr | None, placeholder: str, variable: str) -> None:
+    """Raise unless `secret` was set to something other than its dev placeholder (in environment=dev, anything goes)."""
+    if environment != "dev" and secret is not None and secret.get_secret_value() == placeholder:
+        raise ValueError(f"set {variable}: the placeholder value is only allowed in dev")
 
 
 class RedisSettings(BaseModel):
-    """Where Redis is and how long to wait for it."""
+    """Where Redis is, who this service is there (its ACL user, `common.redis_acl`), and how long to wait for it."""
 
-    url: str = Field("redis://127.0.0.1:6379/0", description="redis:// URL (db index included)")
+    url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL (db index included)")
+    username: str | None = Field(None, description="ACL user (gateway, registry or engine); None: `default`")
+    password: SecretStr | None = Field(None, description="The user's password; None: no AUTH (dev only)")
     socket_timeout_s: float = Field(1.0, description="Per-command timeout; a down Redis fails fast, never hangs")
     max_connections: int = Field(64, description="Connection pool size")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _credentials_out_of_url(cls, data: Any) -> Any:
+        """Credentials written into the URL move to `username`/`password`, so the URL (logged, shown in reprs)
+        never holds the password."""
+        if not isinstance(data, dict) or not isinstance(data.get("url"), str):
+            return data
+        parts = urlsplit(data["url"])
+        if parts.password is None and parts.username is None:
+            return data
+        host = parts.netloc.rpartition("@")[2]
+        data = {**data, "url": urlunsplit(parts._replace(netloc=host))}
+        if parts.username and data.get("username") is None:
+            data["username"] = unquote(parts.username)
+        if parts.password is not None and data.get("password") is None:
+            data["password"] = unquote(parts.password)
+        return data
+
+    def client_options(self) -> dict[str, Any]:
+        """redis-py's connection arguments besides the URL: the credentials and timeouts."""
+        return {
+            "username": self.username,
+            "password": None if self.password is None else self.password.get_secret_value(),
+            "socket_timeout": self.socket_timeout_s,
+            "socket_connect_timeout": self.socket_timeout_s,
+            "max_connections": self.max_connections,
+        }
+
+
+def unauthenticated_redis(service: str, redis: RedisSettings) -> str | None:
+    """Why `redis` is refused outside dev (None when it is not): every service authenticates as its own ACL user."""
+    if redis.password is None or not redis.username:
+        upper = service.upper()
+        return (
+            f"set PREFT_{upper}__REDIS__USERNAME and PREFT_{upper}__REDIS__PASSWORD (its Redis ACL user): "
+            "an unauthenticated Redis is only allowed in dev"
+        )
+    return None
 
 
 class S3Settings(BaseModel):
@@ -41,7 +90,15 @@ class RegistrySettings(BaseSettings):
 
     environment: Literal["dev", "prod"] = Field("prod", description="dev allows the placeholder admin token")
     listen_address: str = Field("127.0.0.1:50051", description="host:port the gRPC server binds")
-    admin_token: SecretStr = Field(SecretStr(DEV_TOKEN), description="Bearer token every caller must send")
+    admin_token: SecretStr = Field(SecretStr(DEV_TOKEN), description="Bearer token allowed every RPC (operators)")
+    gateway_token: SecretStr | None = Field(
+        None,
+        description="Bearer token allowed the RPCs the gateway makes for tenants (resolve, list, publish, share, "
+        "delete adapters; record uses) but not tenant, key, limit, base model or gc administration; None: no such role",
+    )
+    reader_token: SecretStr | None = Field(
+        None, description="Read-only bearer token of engine replicas (the Hot ranking alone); None: no such role"
+    )
     worker_threads: int = Field(16, ge=1, description="gRPC server threads (one per in-flight call)")
     redis: RedisSettings = Field(default_factory=RedisSettings)
     s3: S3Settings = Field(default_factory=S3Settings)
@@ -59,6 +116,13 @@ class RegistrySettings(BaseSettings):
     def _no_placeholder_secret_outside_dev(self) -> RegistrySettings:
         if self.environment != "dev" and self.admin_token.get_secret_value() == DEV_TOKEN:
             raise ValueError("set PREFT_REGISTRY__ADMIN_TOKEN: the placeholder token is only allowed in dev")
+        if self.environment != "dev" and (refusal := unauthenticated_redis("registry", self.redis)):
+            raise ValueError(refusal)
+        tokens = [
+            t.get_secret_value() for t in (self.admin_token, self.gateway_token, self.reader_token) if t is not None
+        ]
+        if len(set(tokens)) < len(tokens) or not all(tokens):
+            raise ValueError("the registry's admin, gateway and reader tokens must be non-empty and differ")
         return self
 
 

@@ -1,4 +1,5 @@
-"""The engine replica's HTTP API (see `contract`): POST /generate, GET /healthz, GET /metrics.
+"""The engine replica's HTTP API (see `contract`): POST /generate (the gateway's token required), GET /healthz,
+GET /metrics.
 
 This is the engine's one boundary where domain errors become HTTP statuses (EngineError bodies): 400 invalid, 503
 unavailable or draining (the gateway may retry elsewhere), 500 a bug.
@@ -6,6 +7,7 @@ unavailable or draining (the gateway may retry elsewhere), 500 a bug.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated
@@ -16,14 +18,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from preft.common.engine_contract import (
+    AUTH_HEADER,
     BASE_MODEL_ID,
     MULTIPLEX_HEADER,
     AdapterSpec,
     EngineChunk,
     EngineError,
     EngineRequest,
+    bearer,
 )
-from preft.common.errors import InvalidArgument, PreftError, ResourceExhausted, Unavailable
+from preft.common.errors import InvalidArgument, PreftError, ResourceExhausted, Unauthenticated, Unavailable
 from preft.engine.service import EngineService
 
 logger = logging.getLogger(__name__)
@@ -41,8 +45,22 @@ def get_service(request: Request) -> EngineService:
 ServiceDep = Annotated[EngineService, Depends(get_service)]
 
 
+def require_token(token: str) -> Callable[[Request], None]:
+    """A dependency that refuses (401) a request whose authorization header does not carry `token`."""
+    expected = bearer(token).encode()
+
+    def check(request: Request) -> None:
+        sent = request.headers.get(AUTH_HEADER, "").encode()
+        if not hmac.compare_digest(sent, expected):  # (constant time: the comparison must not leak a prefix)
+            raise Unauthenticated("missing or wrong engine token")
+
+    return check
+
+
 def error_body(e: BaseException) -> tuple[int, EngineError]:
-    """The HTTP status and body of an error (the contract's three kinds)."""
+    """The HTTP status and body of an error (the contract's three kinds, and 401 for a caller without the token)."""
+    if isinstance(e, Unauthenticated):
+        return 401, EngineError(type="unauthenticated", message=e.message)
     if isinstance(e, Unavailable | ResourceExhausted):
         return 503, EngineError(type="unavailable", message=e.message)
     if isinstance(e, PreftError) and 400 <= e.http_status < 500:
@@ -57,8 +75,10 @@ def _error_response(e: BaseException) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def create_app(service: EngineService, *, on_adapter: AdapterHook | None = None) -> FastAPI:
-    """The HTTP app of one replica, over its EngineService."""
+def create_app(service: EngineService, *, token: str, on_adapter: AdapterHook | None = None) -> FastAPI:
+    """The HTTP app of one replica, over its EngineService; /generate answers only callers sending `token`."""
+    if not token:
+        raise ValueError("the engine token must be non-empty")
     app = FastAPI(title="preft engine replica", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
 
@@ -73,7 +93,7 @@ def create_app(service: EngineService, *, on_adapter: AdapterHook | None = None)
         message = f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request"))
         return JSONResponse(EngineError(type="invalid_request", message=message).model_dump(), status_code=400)
 
-    @app.post("/generate")
+    @app.post("/generate", dependencies=[Depends(require_token(token))])
     async def generate(body: EngineRequest, request: Request, svc: ServiceDep) -> Response:
         expected = body.adapter.digest if body.adapter is not None else BASE_MODEL_ID
         model_id = request.headers.get(MULTIPLEX_HEADER) or request.headers.get(MULTIPLEX_HEADER.replace("_", "-"))

@@ -28,12 +28,7 @@ def residency_key(replica_id: str) -> str:
 
 def redis_client(settings: RedisSettings) -> aioredis.Redis:
     """An asyncio Redis client that fails fast when Redis is down (never hangs a replica)."""
-    return aioredis.Redis.from_url(
-        settings.url,
-        socket_timeout=settings.socket_timeout_s,
-        socket_connect_timeout=settings.socket_timeout_s,
-        max_connections=8,
-    )
+    return aioredis.Redis.from_url(settings.url, **(settings.client_options() | {"max_connections": 8}))
 
 
 class ResidencyPublisher:

@@ -100,6 +100,7 @@ class EngineDeployment:
             publisher=publisher,
             hot_source=hot_source,
             prefetch_adapters=settings.prefetch_adapters,
+            tenant_label=settings.replica.metrics_tenant_label,
         )
         # Serve's multiplexing decorator takes its size when applied, so it is applied here, from the settings.
         # "+ 1": the "base" id is registered too (every replica serves base requests).
@@ -130,7 +131,8 @@ class EngineDeployment:
             _REQUEST_ADAPTER.reset(token)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_app(self._service, on_adapter=self._on_adapter)
+        token = self._settings.api_token.get_secret_value()
+        return create_app(self._service, token=token, on_adapter=self._on_adapter)
 
     async def check_health(self) -> None:
         await self._service.check_health()

@@ -27,7 +27,8 @@ class EngineService:
     """Owns a replica's engine, pager and residency publisher, the count of requests in flight, and the drain.
 
     A request is admitted unless the replica is draining or its engine died (Unavailable: the gateway retries on
-    another replica); its adapter is held in host memory for the request's whole duration.
+    another replica); its adapter is held in host memory for the request's whole duration. Its tenant id reaches the
+    engine (a label of its metrics) only with `tenant_label`.
     """
 
     def __init__(
@@ -38,8 +39,10 @@ class EngineService:
         publisher: ResidencyPublisher | None = None,
         hot_source: HotSource | None = None,
         prefetch_adapters: int = 0,
+        tenant_label: bool = False,
     ) -> None:
         self.engine, self.pager, self._publisher = engine, pager, publisher
+        self._tenant_label = tenant_label
         self._hot_source, self._prefetch_adapters = hot_source, prefetch_adapters
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -142,6 +145,8 @@ class EngineService:
         """Start the request and return its chunks. Everything that can fail before the first chunk (admission,
         adapter paging, validation) raises here, so it can still become an HTTP status; closing the returned
         iterator early aborts the request."""
+        if request.tenant and not self._tenant_label:  # (the tenant id is a metrics label only; see ReplicaSettings)
+            request = request.model_copy(update={"tenant": ""})
         chunks = self._run(request)
         try:
             first = await anext(chunks)

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from preft.common.settings import RedisSettings, S3Settings
+from preft.common.settings import DEV_ENGINE_TOKEN, RedisSettings, S3Settings, refuse_placeholder
 from preft.engine.vllm_engine import EngineOptions
 from preft.vllm_plugin.tiles import DEFAULT_KERNELS, KERNELS, fold_lacks_its_kernels, parse_tiles
 
@@ -46,6 +46,12 @@ class ReplicaSettings(BaseModel):
         description="How often a replica copies its preft_* metrics into Ray's, which each Ray node exports on its "
         "metrics port for a per-pod scrape (engine.ray_metrics); 0 = never (the replica's /metrics still serves them)",
     )
+    metrics_tenant_label: bool = Field(
+        False,
+        description="Label preft_requests_total, preft_prompt_tokens_total and preft_generated_tokens_total with the "
+        "request's tenant id (off: the label is empty). The replica serves them on Serve's port (/metrics) and on "
+        "Ray's metrics port: turn on only where both are confined to the platform, by loopback or a NetworkPolicy",
+    )
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Extra environment variables of the replica processes (runtime_env)"
     )
@@ -55,6 +61,13 @@ class EngineSettings(BaseSettings):
     """One engine replica: the vLLM engine, the adapter pager's tiers, storage endpoints and the Serve deployment."""
 
     model_config = SettingsConfigDict(env_prefix="PREFT_ENGINE__", env_nested_delimiter="__", extra="ignore")
+
+    environment: Literal["dev", "prod"] = Field("prod", description="dev allows the placeholder api_token")
+    api_token: SecretStr = Field(
+        SecretStr(DEV_ENGINE_TOKEN),
+        description="The secret /generate requires (Authorization: Bearer), the gateway's engine_token; /healthz and "
+        "/metrics are open",
+    )
 
     # -- vLLM --------------------------------------------------------------------------------------------------
     model_dir: Path = Field(description="Base model directory (config.json, weights, tokenizer)")
@@ -136,7 +149,9 @@ class EngineSettings(BaseSettings):
     registry_address: str | None = Field(
         None, description="host:port of the registry: prefetch ranks adapters by its Hot RPC (else hot_specs_redis_key)"
     )
-    registry_token: SecretStr | None = Field(None, description="The registry admin token (with registry_address)")
+    registry_token: SecretStr | None = Field(
+        None, description="The registry's read-only reader token (its reader_token), with registry_address"
+    )
     hot_specs_redis_key: str = Field(
         "preft:hot:specs", description="Redis key holding a JSON list of AdapterSpec, hottest first (prefetch source)"
     )
@@ -177,6 +192,7 @@ class EngineSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineSettings:
+        refuse_placeholder(self.environment, self.api_token, DEV_ENGINE_TOKEN, "PREFT_ENGINE__API_TOKEN")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras (every adapter in a slot is also in host memory)")
         if self.residency_ttl_s <= self.residency_heartbeat_s:

@@ -6,7 +6,8 @@ less seed/64 where seeded, its top alternatives the next ids, each 1 lower; prom
 asked for prompt logprobs), optionally `token_delay_s` apart (or a scripted `reply`), records what it received (and
 how many requests of each priority it answered at once), and can be told to fail its next requests with a given
 status (before any byte) or to break a stream after some chunks. It refuses requests whose multiplexing header does
-not match the adapter's digest, so tests catch a gateway that routes wrongly. Serve it with
+not match the adapter's digest, and (401) requests without its token, so tests catch a gateway that routes wrongly or
+does not authenticate itself as the real engine requires. Serve it with
 `uvicorn --factory preft.gateway.testing:create_stub_engine`.
 """
 
@@ -27,6 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from preft.common.engine_contract import (
+    AUTH_HEADER,
     BASE_MODEL_ID,
     MULTIPLEX_HEADER,
     EngineChunk,
@@ -37,10 +39,12 @@ from preft.common.engine_contract import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    bearer,
 )
 from preft.common.loopback import LOOPBACK, free_port, wait_until
 
 REPLY_PIECE = 4  # characters of a scripted reply per token
+STUB_ENGINE_TOKEN = "stub-engine-token"  # the stub's token unless told another (the gateway's engine_token)
 GATE_WAIT_S = 30.0  # the longest a gated failure waits for its test (a test that never opens it still ends)
 
 
@@ -67,6 +71,7 @@ class StubEngine:
     health_delay_s: float = 0.0  # before GET /healthz answers (long: a replica too busy to answer it)
     vocab_size: int = 384
     record: bool = True
+    token: str = STUB_ENGINE_TOKEN  # required on /generate, as the real engine requires its api_token
     reply: str | None = None  # answer this text (in REPLY_PIECE-character tokens, then "stop"), not ` w<id>` tokens
     # where set (a Hugging Face tokenizer), `reply` comes as its tokens instead: their ids, each one's text the piece
     # it adds, as a real engine's would
@@ -146,6 +151,8 @@ class StubEngine:
         return out
 
     async def generate(self, request: Request) -> Response:
+        if request.headers.get(AUTH_HEADER) != bearer(self.token):  # (a test double: no constant-time compare)
+            return _error(401, "unauthenticated", "missing or wrong engine token")
         try:
             req = EngineRequest.model_validate_json(await request.body())
         except ValidationError as e:

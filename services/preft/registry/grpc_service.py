@@ -1,9 +1,9 @@
 """The registry's gRPC face: proto <-> record conversion, the servicer, and the one interceptor that checks the
-admin token and turns domain errors into status codes (and anything else into INTERNAL, logged once)."""
+caller's token and its role's RPCs (`roles`) and turns domain errors into status codes (and anything else into
+INTERNAL, logged once)."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +27,7 @@ from preft.registry.model import (
     TenantLimits,
     TenantRecord,
 )
+from preft.registry.roles import Role, TokenRoles
 from preft.registry.service import RegistryService
 
 log = logging.getLogger(__name__)
@@ -246,10 +247,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
 
 class GuardInterceptor(grpc.ServerInterceptor):
-    """Checks `authorization: Bearer <admin token>` and maps errors to statuses, for every registry RPC."""
+    """Checks `authorization: Bearer <token>` against the tokens' roles and maps errors to statuses, for every
+    registry RPC: no known token is UNAUTHENTICATED, a role without the RPC is PERMISSION_DENIED."""
 
-    def __init__(self, admin_token: str, *, open_prefixes: tuple[str, ...] = ("/grpc.health.",)) -> None:
-        self._expected = f"Bearer {admin_token}".encode()
+    def __init__(self, roles: TokenRoles, *, open_prefixes: tuple[str, ...] = ("/grpc.health.",)) -> None:
+        self._roles = roles
         self._open = open_prefixes
 
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
@@ -257,23 +259,29 @@ class GuardInterceptor(grpc.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(self._open):
             return handler
         sent = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        authorized = hmac.compare_digest(sent.encode() if isinstance(sent, str) else sent, self._expected)
+        role = self._roles.role_of(sent)
         for kind in ("unary_unary", "stream_unary"):
             behavior = getattr(handler, kind)
             if behavior is not None:
                 factory = getattr(grpc, f"{kind}_rpc_method_handler")
                 return factory(
-                    self._guard(behavior, authorized, handler_call_details.method),
+                    self._guard(behavior, role, handler_call_details.method),
                     request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer,
                 )
         return handler
 
     @staticmethod
-    def _guard(behavior: Callable, authorized: bool, method: str) -> Callable:
+    def _guard(behavior: Callable, role: Role | None, method: str) -> Callable:
+        rpc = method.rsplit("/", 1)[-1]
+
         def guarded(request: Any, context: grpc.ServicerContext) -> Any:
-            if not authorized:
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong registry admin token")
+            if role is None:
+                context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED, "missing or wrong registry token (admin token, or a role's)"
+                )
+            if not role.allows(rpc):
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the registry's {role.name} token may not call {rpc}")
             try:
                 return behavior(request, context)
             except PreftError as e:

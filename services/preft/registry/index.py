@@ -85,13 +85,7 @@ class RedisIndex:
     """Owns every registry key in Redis; each change that touches several keys is one Lua script (atomic)."""
 
     def __init__(self, settings: RedisSettings, *, client: redis.Redis | None = None) -> None:
-        self.redis = client or redis.Redis.from_url(
-            settings.url,
-            decode_responses=True,
-            socket_timeout=settings.socket_timeout_s,
-            socket_connect_timeout=settings.socket_timeout_s,
-            max_connections=settings.max_connections,
-        )
+        self.redis = client or redis.Redis.from_url(settings.url, decode_responses=True, **settings.client_options())
         self._scripts = {
             name: self.redis.register_script(getattr(lua, name))
             for name in (

@@ -15,6 +15,7 @@ from preft.common.settings import RegistrySettings
 from preft.registry.blobstore import BlobStore
 from preft.registry.grpc_service import GuardInterceptor, RegistryServicer
 from preft.registry.index import RedisIndex
+from preft.registry.roles import TokenRoles
 from preft.registry.service import RegistryService
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ def build_server(settings: RegistrySettings, service: RegistryService | None = N
     """A started gRPC server (registry + standard health service) and the port it bound."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.worker_threads, thread_name_prefix="registry"),
-        interceptors=[GuardInterceptor(settings.admin_token.get_secret_value())],
+        interceptors=[GuardInterceptor(TokenRoles.from_settings(settings))],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

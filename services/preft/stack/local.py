@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from preft.common.loopback import LOOPBACK, claim_ports, wait_until
+from preft.common.redis_acl import ADMIN_USER, SERVICES
 from preft.stack.process import ManagedProcess
 from preft.stack.servers import RedisServer, SeaweedS3
 
@@ -150,8 +151,17 @@ class LocalStack:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         claim_ports(asdict(ports).values())  # the S3 server's internal ports must not land on one not bound yet
         self.admin_token = _secret(self.state_dir, "registry_admin_token")
+        # The gateway and the engine get narrower credentials than the admin token: a compromised one of them cannot
+        # administer tenants and keys, and no local process but the gateway can spend the engine (docs/security.md).
+        self.gateway_registry_token = _secret(self.state_dir, "registry_gateway_token")
+        self.reader_token = _secret(self.state_dir, "registry_reader_token")
+        self.engine_token = _secret(self.state_dir, "engine_token")
         self.s3_secret = _secret(self.state_dir, "s3_secret_key")
-        self.redis = RedisServer(self.state_dir / "redis", ports.redis, persist=True)
+        # one Redis ACL user per service (common.redis_acl), and the admin's own password, none of them for another
+        self.redis_passwords = {
+            user: _secret(self.state_dir, f"redis_{user}_password") for user in (ADMIN_USER, *SERVICES)
+        }
+        self.redis = RedisServer(self.state_dir / "redis", ports.redis, persist=True, passwords=self.redis_passwords)
         self.s3 = SeaweedS3(self.state_dir / "s3", ports.s3, access_key="preft-local", secret_key=self.s3_secret)
         logs = self.state_dir / "logs"
         self.registry = ManagedProcess("registry", logs / "registry.log")
@@ -168,6 +178,13 @@ class LocalStack:
             f"{prefix}S3__ACCESS_KEY": self.s3.access_key,
             f"{prefix}S3__SECRET_KEY": self.s3_secret,
             f"{prefix}S3__BUCKET": "preft-adapters",
+        }
+
+    def _redis_env(self, prefix: str, user: str) -> dict[str, str]:
+        return {
+            f"{prefix}REDIS__URL": self.redis.url,
+            f"{prefix}REDIS__USERNAME": user,
+            f"{prefix}REDIS__PASSWORD": self.redis_passwords[user],
         }
 
     def start(self, while_engine_starts: Callable[[], None] | None = None) -> StackInfo:
@@ -258,7 +275,9 @@ class LocalStack:
             "PREFT_REGISTRY__ENVIRONMENT": "prod",
             "PREFT_REGISTRY__LISTEN_ADDRESS": f"{LOOPBACK}:{self.ports.registry}",
             "PREFT_REGISTRY__ADMIN_TOKEN": self.admin_token,
-            "PREFT_REGISTRY__REDIS__URL": self.redis.url,
+            "PREFT_REGISTRY__GATEWAY_TOKEN": self.gateway_registry_token,
+            "PREFT_REGISTRY__READER_TOKEN": self.reader_token,
+            **self._redis_env("PREFT_REGISTRY__", "registry"),
             **self._s3_env("PREFT_REGISTRY__"),
         }
         self.registry.spawn([sys.executable, "-m", "preft.registry.server"], cwd=self.state_dir, env=env)
@@ -314,16 +333,17 @@ class LocalStack:
 
     def _start_engine(self) -> None:
         """Ray (this process is the driver) and the engine's Serve application, as the profile sizes it."""
-        import ray
+        from pydantic import SecretStr
         from ray import serve
 
         from preft.common.settings import RedisSettings, S3Settings
         from preft.engine.serve_app import build_app
         from preft.engine.settings import EngineSettings
+        from preft.stack.ray_local import start_local_ray
 
         p = self.profile
         log.info("starting ray serve and the engine (%s)", "vLLM on GPU" if p.ray_num_gpus else "vLLM on CPU")
-        ray.init(
+        start_local_ray(  # every Ray socket on 127.0.0.1, as the stack's own servers
             num_cpus=p.ray_num_cpus,
             num_gpus=p.ray_num_gpus,
             object_store_memory=1 << 30,  # (the engine passes no large objects through Ray)
@@ -344,10 +364,14 @@ class LocalStack:
                 secret_key=self.s3_secret,
                 bucket="preft-adapters",
             ),
-            redis=RedisSettings(url=self.redis.url),
+            redis=RedisSettings(
+                url=self.redis.url, username="engine", password=SecretStr(self.redis_passwords["engine"])
+            ),
             registry_address=f"{LOOPBACK}:{self.ports.registry}",
-            registry_token=self.admin_token,
+            registry_token=self.reader_token,
+            api_token=self.engine_token,
         )
+        settings.replica.metrics_tenant_label = True  # (every port that serves them listens on loopback here)
         serve.run(build_app(settings), name=settings.app_name, route_prefix=settings.route_prefix)
         wait_until(
             lambda: httpx.get(f"http://{LOOPBACK}:{self.ports.serve}/healthz", timeout=2).status_code == 200,
@@ -361,10 +385,11 @@ class LocalStack:
             "PREFT_GATEWAY__ENVIRONMENT": "prod",
             "PREFT_GATEWAY__HOST": LOOPBACK,
             "PREFT_GATEWAY__PORT": str(port),
-            "PREFT_GATEWAY__REDIS__URL": self.redis.url,
+            **self._redis_env("PREFT_GATEWAY__", "gateway"),
             "PREFT_GATEWAY__REGISTRY_ADDRESS": f"{LOOPBACK}:{self.ports.registry}",
-            "PREFT_GATEWAY__REGISTRY_TOKEN": self.admin_token,
+            "PREFT_GATEWAY__REGISTRY_TOKEN": self.gateway_registry_token,
             "PREFT_GATEWAY__ENGINE_URL": f"http://{LOOPBACK}:{self.ports.serve}",
+            "PREFT_GATEWAY__ENGINE_TOKEN": self.engine_token,
             "PREFT_GATEWAY__MODEL_DIR": str(self.model_dir),
             "PREFT_GATEWAY__SERVED_MODEL_NAME": self.profile.served_model_name,
             "PREFT_GATEWAY__MAX_MODEL_LEN": str(self.profile.max_model_len),

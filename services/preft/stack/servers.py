@@ -5,16 +5,20 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import secrets
 import shutil
 import stat
 import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
+from urllib.parse import quote
 
 from preft.common.loopback import LOOPBACK, ServerError, claim_ports, free_port, wait_until
+from preft.common.redis_acl import ADMIN_USER, acl_file
 from preft.stack.process import ManagedProcess
 
 if TYPE_CHECKING:
@@ -121,18 +125,42 @@ class RedisServer(LocalServer):
     """A `redis-server` bound to 127.0.0.1 with its config, AOF and log in `data_dir`.
 
     With `persist`, every write goes to the append-only file (fsync once a second), so data survives a restart.
+    With `passwords` (the admin's, `default`, and one per service: `common.redis_acl`), the server has the platform's
+    ACL users, each limited to its service's keys, in an owner-only ACL file; without, anyone on loopback may do
+    anything (unit and benchmark servers).
     """
 
     name = "redis"
 
-    def __init__(self, data_dir: Path, port: int, *, persist: bool = True, redis_bin: Path | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int,
+        *,
+        persist: bool = True,
+        redis_bin: Path | None = None,
+        passwords: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(data_dir)
         self.port, self.persist = port, persist
         self._bin = redis_bin
+        self._passwords = dict(passwords) if passwords is not None else None
 
     @property
     def url(self) -> str:
+        """Where the server is (no credentials)."""
         return f"redis://{LOOPBACK}:{self.port}/0"
+
+    @property
+    def admin_url(self) -> str:
+        """The URL with the admin's credentials (`default`: every key and command), or `url` without ACLs."""
+        return self.url_for(ADMIN_USER) if self._passwords is not None else self.url
+
+    def url_for(self, user: str) -> str:
+        """The URL a service connects with, as its own ACL user (`RedisSettings` takes the credentials out of it)."""
+        if self._passwords is None:
+            raise ServerError("this Redis has no ACL users (started without passwords)")
+        return f"redis://{quote(user, safe='')}:{quote(self._passwords[user], safe='')}@{LOOPBACK}:{self.port}/0"
 
     def config_text(self) -> str:
         lines = [
@@ -146,18 +174,29 @@ class RedisServer(LocalServer):
             f"appendonly {'yes' if self.persist else 'no'}",
             "appendfsync everysec",
         ]
+        if self._passwords is not None:
+            lines.append(f"aclfile {_redis_quote(str(self._acl_path))}")
         return "\n".join(lines) + "\n"
+
+    @property
+    def _acl_path(self) -> Path:
+        return self.data_dir / "users.acl"
 
     def _command(self) -> tuple[list[str], dict[str, str]]:
         binary = self._bin or find_executable("redis-server", install_hint="apt-get install -y redis-server")
         conf = self.data_dir / "redis.conf"
         conf.write_text(self.config_text())
+        if self._passwords is not None:
+            # (rewritten at every start: the rules follow the code, the passwords the caller's)
+            fd = os.open(self._acl_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(acl_file(self._passwords))
         return [str(binary), str(conf)], {}
 
     def _ready(self) -> bool:
         import redis
 
-        client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=1.0, socket_connect_timeout=1.0)
+        client = redis.Redis.from_url(self.admin_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         try:
             return bool(client.ping())
         finally:
@@ -169,6 +208,9 @@ class SeaweedS3(LocalServer):
 
     Owns `data_dir`: the identities file (one admin identity; anonymous requests are refused), the log, and the
     volume, filer and master data under `data_dir/data`. Internal ports are picked once and kept across restarts.
+    Only the S3 port serves blobs: the filer's HTTP API is off, and the volume server reads and writes only with a
+    JWT signed by keys that live in this process alone (fresh ones each start), so a local caller that skips S3's
+    signature check gets 401/404. What stays open on loopback is the internal gRPC (weed's mTLS is not set up).
     """
 
     name = "seaweedfs"
@@ -245,6 +287,8 @@ class SeaweedS3(LocalServer):
             f"-volume.max={self.max_volumes}",
             "-volume.preStopSeconds=0",
             "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
+            # The filer's HTTP API serves and deletes any path without credentials; S3 talks to it over gRPC.
+            "-filer.disableHttp",
             "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={p['s3_grpc']}",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             # Behave like AWS: no bucket appears on a PUT to a missing one, and only empty buckets can be deleted.
@@ -252,7 +296,16 @@ class SeaweedS3(LocalServer):
             f"-s3.config={self._write_identities()}",
         ]  # fmt: skip
         # Every bucket is its own collection; the default grows 7 volumes for a collection's first write.
-        return argv, {"WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
+        env = {"WEED_MASTER_VOLUME_GROWTH_COPY_1": "1", **self._jwt_keys()}
+        return argv, env
+
+    @staticmethod
+    def _jwt_keys() -> dict[str, str]:
+        """Keys of the JWTs the master and filer hand the S3 gateway for each volume read and write (weed reads them
+        from WEED_* variables, which only this user can see). They never leave the process, so each start makes new
+        ones; without them the volume server's HTTP port reads and writes any blob for anyone."""
+        names = ("JWT_SIGNING_KEY", "JWT_SIGNING_READ_KEY", "JWT_FILER_SIGNING_KEY", "JWT_FILER_SIGNING_READ_KEY")
+        return {f"WEED_{name}": secrets.token_urlsafe(32) for name in names}
 
     def _ready(self) -> bool:
         # S3 answers before the volume server has registered with the master; writes until then stall for

@@ -9,6 +9,7 @@ import redis
 from preft.common.settings import RedisSettings
 from preft.engine.residency import ResidencyPublisher, redis_client, residency_key
 from preft.stack import free_port
+from tests.integration.conftest import service_redis
 
 
 def test_publishes_the_held_digests_with_a_ttl_and_removes_them_on_stop(redis_url):
@@ -19,7 +20,7 @@ def test_publishes_the_held_digests_with_a_ttl_and_removes_them_on_stop(redis_ur
         pub = ResidencyPublisher(
             replica_id="replica-1",
             holdings=lambda: held,
-            client=redis_client(RedisSettings(url=redis_url)),
+            client=redis_client(service_redis(redis_url, "engine")),
             heartbeat_s=0.1,
             ttl_s=2.0,
         )

@@ -29,6 +29,8 @@ from tests.reference import reference_generate
 
 pytestmark = pytest.mark.engine
 
+ENGINE_TOKEN = "engine-test-token"
+AUTH = {"authorization": f"Bearer {ENGINE_TOKEN}"}  # (the client's default: every request is the gateway's)
 APP = "preft-engine-test"
 
 
@@ -62,6 +64,7 @@ def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs, ray_met
     from ray import serve
 
     from preft.engine.serve_app import build_app
+    from preft.stack.ray_local import start_local_ray
 
     disk = tmp_path_factory.mktemp("adapter-cache")
     settings = EngineSettings(
@@ -78,7 +81,7 @@ def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs, ray_met
         cpu_omp_threads_bind="1",  # vLLM's worker computes on core 1; core 0 is left to Ray and the replica
         disk_cache_dir=disk,
         s3=bucket,
-        redis=RedisSettings(url=redis_server.url),
+        redis=RedisSettings(url=redis_server.url_for("engine")),
         residency_heartbeat_s=1.0,
         residency_ttl_s=5.0,
         replica=ReplicaSettings(
@@ -90,9 +93,10 @@ def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs, ray_met
             ray_metrics_interval_s=1.0,
         ),
         app_name=APP,
+        api_token=SecretStr(ENGINE_TOKEN),
     )
     port = free_port()
-    ray.init(
+    start_local_ray(
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
@@ -104,7 +108,7 @@ def serve_app(model_dirs, bucket, redis_server, tmp_path_factory, specs, ray_met
         started = time.perf_counter()
         serve.run(build_app(settings), name=APP, route_prefix="/")
         deploy_s = time.perf_counter() - started
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=120) as client:
             health = client.get("/healthz").json()
             print(
                 f"\nserve.run until ready: {deploy_s:.1f} s; engine start inside the replica: "
@@ -219,7 +223,7 @@ def test_bad_adapter_spec_is_refused_and_the_replica_keeps_serving(serve_app, sp
 
 
 def test_replica_publishes_its_adapters_to_redis(serve_app, specs, redis_server):
-    r = redis.Redis.from_url(redis_server.url)
+    r = redis.Redis.from_url(redis_server.admin_url)
     keys = []
     for _ in range(30):
         keys = list(r.scan_iter(f"{KEY_PREFIX}*"))
@@ -290,7 +294,7 @@ def test_deleting_the_app_drains_in_flight_requests_first(serve_app, redis_serve
     from ray import serve
 
     client, _ = serve_app
-    r = redis.Redis.from_url(redis_server.url)
+    r = redis.Redis.from_url(redis_server.admin_url)
     assert list(r.scan_iter(f"{KEY_PREFIX}*")), "the replica publishes residency while it runs"
     body = {"request_id": "long", "prompt_token_ids": [4, 5, 6], "max_tokens": 300, "ignore_eos": True, "stream": True}
     lines: list[dict] = []

@@ -20,6 +20,8 @@ from preft.stack import free_port
 from tests.adapter_specs import upload
 from tests.fake_engine import ScriptedEngine
 
+ENGINE_TOKEN = "engine-test-token"
+AUTH = {"authorization": f"Bearer {ENGINE_TOKEN}"}  # (the client's default: every request is the gateway's)
 APP = "preft-routing-test"
 
 
@@ -29,6 +31,7 @@ def routed(model_dirs, adapters, s3_server, redis_server, tmp_path_factory):
     from ray import serve
 
     from preft.engine.serve_app import build_app
+    from preft.stack.ray_local import start_local_ray
 
     bucket = f"test-{uuid.uuid4().hex[:24]}"
     s3_server.client().create_bucket(Bucket=bucket)
@@ -40,24 +43,25 @@ def routed(model_dirs, adapters, s3_server, redis_server, tmp_path_factory):
     )
     store = BlobStore(s3)
     specs = {name: upload(store, path) for name, path in adapters["llama"].items()}
-    redis.Redis.from_url(redis_server.url).flushall()
+    redis.Redis.from_url(redis_server.admin_url).flushall()
     settings = EngineSettings(
         model_dir=model_dirs["llama"],
         max_cpu_loras=4,
         disk_cache_dir=tmp_path_factory.mktemp("routing-cache"),
         s3=s3,
-        redis=RedisSettings(url=redis_server.url),
+        redis=RedisSettings(url=redis_server.url_for("engine")),
         residency_heartbeat_s=0.5,
         residency_ttl_s=5.0,
         replica=ReplicaSettings(num_replicas=2, num_cpus_per_replica=0.5, max_adapters_per_replica=4),
         app_name=APP,
+        api_token=SecretStr(ENGINE_TOKEN),
     )
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(settings, engine_cls=ScriptedEngine), name=APP, route_prefix="/")
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=60) as client:
             yield client, specs, settings
     finally:
         serve.shutdown()
@@ -90,7 +94,7 @@ def test_requests_for_an_adapter_stick_to_the_replica_that_holds_it(routed, redi
         )
         assert r.status_code == 200, r.text
     time.sleep(1.5)  # a heartbeat or two
-    held = _residency(redis_server.url)
+    held = _residency(redis_server.admin_url)
     # Serve picks a replica for an adapter it has not seen by load, so one replica may hold all three (a replica
     # holding nothing has no key: Redis drops empty sets).
     assert 1 <= len(held) <= 2, held
@@ -99,3 +103,13 @@ def test_requests_for_an_adapter_stick_to_the_replica_that_holds_it(routed, redi
         assert len(holders) == 1, f"{name} was paged into {len(holders)} replicas: routing did not stick"
     slots = sorted(p.name for p in settings.disk_cache_dir.iterdir())
     assert slots == ["slot-0", "slot-1"]  # one disk cache per replica
+
+
+def test_generate_through_the_proxy_needs_the_engine_token(routed):
+    client, _, _ = routed
+    body = {"request_id": "anon", "prompt_token_ids": [1, 2], "max_tokens": 2}
+    for auth in ("", "Bearer not-the-token"):
+        r = client.post("/generate", json=body, headers={MULTIPLEX_HEADER: "base", "authorization": auth})
+        assert r.status_code == 401 and r.json()["type"] == "unauthenticated"
+    assert client.post("/generate", json=body, headers={MULTIPLEX_HEADER: "base"}).status_code == 200
+    assert client.get("/healthz", headers={"authorization": ""}).status_code == 200

@@ -18,17 +18,19 @@ from pydantic import SecretStr
 
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
-from preft.common.settings import RedisSettings, RegistrySettings
+from preft.common.settings import RegistrySettings
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
 from preft.gateway.app import create_app
 from preft.gateway.core.tokenization import PromptTokenizer
 from preft.gateway.settings import GatewaySettings
-from preft.gateway.testing import StubEngine, ThreadedServer, create_stub_engine
+from preft.gateway.testing import STUB_ENGINE_TOKEN, StubEngine, ThreadedServer, create_stub_engine
 from preft.registry.client import RegistryClient, scan_adapter_dir
 from preft.registry.server import build_server, build_service
-from tests.integration.conftest import S3Target, make_registry_settings
+from tests.integration.conftest import S3Target, make_registry_settings, service_redis
 
-REGISTRY_TOKEN = "gateway-test-registry-token"
+REGISTRY_TOKEN = "gateway-test-registry-token"  # the admin's: the tests' operator client
+# The gateways hold the registry's gateway role, not the admin token: every test shows the role covers what they call.
+GATEWAY_REGISTRY_TOKEN = "gateway-test-gateway-role-token"
 BASE = "tiny-llama"
 MODES = {"prefill": apb.POSITION_MODE_PREFILL, "all": apb.POSITION_MODE_ALL}
 
@@ -79,7 +81,7 @@ class Registry:
 
 
 def start_registry(redis_url: str, s3: S3Target, base_config: str) -> Registry:
-    settings = make_registry_settings(redis_url, s3, REGISTRY_TOKEN)
+    settings = make_registry_settings(redis_url, s3, REGISTRY_TOKEN, gateway_token=SecretStr(GATEWAY_REGISTRY_TOKEN))
     service = build_service(settings)
     server, port = build_server(settings, service)
     address = f"127.0.0.1:{port}"
@@ -147,10 +149,11 @@ def start_gateway(
     """A gateway served by uvicorn in a thread; `tokenizer=None` makes the app load it from model_dir."""
     values: dict[str, Any] = {
         "environment": "prod",
-        "redis": RedisSettings(url=redis_url),
+        "redis": service_redis(redis_url, "gateway"),
         "registry_address": registry_address,
-        "registry_token": SecretStr(REGISTRY_TOKEN),
+        "registry_token": SecretStr(GATEWAY_REGISTRY_TOKEN),
         "engine_url": engine_url,
+        "engine_token": SecretStr(STUB_ENGINE_TOKEN),
         "model_dir": model_dir,
         "served_model_name": BASE,
         "max_model_len": 512,

@@ -8,9 +8,10 @@ import sys
 import httpx
 
 from preft.common.loopback import LOOPBACK, free_port, wait_until
+from preft.gateway.testing import STUB_ENGINE_TOKEN
 from preft.stack.process import ManagedProcess
 
-from .conftest import BASE, REGISTRY_TOKEN
+from .conftest import BASE, GATEWAY_REGISTRY_TOKEN
 
 SECRETS = ["sk-query-ApiKey-7f3a", "sk-query-Key-19bc", "tok-query-Token-55e0", "sk-header-Bearer-c0de", "bare-d41d"]
 
@@ -23,8 +24,9 @@ def test_the_access_log_shows_no_query_secret_or_authorization(tmp_path, redis_u
         "PREFT_GATEWAY__PORT": str(port),
         "PREFT_GATEWAY__REDIS__URL": redis_url,
         "PREFT_GATEWAY__REGISTRY_ADDRESS": registry.address,
-        "PREFT_GATEWAY__REGISTRY_TOKEN": REGISTRY_TOKEN,
+        "PREFT_GATEWAY__REGISTRY_TOKEN": GATEWAY_REGISTRY_TOKEN,
         "PREFT_GATEWAY__ENGINE_URL": engine.url,
+        "PREFT_GATEWAY__ENGINE_TOKEN": STUB_ENGINE_TOKEN,
         "PREFT_GATEWAY__MODEL_DIR": str(tiny_models["model"]),
         "PREFT_GATEWAY__SERVED_MODEL_NAME": BASE,
         "PREFT_GATEWAY__MAX_MODEL_LEN": "512",

@@ -14,7 +14,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from preft.registry.server import build_server
-from preft.stack import RedisServer, free_port
+from preft.stack import free_port
+from tests.integration.conftest import acl_redis
 
 from .conftest import BASE, error_of, start_gateway, start_registry, stop_gateway
 
@@ -26,10 +27,10 @@ def _retries(reason: str) -> float:
 
 
 def test_redis_down_is_503_within_a_second_and_recovers_by_itself(tmp_path, s3_bucket, engine, tokenizer, tiny_models):
-    redis = RedisServer(tmp_path / "redis", free_port(), persist=True).start()
-    registry = start_registry(redis.url, s3_bucket, (tiny_models["model"] / "config.json").read_text())
+    redis = acl_redis(tmp_path / "redis", persist=True).start()
+    registry = start_registry(redis.admin_url, s3_bucket, (tiny_models["model"] / "config.json").read_text())
     gateway = start_gateway(
-        redis_url=redis.url,
+        redis_url=redis.admin_url,
         registry_address=registry.address,
         engine_url=engine.url,
         model_dir=tiny_models["model"],
@@ -168,6 +169,19 @@ def test_engine_down_is_503(make_gateway, registry):
         assert answer.status_code == 503
         assert "engine is unreachable" in error_of(answer)["message"]
     assert _retries("connect") == before + 2
+
+
+def test_a_gateway_without_the_engine_token_is_refused_by_the_engine(make_gateway, registry, stub, caplog):
+    """The stub requires the token as the engine does: the other tests' answers show the gateway sends it; with the
+    wrong one every request is refused (not retried) and the gateway says why in its log, not to the client."""
+    from pydantic import SecretStr
+
+    gateway = make_gateway(engine_token=SecretStr("not-the-engine-token"))
+    http = gateway.http(registry.tenant("acme"))
+    for stream in (False, True):
+        answer = http.post("/v1/completions", json={**BODY, "stream": stream})
+        assert answer.status_code == 500 and "engine token" not in answer.text
+    assert stub.received == [] and "the engine refused the gateway's token" in caplog.text
 
 
 def test_stream_failing_midway_ends_with_an_error_event(gateway, registry, stub):

@@ -15,12 +15,12 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from preft.common.settings import RedisSettings
 from preft.gateway.core import redis_client
 from preft.gateway.files.object_store import ObjectStore
 from preft.gateway.files.store import EXPIRING, FileStore
 from preft.gateway.files.sweeper import FileSweeper
 from preft.stack import free_port
+from tests.integration.conftest import service_redis
 
 from .conftest import Gateway
 
@@ -144,7 +144,7 @@ def test_two_gateways_sweeping_remove_each_file_once(make_gateway, registry, red
 
 
 def _store(redis_url: str, s3_settings) -> FileStore:
-    r = redis_client.connect(RedisSettings(url=redis_url), 2.0)
+    r = redis_client.connect(service_redis(redis_url, "gateway"), 2.0)
     return FileStore(r, ObjectStore(s3_settings), timeout_s=2.0, max_per_tenant=100)
 
 

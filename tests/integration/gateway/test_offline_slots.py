@@ -17,6 +17,7 @@ from preft.common.settings import RedisSettings
 from preft.gateway.batches.offline_slots import SLOTS_KEY, OfflineSlots
 from preft.gateway.core.redis_client import connect
 from preft.stack import free_port
+from tests.integration.conftest import service_redis
 
 from .conftest import BASE
 from .test_batches import CHAT, COMPLETIONS, _batches, _chat, _ended, _request, _start
@@ -53,7 +54,7 @@ def test_batch_lines_of_all_replicas_stay_under_the_fleets_cap(make_gateway, reg
 @asynccontextmanager
 async def _slots(redis_url: str, **overrides: Any) -> AsyncIterator[Callable[..., OfflineSlots]]:
     """A factory of replicas' slots over one client (`cap` 2, a 0.5 s lease, polled every 0.05 s by default)."""
-    client = connect(RedisSettings(url=redis_url), 2.0)
+    client = connect(service_redis(redis_url, "gateway"), 2.0)
     settings = {"cap": 2, "lease_s": 0.5, "poll_s": 0.05, "timeout_s": 2.0, **overrides}
     try:
         yield lambda **kw: OfflineSlots(client, **{**settings, **kw})
@@ -146,7 +147,7 @@ def test_slots_given_back_leave_nothing_in_redis(redis_url):
             slots = replica()
             async with slots.slots(2):
                 pass
-        client = connect(RedisSettings(url=redis_url), 2.0)
+        client = connect(service_redis(redis_url, "gateway"), 2.0)
         try:
             return await client.exists(SLOTS_KEY)
         finally:

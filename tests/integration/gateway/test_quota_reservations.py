@@ -23,6 +23,7 @@ from preft.common.settings import RedisSettings
 from preft.gateway.core.limits import LAPSE_BATCH, Admission, RateLimiter, Reservation, reservations_key, reserved_key
 from preft.gateway.core.redis_client import connect
 from preft.stack import free_port
+from tests.integration.conftest import service_redis
 
 from .conftest import BASE, error_of, redis_now_ms, until
 
@@ -166,7 +167,7 @@ def test_last_months_requests_in_flight_count_against_the_new_month(make_gateway
     assert store.get(reserved) is None  # (nothing reserved this month)
 
     async def release_the_late_one() -> None:  # (it used 5: held in last month's keys until metered)
-        client = connect(RedisSettings(url=redis_url), 1.0)
+        client = connect(service_redis(redis_url, "gateway"), 1.0)
         late = Reservation("cmpl-late", 60, (last_reserved, last_reservations))
         admission = Admission("acme", 60, 1, 0, 100, 0, late)
         await RateLimiter(client, redis_timeout_s=1.0).release(admission, unused=55, used=5)

@@ -5,19 +5,26 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from preft.common.settings import DEV_TOKEN
+from preft.common.settings import DEV_ENGINE_TOKEN, DEV_TOKEN
 from preft.gateway.settings import GatewaySettings
 
 
 def test_settings_from_environment_and_the_placeholder_guard(monkeypatch, tmp_path):
     monkeypatch.setenv("PREFT_GATEWAY__REDIS__URL", "redis://10.0.0.5:6379/2")
     monkeypatch.setenv("PREFT_GATEWAY__REGISTRY_TOKEN", "a-real-token")
+    monkeypatch.setenv("PREFT_GATEWAY__ENGINE_TOKEN", "a-real-engine-token")
     monkeypatch.setenv("PREFT_GATEWAY__MODEL_DIR", str(tmp_path))
     monkeypatch.setenv("PREFT_GATEWAY__ALLOW_MODE_OVERRIDE", "true")
     s = GatewaySettings()
     assert s.redis.url == "redis://10.0.0.5:6379/2" and s.registry_token.get_secret_value() == "a-real-token"
     assert s.tokenizer_path == tmp_path and s.allow_mode_override and s.environment == "prod"
-    assert "a-real-token" not in repr(s)
+    assert "a-real-token" not in repr(s) and "a-real-engine-token" not in repr(s)
+    assert s.engine_token.get_secret_value() == "a-real-engine-token"
+
+    monkeypatch.delenv("PREFT_GATEWAY__ENGINE_TOKEN")
+    with pytest.raises(ValidationError, match="set PREFT_GATEWAY__ENGINE_TOKEN: the placeholder"):
+        GatewaySettings()
+    assert GatewaySettings(environment="dev").engine_token.get_secret_value() == DEV_ENGINE_TOKEN
 
     monkeypatch.delenv("PREFT_GATEWAY__REGISTRY_TOKEN")
     with pytest.raises(ValidationError, match="placeholder token is only allowed in dev"):

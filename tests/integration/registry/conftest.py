@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import redis as redis_lib
+from pydantic import SecretStr
 
 from preft.common.settings import RegistrySettings
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
@@ -17,6 +18,8 @@ from preft.registry.service import RegistryService
 from tests.integration.conftest import make_registry_settings
 
 TOKEN = "test-admin-token"
+GATEWAY_TOKEN = "test-gateway-role-token"
+READER_TOKEN = "test-reader-role-token"
 MAX_RANK = 16
 
 
@@ -26,6 +29,8 @@ def registry_settings(redis_url, s3_bucket) -> RegistrySettings:
         redis_url,
         s3_bucket,
         TOKEN,
+        gateway_token=SecretStr(GATEWAY_TOKEN),
+        reader_token=SecretStr(READER_TOKEN),
         max_rank=MAX_RANK,
         max_adapter_bytes=64 * 1024 * 1024,
         max_config_bytes=64 * 1024,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
@@ -108,6 +109,20 @@ def test_exit_codes(admin, tiny, tmp_path, registry_address):
     assert result.exit_code == 1 and "unavailable" in result.output
     result = runner.invoke(app, ["--registry", registry_address, "--token", "wrong", "tenant", "list"])
     assert result.exit_code == 1 and "token" in result.output
+
+
+def test_json_after_the_command_help_with_env_hints_and_version(admin):
+    admin("tenant", "create", "acme")
+    # --json where a user types it: after the command, as well as before it
+    assert json.loads(admin("tenant", "list", "--json")) == json.loads(admin("--json", "tenant", "list"))
+    assert json.loads(admin("key", "issue", "acme", "--json", "--label", "ci"))["key"]["label"] == "ci"
+    helped = runner.invoke(app, ["--help"]).output
+    assert "[env PREFT_ADMIN__REGISTRY]" in helped and "PREFT_ADMIN__TOKEN" in helped
+    version = runner.invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.output.split() == [
+        "preft-serve",
+        importlib.metadata.version("preft-serve"),
+    ]
 
 
 def table_rows(output: str) -> list[list[str]]:

@@ -9,7 +9,7 @@ from preft.api.v1 import registry_pb2 as pb
 from preft.engine.paging.hot import RegistryHotSource
 from preft.registry.client import scan_adapter_dir
 
-from .conftest import TOKEN
+from .conftest import READER_TOKEN
 
 
 def test_hot_specs_follow_the_registry_ranking(client, registry_address, tiny, base_config):
@@ -20,8 +20,8 @@ def test_hot_specs_follow_the_registry_ranking(client, registry_address, tiny, b
     for name, uses in (("hot", 5), ("warm", 2)):
         client.call("RecordUse", pb.RecordUseRequest(tenant="acme", name=name, version=1, weight=uses))
 
-    specs = asyncio.run(RegistryHotSource(registry_address, TOKEN).hot_specs(10))
+    specs = asyncio.run(RegistryHotSource(registry_address, READER_TOKEN).hot_specs(10))  # (the engines' token)
     assert [s.ref for s in specs] == ["acme/hot@v1", "acme/warm@v1"]  # never-used adapters are not hot
     assert specs[0].method == "direft" and specs[0].digest == adapter_digest(tiny["direft"])
     assert {f.path for f in specs[1].files} == {"adapter_config.json", "adapter_model.safetensors"}
-    assert asyncio.run(RegistryHotSource("127.0.0.1:1", TOKEN, timeout_s=1).hot_specs(10)) == []  # best effort
+    assert asyncio.run(RegistryHotSource("127.0.0.1:1", READER_TOKEN, timeout_s=1).hot_specs(10)) == []  # best effort

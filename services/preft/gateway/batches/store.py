@@ -544,7 +544,7 @@ class LineRecord:
     line: dict[str, Any]
     input_tokens: int = 0
     output_tokens: int = 0
-    metered: tuple[Metered, ...] = ()  # its generations' tokens, for the tenant's usage (``openai.generation.HeldMetering``)
+    metered: tuple[Metered, ...] = ()  # its generations' tokens, for the tenant's usage (``openai.generation``)
 
     @property
     def counts_as(self) -> str:

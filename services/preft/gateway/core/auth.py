@@ -1,9 +1,10 @@
 """API keys: `Authorization: Bearer <key>` -> sha256 -> the key's record and its tenant's state in Redis.
 
-The gateway reads the registry's Redis layout (documented in `preft.registry.index`) with one Lua script, one
-round trip. Outcomes, refusals included, are cached in memory for `key_cache_ttl_s`, so a revoked key or a
-disabled tenant stops working within that time; an expiring key's entry never outlives the key. Keys are looked
-up by their hash only; neither the key nor its hash is ever logged.
+The gateway reads the registry's Redis layout (documented in `preft.registry.index`) with one read-only Lua
+script, one round trip: its Redis user may read API keys and tenants, never write them (`common.redis_acl`).
+Outcomes, refusals included, are cached in memory for `key_cache_ttl_s`, so a revoked key or a disabled tenant stops
+working within that time; an expiring key's entry never outlives the key. Keys are looked up by their hash only;
+neither the key nor its hash is ever logged.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import redis.asyncio as aioredis
 from preft.common.errors import PermissionDenied, PreftError
 from preft.gateway.core.cache import TTLCache
 from preft.gateway.core.errors import InvalidApiKey
-from preft.gateway.core.redis_client import guarded
+from preft.gateway.core.redis_client import ReadOnlyScript, guarded
 from preft.registry.index import key_hash
 from preft.registry.lua import KEY_STATE
 
@@ -35,7 +36,7 @@ class KeyAuthenticator:
 
     def __init__(self, redis: aioredis.Redis, *, ttl_s: float, max_entries: int, redis_timeout_s: float) -> None:
         self._redis = redis
-        self._script = redis.register_script(KEY_STATE)
+        self._script = ReadOnlyScript(redis, KEY_STATE)  # (the gateway may only read API keys)
         self._cache: TTLCache[str, Caller | PreftError] = TTLCache(ttl_s, max_entries)
         self._timeout_s = redis_timeout_s
 

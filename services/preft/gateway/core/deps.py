@@ -67,7 +67,7 @@ async def get_caller(request: Request, core: CoreDep) -> Caller:
     return await core.authenticator.authenticate(request.headers.get("authorization"))
 
 
-def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
+def json_body(model: type[M]) -> Callable[..., Awaitable[M]]:
     """A dependency reading the body (at most `max_request_bytes`, else 413) and validating it (else 400)."""
 
     async def read(request: Request, core: CoreDep) -> M:

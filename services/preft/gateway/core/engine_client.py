@@ -32,7 +32,15 @@ import logging
 import aiohttp
 from pydantic import ValidationError
 
-from preft.common.engine_contract import MULTIPLEX_HEADER, EngineChunk, EngineError, EngineRequest, EngineResponse
+from preft.common.engine_contract import (
+    AUTH_HEADER,
+    MULTIPLEX_HEADER,
+    EngineChunk,
+    EngineError,
+    EngineRequest,
+    EngineResponse,
+    bearer,
+)
 from preft.common.errors import InvalidArgument, PreftError, Unavailable
 from preft.common.metrics import ENGINE_RETRIES
 from preft.gateway.core.engine_health import HEALTH_PATH, EngineHealth
@@ -62,6 +70,7 @@ class EngineClient:
         self,
         base_url: str,
         *,
+        token: str,
         connect_timeout_s: float = 2.0,
         read_timeout_s: float = 300.0,
         max_connections: int = 1024,
@@ -69,6 +78,7 @@ class EngineClient:
     ) -> None:
         base = base_url.rstrip("/")
         self._url = base + GENERATE_PATH
+        self._auth = bearer(token)
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
         self._max_connections = max_connections
         self._unresponsive_s = unresponsive_s
@@ -97,7 +107,7 @@ class EngineClient:
             self._open().post(
                 self._url,
                 data=req.model_dump_json(exclude_none=True).encode(),
-                headers={MULTIPLEX_HEADER: model_id, "content-type": "application/json"},
+                headers={MULTIPLEX_HEADER: model_id, AUTH_HEADER: self._auth, "content-type": "application/json"},
             )
         )
         try:
@@ -299,4 +309,6 @@ def _error_from(status: int, body: bytes) -> PreftError:
         return InvalidArgument(message or "the engine refused the request")
     if status == 503:
         return Unavailable(f"the engine is unavailable{': ' + message if message else ''}; retry later")
+    if status == 401:  # (a deployment error, not the client's: it sees a 500)
+        logger.error("the engine refused the gateway's token: PREFT_GATEWAY__ENGINE_TOKEN differs from the engine's")
     return EngineFailed(f"the engine failed (HTTP {status}); the error is in the engine's log")

@@ -67,13 +67,17 @@ log = logging.getLogger(__name__)
 
 LAPSE_BATCH = 100  # lapsed reservations one admission takes off at most (the script's work stays bounded)
 HOLD_FLUSHES = 2  # meter flush intervals (plus one Redis deadline) an ended request's used tokens stay reserved
+LIMITS_PREFIX = "preft:limits:"  # the tenant's buckets: LIMITS_PREFIX + tenant
 KEYS_TTL_S = metering.MONTH_TTL_DAYS * metering.DAY_S  # a month's reservation keys, after their last write
 
-# Shared by the admission and release scripts: Redis' clock (ms), and taking `tokens` off a month's reserved counter
-# as entries leave its reservations (the counter goes with the last one).
+# Shared by the admission and release scripts: Redis' clock (ms), the tenant's record (its limits), and taking `tokens`
+# off a month's reserved counter as entries leave its reservations (the counter goes with the last one). KEYS[1] is
+# always preft:limits:<t>; the tenant's record, the registry's, is named from it rather than passed in KEYS: EVALSHA's
+# keys need write access, and the gateway's Redis user may only read the registry's keys (common.redis_acl).
 RESERVED_LUA = (
     CLOCK_LUA
     + """
+local function tenant_key() return 'preft:tenant:' .. string.sub(KEYS[1], LIMITS_PREFIX_LEN + 1) end
 local function take_off(counter, entries, tokens)
   if redis.call('ZCARD', entries) == 0 then
     redis.call('DEL', counter)
@@ -81,12 +85,12 @@ local function take_off(counter, entries, tokens)
     redis.call('DECRBY', counter, tokens)
   end
 end
-"""
+""".replace("LIMITS_PREFIX_LEN", str(len(LIMITS_PREFIX)))
 )
 
-# Shared by both admission scripts; KEYS[3] = the tenant's tokens this UTC month (common.metering.month_key),
-# KEYS[4] / KEYS[5] = that month's reserved tokens / reservations (`reserved_key`, `reservations_key`), KEYS[6] /
-# KEYS[7] = the previous month's; ARGV[2] = the reservation's id, ARGV[3] = how long until it lapses (ms), ARGV[4] =
+# Shared by both admission scripts; KEYS[2] = the tenant's tokens this UTC month (common.metering.month_key),
+# KEYS[3] / KEYS[4] = that month's reserved tokens / reservations (`reserved_key`, `reservations_key`), KEYS[5] /
+# KEYS[6] = the previous month's; ARGV[2] = the reservation's id, ARGV[3] = how long until it lapses (ms), ARGV[4] =
 # the keys' TTL (s).
 QUOTA_LUA = (
     RESERVED_LUA
@@ -102,42 +106,42 @@ end
 -- a refusal where the month's metered tokens and the reserved ones (this month's and the last's: requests admitted
 -- then are metered now) leave no room for `cost` (nor for anything, at 0)
 local function over_quota(quota, cost, now)
-  lapse(KEYS[4], KEYS[5], now)
-  lapse(KEYS[6], KEYS[7], now)
-  local used = tonumber(redis.call('GET', KEYS[3])) or 0
-  local held = (tonumber(redis.call('GET', KEYS[4])) or 0) + (tonumber(redis.call('GET', KEYS[6])) or 0)
+  lapse(KEYS[3], KEYS[4], now)
+  lapse(KEYS[5], KEYS[6], now)
+  local used = tonumber(redis.call('GET', KEYS[2])) or 0
+  local held = (tonumber(redis.call('GET', KEYS[3])) or 0) + (tonumber(redis.call('GET', KEYS[5])) or 0)
   if used + held + math.max(cost, 1) > quota then
     return {'quota', tostring(quota), tostring(used), tostring(held)}
   end
   return nil
 end
 local function reserve(cost, now)
-  redis.call('INCRBY', KEYS[4], cost)
-  redis.call('ZADD', KEYS[5], now + tonumber(ARGV[3]), ARGV[2] .. ':' .. cost)
+  redis.call('INCRBY', KEYS[3], cost)
+  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[2] .. ':' .. cost)
+  redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
   redis.call('EXPIRE', KEYS[4], tonumber(ARGV[4]))
-  redis.call('EXPIRE', KEYS[5], tonumber(ARGV[4]))
 end
--- the buckets' levels now (KEYS[2]), refilled since their last change; a missing key reads as full
+-- the buckets' levels now (KEYS[1]), refilled since their last change; a missing key reads as full
 local function levels(rpm, tpm, now)
-  local s = redis.call('HMGET', KEYS[2], 'req', 'tok', 'ts')
+  local s = redis.call('HMGET', KEYS[1], 'req', 'tok', 'ts')
   if not s[3] then return rpm, tpm end
   local dt = math.max(0, now - tonumber(s[3]))
   return math.min(rpm, tonumber(s[1]) + dt * rpm / 60000), math.min(tpm, tonumber(s[2]) + dt * tpm / 60000)
 end
 local function store(req, tok, now)
-  redis.call('HSET', KEYS[2], 'req', tostring(req), 'tok', tostring(tok), 'ts', tostring(now))
+  redis.call('HSET', KEYS[1], 'req', tostring(req), 'tok', tostring(tok), 'ts', tostring(now))
   -- an untouched bucket is full again after a minute: the key may go, and a missing key reads as full
-  redis.call('PEXPIRE', KEYS[2], 60000)
+  redis.call('PEXPIRE', KEYS[1], 60000)
 end
 """.replace("LAPSE_BATCH", str(LAPSE_BATCH))
 )
 
-# KEYS[1] = preft:tenant:<t> (limits), KEYS[2] = preft:limits:<t> (bucket levels), KEYS[3..7] as QUOTA_LUA's;
+# KEYS[1] = preft:limits:<t> (bucket levels; the tenant's limits: `tenant_key()`), KEYS[2..6] as QUOTA_LUA's;
 # ARGV[1] = tokens to take (and to reserve, where the tenant has a quota), ARGV[2..4] as QUOTA_LUA's.
 TAKE_LUA = (
     QUOTA_LUA
     + """
-local lim = redis.call('HMGET', KEYS[1], 'requests_per_min', 'tokens_per_min', 'tokens_per_month')
+local lim = redis.call('HMGET', tenant_key(), 'requests_per_min', 'tokens_per_min', 'tokens_per_month')
 local rpm, tpm, quota = tonumber(lim[1]), tonumber(lim[2]), tonumber(lim[3]) or 0
 if not rpm or not tpm then return {'no_tenant'} end
 local cost = tonumber(ARGV[1])
@@ -164,7 +168,7 @@ return {'ok', tostring(math.floor(req)), tostring(math.floor(tok)), tostring(rpm
 """
 )
 
-# KEYS[1..7] as TAKE_LUA's, KEYS[8] / KEYS[9] = the reserved tokens / reservations holding the settled admission's
+# KEYS[1..6] as TAKE_LUA's, KEYS[7] / KEYS[8] = the reserved tokens / reservations holding the settled admission's
 # entry (unused where it has none); ARGV[1..4] as TAKE_LUA's (ARGV[1]: the tokens the request takes in all), ARGV[5] =
 # the tokens the admission took, ARGV[6] = '1' where it holds a reservation. Settling an admission made on an estimate:
 # the difference is taken from the token bucket (or given back), no request more, and the reservation becomes one of
@@ -172,7 +176,7 @@ return {'ok', tostring(math.floor(req)), tostring(math.floor(tok)), tostring(rpm
 SETTLE_LUA = (
     QUOTA_LUA
     + """
-local lim = redis.call('HMGET', KEYS[1], 'requests_per_min', 'tokens_per_min', 'tokens_per_month')
+local lim = redis.call('HMGET', tenant_key(), 'requests_per_min', 'tokens_per_min', 'tokens_per_month')
 local rpm, tpm, quota = tonumber(lim[1]), tonumber(lim[2]), tonumber(lim[3]) or 0
 if not rpm or not tpm then return {'no_tenant'} end
 local cost, took, held = tonumber(ARGV[1]), tonumber(ARGV[5]), ARGV[6] == '1'
@@ -194,7 +198,7 @@ if more > 0 and tok < more then
 end
 tok = math.min(tpm, tok - more)
 store(req, tok, now)
-if held and redis.call('ZREM', KEYS[9], ARGV[2] .. ':' .. took) == 1 then take_off(KEYS[8], KEYS[9], took) end
+if held and redis.call('ZREM', KEYS[8], ARGV[2] .. ':' .. took) == 1 then take_off(KEYS[7], KEYS[8], took) end
 local reserved = '0'
 if quota > 0 and cost > 0 then reserve(cost, now); reserved = '1' end
 return {'ok', tostring(math.floor(req)), tostring(math.floor(tok)), tostring(rpm), tostring(tpm), reserved}
@@ -206,7 +210,7 @@ return {'ok', tostring(math.floor(req)), tostring(math.floor(tok)), tostring(rpm
 OFFLINE_LUA = (
     QUOTA_LUA
     + """
-local lim = redis.call('HMGET', KEYS[1], 'requests_per_min', 'tokens_per_month', 'disabled')
+local lim = redis.call('HMGET', tenant_key(), 'requests_per_min', 'tokens_per_month', 'disabled')
 if not lim[1] then return {'no_tenant'} end
 if lim[3] == '1' then return {'disabled'} end
 local quota, cost = tonumber(lim[2]) or 0, tonumber(ARGV[1])
@@ -220,7 +224,7 @@ return {'ok', '1'}
 """
 )
 
-# KEYS[1], KEYS[2] as TAKE_LUA's, then (where the request holds a reservation) KEYS[3], KEYS[4] = its month's reserved
+# KEYS[1] as TAKE_LUA's, then (where the request holds a reservation) KEYS[2], KEYS[3] = its month's reserved
 # tokens and reservations; ARGV[1] = tokens to give back to the bucket (never above its size; 0: none), ARGV[2] = the
 # reservation's id, ARGV[3] = its tokens, ARGV[4] = the tokens its request used (held until they are metered),
 # ARGV[5] = the hold (ms), ARGV[6] = the keys' TTL (s). A reservation already lapsed is left alone.
@@ -229,18 +233,18 @@ REFUND_LUA = (
     + """
 local give = tonumber(ARGV[1])
 if give > 0 then
-  local tpm = tonumber(redis.call('HGET', KEYS[1], 'tokens_per_min'))
-  local tok = redis.call('HGET', KEYS[2], 'tok')
-  if tpm and tok then redis.call('HSET', KEYS[2], 'tok', tostring(math.min(tpm, tonumber(tok) + give))) end
+  local tpm = tonumber(redis.call('HGET', tenant_key(), 'tokens_per_min'))
+  local tok = redis.call('HGET', KEYS[1], 'tok')
+  if tpm and tok then redis.call('HSET', KEYS[1], 'tok', tostring(math.min(tpm, tonumber(tok) + give))) end
 end
-if #KEYS < 4 then return 1 end
+if #KEYS < 3 then return 1 end
 local cost, used = tonumber(ARGV[3]), tonumber(ARGV[4])
-if redis.call('ZREM', KEYS[4], ARGV[2] .. ':' .. cost) == 0 then return 0 end
+if redis.call('ZREM', KEYS[3], ARGV[2] .. ':' .. cost) == 0 then return 0 end
 if used > 0 then
-  redis.call('ZADD', KEYS[4], clock() + tonumber(ARGV[5]), ARGV[2] .. ':' .. used)
-  redis.call('EXPIRE', KEYS[4], tonumber(ARGV[6]))
+  redis.call('ZADD', KEYS[3], clock() + tonumber(ARGV[5]), ARGV[2] .. ':' .. used)
+  redis.call('EXPIRE', KEYS[3], tonumber(ARGV[6]))
 end
-take_off(KEYS[3], KEYS[4], cost - used)
+take_off(KEYS[2], KEYS[3], cost - used)
 return 1
 """
 )
@@ -318,7 +322,7 @@ class RateLimiter:
         keys = _keys(tenant)
         res = await guarded(self._take(keys=keys, args=self._args(tokens, entry_id)), self._timeout_s)
         if res[0] == "ok":
-            reservation = Reservation(entry_id, tokens, (keys[3], keys[4])) if res[5] == "1" else None
+            reservation = Reservation(entry_id, tokens, (keys[2], keys[3])) if res[5] == "1" else None
             return Admission(tenant, tokens, int(res[3]), int(res[1]), int(res[4]), int(res[2]), reservation)
         raise self._refusal(tenant, tokens, res)
 
@@ -331,10 +335,10 @@ class RateLimiter:
         held = admission.reservation
         entry_id = held.entry_id if held is not None else request_id or uuid.uuid4().hex
         args = [*self._args(tokens, entry_id), admission.tokens_reserved, "1" if held is not None else "0"]
-        script = self._settle(keys=[*keys, *(held.keys if held is not None else keys[3:5])], args=args)
+        script = self._settle(keys=[*keys, *(held.keys if held is not None else keys[2:4])], args=args)
         res = await guarded(script, self._timeout_s)
         if res[0] == "ok":
-            reservation = Reservation(entry_id, tokens, (keys[3], keys[4])) if res[5] == "1" else None
+            reservation = Reservation(entry_id, tokens, (keys[2], keys[3])) if res[5] == "1" else None
             return Admission(admission.tenant, tokens, int(res[3]), int(res[1]), int(res[4]), int(res[2]), reservation)
         raise self._refusal(admission.tenant, tokens, res)
 
@@ -346,7 +350,7 @@ class RateLimiter:
         keys = _keys(tenant)
         res = await guarded(self._offline(keys=keys, args=self._args(tokens, entry_id)), self._timeout_s)
         if res[0] == "ok":
-            reservation = Reservation(entry_id, tokens, (keys[3], keys[4])) if res[1] == "1" else None
+            reservation = Reservation(entry_id, tokens, (keys[2], keys[3])) if res[1] == "1" else None
             return Admission(tenant, 0, 0, 0, 0, 0, reservation)
         if res[0] == "disabled":
             raise PermissionDenied(f"tenant {tenant!r} is disabled")
@@ -383,9 +387,9 @@ class RateLimiter:
         if reservation is None:
             if not unused:
                 return
-            keys, args = _keys(admission.tenant)[:2], [unused]
+            keys, args = _keys(admission.tenant)[:1], [unused]
         else:
-            keys = [*_keys(admission.tenant)[:2], *reservation.keys]
+            keys = [*_keys(admission.tenant)[:1], *reservation.keys]
             hold_ms = int((self.hold_s + later_s) * 1000)
             args = [unused, reservation.entry_id, reservation.tokens, max(used, 0), hold_ms, KEYS_TTL_S]
         try:
@@ -419,8 +423,7 @@ def _keys(tenant: str) -> list[str]:
     day = metering.day_of(time.time())
     last_month = day.replace(day=1) - timedelta(days=1)
     return [
-        f"preft:tenant:{tenant}",
-        f"preft:limits:{tenant}",
+        LIMITS_PREFIX + tenant,
         metering.month_key(tenant, day),
         reserved_key(tenant, day),
         reservations_key(tenant, day),

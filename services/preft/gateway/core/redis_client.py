@@ -7,13 +7,15 @@ reconnects by itself on the next operation once Redis is back.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+import hashlib
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from preft.common.errors import Unavailable
@@ -34,14 +36,11 @@ end
 def connect(settings: RedisSettings, timeout_s: float) -> aioredis.Redis:
     """A pooled client (connections open lazily) whose socket timeouts never exceed the operation deadline."""
     socket_timeout_s = min(settings.socket_timeout_s, timeout_s)
-    return aioredis.Redis.from_url(
-        settings.url,
-        decode_responses=True,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=socket_timeout_s,
-        max_connections=settings.max_connections,
-        retry=Retry(NoBackoff(), 0),
-    )
+    options = settings.client_options() | {
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": socket_timeout_s,
+    }
+    return aioredis.Redis.from_url(settings.url, decode_responses=True, retry=Retry(NoBackoff(), 0), **options)
 
 
 async def guarded(operation: Awaitable[T], timeout_s: float) -> T:
@@ -61,3 +60,21 @@ async def guarded(operation: Awaitable[T], timeout_s: float) -> T:
     if task is not None and task.cancelling() > cancels:
         raise asyncio.CancelledError
     return result
+
+
+class ReadOnlyScript:
+    """A read-only Lua script, run by EVALSHA_RO (loaded by SCRIPT LOAD the first time Redis lacks it).
+
+    EVALSHA's declared keys need write access under Redis' ACLs; EVALSHA_RO's only read access, which is all the
+    gateway's Redis user has on the registry's keys (`common.redis_acl`)."""
+
+    def __init__(self, redis: aioredis.Redis, script: str) -> None:
+        self._redis, self._script = redis, script
+        self.sha = hashlib.sha1(script.encode()).hexdigest()
+
+    async def __call__(self, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> Any:
+        try:
+            return await self._redis.evalsha_ro(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await self._redis.script_load(self._script)
+            return await self._redis.evalsha_ro(self.sha, len(keys), *keys, *args)

@@ -66,7 +66,7 @@ class BlobUpload:
 
 
 class AsyncRegistry:
-    """Owns one gRPC channel to the registry; each method is one RPC under `timeout_s`, sent with the admin token."""
+    """Owns one gRPC channel to the registry; each method is one RPC under `timeout_s`, sent with its registry token."""
 
     def __init__(self, target: str, token: str, *, timeout_s: float, upload_timeout_s: float = 600.0) -> None:
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
@@ -97,7 +97,7 @@ class AsyncRegistry:
         if isinstance(error, passthrough):
             raise error
         if not isinstance(error, Unavailable):
-            # Not an outage: a wrong admin token or a registry bug. Say so loudly; the caller only sees a 503.
+            # Not an outage: a wrong or too narrow token, or a registry bug. Say so loudly; the caller only sees a 503.
             log.error("registry %s refused the gateway: %s", rpc, error.message)
         raise RegistryUnavailable() from error
 

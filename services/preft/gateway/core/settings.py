@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 
-from preft.common.settings import DEV_TOKEN, RedisSettings
+from preft.common.settings import DEV_ENGINE_TOKEN, DEV_TOKEN, RedisSettings, refuse_placeholder, unauthenticated_redis
 
 
 class CoreSettings(BaseModel):
@@ -28,7 +28,9 @@ class CoreSettings(BaseModel):
     )
 
     registry_address: str = Field("127.0.0.1:50051", description="host:port of the registry's gRPC endpoint")
-    registry_token: SecretStr = Field(SecretStr(DEV_TOKEN), description="The registry admin token")
+    registry_token: SecretStr = Field(
+        SecretStr(DEV_TOKEN), description="The registry's gateway token (its gateway_token; the admin token works too)"
+    )
     registry_timeout_s: float = Field(2.0, gt=0, description="Deadline for each registry call")
 
     engine_url: str = Field("http://127.0.0.1:8000", description="Base URL of the engine app (the Ray Serve proxy)")
@@ -43,6 +45,9 @@ class CoreSettings(BaseModel):
         "to any request, no health check answer, since half of it): then 503 with Retry-After, not a wait for a new "
         "replica. While it shows life (a busy replica queueing requests, a long non-streaming answer, whose headers "
         "come with its last token) requests wait on, up to engine_read_timeout_s",
+    )
+    engine_token: SecretStr = Field(
+        SecretStr(DEV_ENGINE_TOKEN), description="The secret the engine requires on /generate (its api_token)"
     )
     engine_max_connections: int = Field(1024, ge=1, description="Connection pool size towards the engine")
 
@@ -129,6 +134,9 @@ class CoreSettings(BaseModel):
     def _check_core(self) -> CoreSettings:
         if self.environment != "dev" and self.registry_token.get_secret_value() == DEV_TOKEN:
             raise ValueError("set PREFT_GATEWAY__REGISTRY_TOKEN: the placeholder token is only allowed in dev")
+        if self.environment != "dev" and (refusal := unauthenticated_redis("gateway", self.redis)):
+            raise ValueError(refusal)
+        refuse_placeholder(self.environment, self.engine_token, DEV_ENGINE_TOKEN, "PREFT_GATEWAY__ENGINE_TOKEN")
         if self.quota_reservation_lapse_s <= self.engine_read_timeout_s:
             raise ValueError("quota_reservation_lapse_s must be above engine_read_timeout_s (a request runs as long)")
         if self.max_prompt_tokens >= self.max_model_len:

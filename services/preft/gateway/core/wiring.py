@@ -69,6 +69,7 @@ async def start(
     if engine is None:
         engine = EngineClient(
             settings.engine_url,
+            token=settings.engine_token.get_secret_value(),
             connect_timeout_s=settings.engine_connect_timeout_s,
             read_timeout_s=settings.engine_read_timeout_s,
             max_connections=settings.engine_max_connections,

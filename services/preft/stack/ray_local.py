@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any
 
-from preft.stack.process import LOOPBACK
+from preft.common.loopback import LOOPBACK
 
 SINGLE_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 

@@ -568,6 +568,19 @@ def declared_metric_series(kind: str | None = None) -> set[str]:
     return series
 
 
+# Ray's own series the rules read (Ray Serve's controller exports them; the PodMonitor keeps their names).
+RAY_SERIES = frozenset({"ray_serve_deployment_replica_healthy"})
+
+
+def engine_exported_series() -> set[str]:
+    """Series of the engine's scrape beyond preft's own: the vLLM families the replicas copy into Ray's metrics
+    (engine.ray_metrics.VLLM_METRICS, named back vllm:* by the PodMonitor), with their suffixes, and RAY_SERIES."""
+    from preft.engine.ray_metrics import VLLM_METRICS
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    return {f"{name}{s}" for name, kind in VLLM_METRICS.items() for s in suffixes[kind]} | RAY_SERIES
+
+
 def engine_metric_relabelings() -> list[Obj]:
     """The engine PodMonitor's metricRelabelings, as deploy/base/monitoring/servicemonitor.yaml has them."""
     docs = load_all((DEPLOY / "base" / "monitoring" / "servicemonitor.yaml").read_text())

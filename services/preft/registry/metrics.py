@@ -101,10 +101,12 @@ class IndexEntries:
             metrics.REGISTRY_INDEX_ENTRIES.labels(kind).set_function(lambda k=kind: self.get(k))
 
 
-def serve_metrics(address: str, index: RedisIndex, *, registry: CollectorRegistry = REGISTRY) -> tuple[Any, int]:
-    """Serve the process's metrics (the index's size read from `index`) at http://`address`/metrics ("host:port";
-    port 0 = any free one) from a daemon thread; returns (server, bound port)."""
+def serve_metrics(
+    address: str, index: RedisIndex, *, registry: CollectorRegistry = REGISTRY, index_max_age_s: float = 1.0
+) -> tuple[Any, int]:
+    """Serve the process's metrics (the index's size read from `index`, at most every `index_max_age_s`) at
+    http://`address`/metrics ("host:port"; port 0 = any free one) from a daemon thread; returns (server, port)."""
     host, _, port = address.rpartition(":")
-    IndexEntries(index).install()
+    IndexEntries(index, max_age_s=index_max_age_s).install()
     server, _thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0", registry=registry)
     return server, server.server_port

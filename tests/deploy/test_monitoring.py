@@ -130,3 +130,24 @@ def test_engine_podmonitor_gives_the_replicas_samples_back_their_names(kustomize
         assert m.relabel({"__name__": exported, "engine": "0"}, rules) == {"__name__": series, "engine": "0"}
     for ray_own in ("ray_tasks", "ray_node_cpu_utilization", "ray_serve_num_http_requests_total"):
         assert m.relabel({"__name__": ray_own}, rules) == {"__name__": ray_own}
+
+
+@pytest.mark.parametrize("source", ["kustomize:gpu", "helm:all-enabled-url"])
+def test_registry_servicemonitor_reaches_the_metrics_address_the_registry_binds(all_outputs, source):
+    """Prometheus scrapes the registry through its Service's `metrics` port, which leads to the container port the
+    registry's PREFT_REGISTRY__METRICS_ADDRESS binds on all of the pod's interfaces."""
+    docs = all_outputs[source]
+    (monitor,) = [
+        d
+        for d in m.by_kind(docs, "ServiceMonitor")
+        if d["metadata"]["labels"]["app.kubernetes.io/component"] == "registry"
+    ]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    (service,) = [d for d in m.by_kind(docs, "Service") if d["metadata"]["name"].endswith("registry")]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    (deployment,) = [d for d in m.by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("registry")]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (container_port,) = [p for p in container["ports"] if p["name"] == port["targetPort"]]
+    config = next(d for d in m.by_kind(docs, "ConfigMap") if "PREFT_REGISTRY__LISTEN_ADDRESS" in d.get("data", {}))
+    assert config["data"]["PREFT_REGISTRY__METRICS_ADDRESS"] == f"0.0.0.0:{container_port['containerPort']}"

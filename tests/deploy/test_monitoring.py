@@ -4,6 +4,7 @@ series preft declares (services/preft/common/metrics.py) or that the rules recor
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -75,7 +76,7 @@ def test_chart_thresholds_reach_the_rules(helm_outputs):
 
 def test_dashboard_queries_parse_and_use_declared_series(rule):
     dash = json.loads(DASHBOARD.read_text())
-    declared = m.declared_metric_series()
+    declared = m.declared_metric_series() | m.engine_exported_series()
     seen: set[str] = set()
     for panel in dash["panels"]:
         for target in panel.get("targets", []):
@@ -93,12 +94,36 @@ def test_dashboard_queries_parse_and_use_declared_series(rule):
         "preft_paging_misses_total",
         "preft_paging_evictions_total",
         "preft_requests_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_waiting",
+        "preft_registry_rpcs_total",
+        "preft_store_errors_total",
+        "preft_adapter_load_failures_total",
     ):
         assert series in seen, f"no panel shows {series}"
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
     assert "by (mode)" in exprs and "by (tier)" in exprs and "by (tenant)" in exprs
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_dashboard_filters_every_query_by_namespace_and_instance():
+    """The dashboard's namespace and instance (pod) variables: every selector of every panel is narrowed by both, so
+    one Grafana shows one installation (and, where chosen, some of its pods) out of a shared Prometheus."""
+    dash = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["namespace"]["type"] == "query" and not variables["namespace"]["multi"]
+    assert variables["instance"]["includeAll"] and variables["instance"]["allValue"] == ".*"
+    assert "$namespace" in variables["instance"]["definition"]  # (the pods of the namespace chosen)
+    for v in ("namespace", "instance"):  # (their own queries parse too)
+        inner = re.fullmatch(r"label_values\((.*), (\w+)\)", variables[v]["definition"])
+        assert inner and m.promql_selectors(inner.group(1)), v
+    targets = [(p["title"], t["expr"]) for p in dash["panels"] for t in p.get("targets", [])]
+    assert targets
+    for title, expr in targets:
+        for name, matchers in m.promql_selectors(expr):
+            assert matchers.get("namespace") == ("=", "$namespace"), f"{title}: {name} not filtered by namespace"
+            assert matchers.get("pod") == ("=~", "$instance"), f"{title}: {name} not filtered by instance"
 
 
 def test_dashboard_ships_in_a_configmap_for_the_grafana_sidecar(kustomize_outputs):

@@ -523,16 +523,23 @@ def flow_allowed(policies: list[Obj], src: Peer, dst: Peer, port: int) -> bool:
 
 def promql_metric_names(expr: str) -> set[str]:
     """Metric names an expression selects (parsed by promql-parser; Grafana's $__ variables replaced first)."""
+    return {name for name, _ in promql_selectors(expr) if name}
+
+
+def promql_selectors(expr: str) -> list[tuple[str | None, dict[str, tuple[str, str]]]]:
+    """Every vector selector of an expression: (metric name, {label: (match operator, value)}), the operator as
+    PromQL writes it (=, !=, =~, !~); Grafana's $__ interval variables replaced first, its own $variables kept."""
     import promql_parser
 
     text = re.sub(r"\$__(rate_interval|interval|range)", "5m", expr)
     ast = promql_parser.parse(text)
-    names: set[str] = set()
+    ops = {"Equal": "=", "NotEqual": "!=", "Re": "=~", "NotRe": "!~"}
+    selectors: list[tuple[str | None, dict[str, tuple[str, str]]]] = []
 
     def walk(node: Any) -> None:
         if isinstance(node, promql_parser.VectorSelector):
-            if node.name:
-                names.add(node.name)
+            matchers = {m.name: (ops[str(m.op).rsplit(".", 1)[-1]], m.value) for m in node.matchers.matchers}
+            selectors.append((node.name, matchers))
             return
         for attr in ("expr", "lhs", "rhs", "param", "vector_selector"):
             child = getattr(node, attr, None)
@@ -542,7 +549,7 @@ def promql_metric_names(expr: str) -> set[str]:
             walk(arg)
 
     walk(ast)
-    return names
+    return selectors
 
 
 def declared_metric_series(kind: str | None = None) -> set[str]:
@@ -566,6 +573,19 @@ def declared_metric_series(kind: str | None = None) -> set[str]:
             else:
                 series.add(family.name)
     return series
+
+
+# Ray's own series the rules read (Ray Serve's controller exports them; the PodMonitor keeps their names).
+RAY_SERIES = frozenset({"ray_serve_deployment_replica_healthy"})
+
+
+def engine_exported_series() -> set[str]:
+    """Series of the engine's scrape beyond preft's own: the vLLM families the replicas copy into Ray's metrics
+    (engine.ray_metrics.VLLM_METRICS, named back vllm:* by the PodMonitor), with their suffixes, and RAY_SERIES."""
+    from preft.engine.ray_metrics import VLLM_METRICS
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    return {f"{name}{s}" for name, kind in VLLM_METRICS.items() for s in suffixes[kind]} | RAY_SERIES
 
 
 def engine_metric_relabelings() -> list[Obj]:

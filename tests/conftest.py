@@ -37,7 +37,7 @@ def _interpreter_refusal() -> str | None:
 
     Some releases' interpreters (the H200 image's, with its numpy) turn such a bound into an index through a
     one-element array, which numpy 2 refuses; there the kernels run compiled, checked by the exactness tests
-    and by loadtest/bench_lora_tiles against the torch path."""
+    and by loadtest/engine/bench_lora_tiles against the torch path."""
     import triton
     import triton.language as tl
 

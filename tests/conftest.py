@@ -15,8 +15,8 @@ from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_m
 from preft.vllm_plugin import lora_act, lora_kernels
 
 # torch.cuda.is_available() asks the CUDA runtime, which initializes the driver and so poisons fork, while
-# torch.cuda.is_initialized() stays False: vLLM then forks its engine core, which cannot use CUDA (run 108,
-# test_exactness's engines after its module-level check). Asked through NVML, the check leaves fork usable.
+# torch.cuda.is_initialized() stays False: vLLM then forks its engine core, which cannot use CUDA (as
+# test_exactness's engines did after its module-level check). Asked through NVML, the check leaves fork usable.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 ARCHS = ("llama", "qwen2")

@@ -44,7 +44,7 @@ SHAPES += [Tiles(r, c, w, s, True) for r, c, w in PIPELINED for s in (2, 3)]
 
 def folding_at(rank: int) -> contextlib.AbstractContextManager[None]:
     """The fold taken at this rank, above ``lora_act.FOLD_MAX_RANK`` too: the bench measures the ranks that
-    set it. (Runs 107 and 118 timed rank 64 above it: each call added the LoRA into gate/up once more.)"""
+    set it. (Without this, a rank above it would time the expand's add into gate/up, not the fold.)"""
     return mock.patch.object(lora_act, "FOLD_MAX_RANK", max(lora_act.FOLD_MAX_RANK, rank))
 
 

@@ -877,7 +877,7 @@ def pool_ratios(rows: list[dict]) -> None:
     """Each PreFT adapter row's ``pooled_ratio``: the median of its full passes (its own and its pairs') over the
     median of every base-request pass of its engine at that workload (the base rows', every pair's base pass).
 
-    Where the base passes of one run range 1.5-2 x (runs 50 and 54 on the H200), a pair's ratio hangs on the
+    Where the base passes of one run range 1.5-2 x (as on the H200), a pair's ratio hangs on the
     two passes it holds; the pooled medians do not hang on any one pass."""
     bases = base_passes(rows)
     for r in rows:
@@ -1054,7 +1054,7 @@ def main() -> None:
         "--scheduling-policy",
         choices=["fcfs", "priority"],
         default="fcfs",
-        help="vLLM's scheduling policy: fcfs as runs 1–172 measured; priority as the serving engine runs",
+        help="vLLM's scheduling policy: fcfs, vLLM's default; priority as the serving engine runs",
     )
     ap.add_argument("--profile-dir", type=Path, default=None, help="write torch profiler summaries here")
     ap.add_argument(

@@ -349,7 +349,7 @@ def main() -> None:
     ap.add_argument("--current", type=Path, nargs="+", required=True, help="bench_table1 reports of today's code")
     ap.add_argument("--earlier", type=Path, nargs="*", default=[], help="reports for configurations not in those")
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.png")
-    ap.add_argument("--device", default=None, help="the device of reports that do not record one (runs 1-63: H200)")
+    ap.add_argument("--device", default=None, help="the device of reports that do not record one (the oldest: H200)")
     args = ap.parse_args()
     try:
         current, earlier = _rows(args.current, args.device), _rows(args.earlier, args.device)

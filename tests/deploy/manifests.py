@@ -42,6 +42,7 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.json",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute.json",
 }
 # Secrets the manifests read but never create (deploy/secrets.example.env documents them).
 EXTERNAL_SECRETS = {"preft-registry-token", "preft-engine-token", "preft-s3", "preft-redis", "preft-redis-acl"}

@@ -88,7 +88,7 @@ def test_the_httproute_routes_the_api_and_health_not_metrics(routed):
 
 
 def test_the_httproute_needs_its_gateway():
-    with pytest.raises(Exception, match="httpRoute.parentRefs"):
+    with pytest.raises(Exception, match=r"httpRoute\.parentRefs"):
         m.helm_render({"httpRoute": {"enabled": True}})
 
 

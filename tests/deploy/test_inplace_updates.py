@@ -202,7 +202,7 @@ def test_gcs_address_from_an_external_url_without_its_credentials(helm_outputs):
 
 def test_an_existing_redis_secret_needs_the_gcs_address():
     values = {"redis": {"enabled": False}, "externalRedis": {"existingSecret": "r"}}
-    with pytest.raises(Exception, match="gcsFaultTolerance.redisAddress is required"):
+    with pytest.raises(Exception, match=r"gcsFaultTolerance\.redisAddress is required"):
         m.helm_render(values)
     assert (
         "gcsFaultToleranceOptions"

@@ -42,6 +42,7 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.json",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute.json",
 }
 # Secrets the manifests read but never create (deploy/secrets.example.env documents them).
 EXTERNAL_SECRETS = {"preft-registry-token", "preft-engine-token", "preft-s3", "preft-redis", "preft-redis-acl"}
@@ -134,6 +135,13 @@ def containers(pod_spec: Obj) -> Iterator[tuple[str, Obj]]:
 
 def serve_config(rayservice: Obj) -> Obj:
     return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+
+
+def engine_args(docs: list[Obj]) -> Obj:
+    """The engine's settings: the `args` of the (one) RayService's Serve application."""
+    (ray,) = by_kind(docs, "RayService")
+    (app,) = serve_config(ray)["applications"]
+    return app.get("args") or {}
 
 
 # -- schema validation -------------------------------------------------------------------------------------------
@@ -356,8 +364,10 @@ def rayservice_problems(o: Obj) -> list[str]:
     problems = []
     where = f"RayService/{o['metadata']['name']}"
     for g in o["spec"]["rayClusterConfig"].get("workerGroupSpecs", []):
-        lo, n, hi = g.get("minReplicas", 0), g.get("replicas", 0), g.get("maxReplicas", 2**31 - 1)
-        if not lo <= n <= hi:
+        lo, n, hi = g.get("minReplicas", 0), g.get("replicas"), g.get("maxReplicas", 2**31 - 1)
+        if n is None and not o["spec"]["rayClusterConfig"].get("enableInTreeAutoscaling"):
+            problems.append(f"{where}/{g['groupName']}: no replicas, and no autoscaler to set them")
+        if n is not None and not lo <= n <= hi:
             problems.append(f"{where}/{g['groupName']}: replicas {n} outside [{lo}, {hi}]")
     cfg = serve_config(o)
     apps = cfg.get("applications") or []

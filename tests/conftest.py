@@ -15,8 +15,8 @@ from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_m
 from preft.vllm_plugin import lora_act, lora_kernels
 
 # torch.cuda.is_available() asks the CUDA runtime, which initializes the driver and so poisons fork, while
-# torch.cuda.is_initialized() stays False: vLLM then forks its engine core, which cannot use CUDA (run 108,
-# test_exactness's engines after its module-level check). Asked through NVML, the check leaves fork usable.
+# torch.cuda.is_initialized() stays False: vLLM then forks its engine core, which cannot use CUDA (as
+# test_exactness's engines did after its module-level check). Asked through NVML, the check leaves fork usable.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 ARCHS = ("llama", "qwen2")
@@ -37,7 +37,7 @@ def _interpreter_refusal() -> str | None:
 
     Some releases' interpreters (the H200 image's, with its numpy) turn such a bound into an index through a
     one-element array, which numpy 2 refuses; there the kernels run compiled, checked by the exactness tests
-    and by loadtest/bench_lora_tiles against the torch path."""
+    and by loadtest/engine/bench_lora_tiles against the torch path."""
     import triton
     import triton.language as tl
 

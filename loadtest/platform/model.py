@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.bench_engine import ARCH_CONFIGS
+from loadtest.engine.bench_engine import ARCH_CONFIGS
 from preft.devtools.tiny import build_word_tokenizer
 
 CPU_TINY = {  # a Llama small enough for vLLM on 2 CPU cores, large enough for rank-16 adapters

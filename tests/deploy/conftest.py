@@ -34,7 +34,11 @@ HELM_SCENARIOS: dict[str, dict] = {
                 "existingSecretReaderTokenKey": "ro",
             }
         },
-        "engine": {"auth": {"existingSecret": "ops-engine", "existingSecretKey": "shared"}},
+        "engine": {
+            "auth": {"existingSecret": "ops-engine", "existingSecretKey": "shared"},
+            "gcsFaultTolerance": {"enabled": False},
+            "workers": {"pdb": {"enabled": False}},
+        },
         "model": {"source": "pvc", "existingClaim": "llama-8b", "path": "llama-3-8b"},
     },
     # everything on, external Redis by URL (a chart Secret), S3 by IRSA (no keys), a digest-pinned engine image
@@ -47,7 +51,14 @@ HELM_SCENARIOS: dict[str, dict] = {
         "pdb": {"enabled": True},
         "externalRedis": {"url": "rediss://:pw@redis.internal:6380/0"},
         "image": {"engine": {"digest": "sha256:" + "ab" * 32}},
-        "engine": {"workers": {"gpus": 2, "replicas": 2}, "gpusPerReplica": 1, "metricsTenantLabel": True},
+        "engine": {
+            "workers": {"gpus": 2, "replicas": 2},
+            "gpusPerReplica": 1,
+            "metricsTenantLabel": True,
+            "serve": {"autoscaling": {"enabled": True}},
+        },
+        "ingress": {"enabled": True, "className": "nginx", "hosts": ["api.example.com"]},
+        "httpRoute": {"enabled": True, "parentRefs": [{"name": "public", "namespace": "gateway-system"}]},
     },
 }
 

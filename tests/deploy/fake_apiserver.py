@@ -11,7 +11,10 @@ workload since its spec last changed, its status reports it rolled out (a RaySer
 RUNNING and its deployments HEALTHY).
 
 Not a Kubernetes: no admission, no validation, no watches, no real field ownership merging (an apply replaces what
-the manager sent; fine for one manager).
+the manager sent; fine for one manager), but for `spec.replicas`, the field a HorizontalPodAutoscaler shares: its
+owners are tracked (managedFields' fieldsV1 shows them), an apply that leaves it out keeps it while another manager
+owns it (else it is gone, as the real server removes a field its last owner dropped), an update that changes it makes
+the updater its only owner, and an apply of `spec.replicas` alone merges into the object (a hand-over to the HPA).
 """
 
 from __future__ import annotations
@@ -148,6 +151,7 @@ class FakeApiServer:
         self.requests: list[dict[str, Any]] = []
         self.before_patch: Callable[[FakeApiServer, Obj], None] | None = None  # a hook: races in tests
         self._polls: dict[tuple, int] = {}
+        self._replica_owners: dict[tuple, set[str]] = {}
         self._rv = 1000
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
@@ -360,6 +364,23 @@ class FakeApiServer:
                     f"apply of {applied.get('apiVersion')}/{applied.get('kind')} to the {gv} {kind} endpoint",
                 )
             new = copy.deepcopy(applied)
+            manager = query["fieldManager"]
+            owners = self._replica_owners.setdefault(key, set())
+            sent = (applied.get("spec") or {}).keys()
+            if current is not None and set(sent) == {"replicas"}:  # a hand-over: merged, not replaced
+                new = copy.deepcopy(current)
+                new["spec"]["replicas"] = applied["spec"]["replicas"]
+            elif (
+                current is not None
+                and "replicas" not in sent
+                and (owners - {manager})
+                and "replicas" in (current.get("spec") or {})
+            ):
+                new.setdefault("spec", {})["replicas"] = current["spec"]["replicas"]
+            if "replicas" in sent:
+                owners.add(manager)
+            else:
+                owners.discard(manager)
             if current is not None:
                 for k in ("uid", "creationTimestamp", "generation", "resourceVersion"):
                     new["metadata"][k] = current["metadata"][k]
@@ -382,6 +403,8 @@ class FakeApiServer:
                     415, "UnsupportedMediaType", f"the body of the request was in an unknown format: {ctype}"
                 )
             operation = "Update"
+            if (new.get("spec") or {}).get("replicas") != (current.get("spec") or {}).get("replicas"):
+                self._replica_owners[key] = {query.get("fieldManager", "unknown")}
         meta = new.setdefault("metadata", {})
         if key[2] is not None:
             meta["namespace"] = key[2]
@@ -393,14 +416,17 @@ class FakeApiServer:
             meta["generation"] = current["metadata"]["generation"] + 1
         else:
             meta["generation"] = current["metadata"]["generation"]
+        manager = query.get("fieldManager", "unknown")
         meta["managedFields"] = [
-            {
-                "manager": query.get("fieldManager", "unknown"),
-                "operation": operation,
-                "apiVersion": gv,
-                "fieldsType": "FieldsV1",
-            }
+            {"manager": manager, "operation": operation, "apiVersion": gv, "fieldsType": "FieldsV1"}
         ]
+        meta["managedFields"] += [
+            {"manager": other, "operation": "Update", "apiVersion": gv, "fieldsType": "FieldsV1"}
+            for other in sorted(self._replica_owners.get(key, set()) - {manager})
+        ]
+        for entry in meta["managedFields"]:
+            if entry["manager"] in self._replica_owners.get(key, set()):
+                entry["fieldsV1"] = {"f:spec": {"f:replicas": {}}}
         changed = (
             current is None
             or {k: v for k, v in new.items() if k != "metadata"}

@@ -42,6 +42,7 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.json",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute.json",
 }
 # Secrets the manifests read but never create (deploy/secrets.example.env documents them).
 EXTERNAL_SECRETS = {"preft-registry-token", "preft-engine-token", "preft-s3", "preft-redis", "preft-redis-acl"}
@@ -134,6 +135,13 @@ def containers(pod_spec: Obj) -> Iterator[tuple[str, Obj]]:
 
 def serve_config(rayservice: Obj) -> Obj:
     return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+
+
+def engine_args(docs: list[Obj]) -> Obj:
+    """The engine's settings: the `args` of the (one) RayService's Serve application."""
+    (ray,) = by_kind(docs, "RayService")
+    (app,) = serve_config(ray)["applications"]
+    return app.get("args") or {}
 
 
 # -- schema validation -------------------------------------------------------------------------------------------
@@ -356,8 +364,10 @@ def rayservice_problems(o: Obj) -> list[str]:
     problems = []
     where = f"RayService/{o['metadata']['name']}"
     for g in o["spec"]["rayClusterConfig"].get("workerGroupSpecs", []):
-        lo, n, hi = g.get("minReplicas", 0), g.get("replicas", 0), g.get("maxReplicas", 2**31 - 1)
-        if not lo <= n <= hi:
+        lo, n, hi = g.get("minReplicas", 0), g.get("replicas"), g.get("maxReplicas", 2**31 - 1)
+        if n is None and not o["spec"]["rayClusterConfig"].get("enableInTreeAutoscaling"):
+            problems.append(f"{where}/{g['groupName']}: no replicas, and no autoscaler to set them")
+        if n is not None and not lo <= n <= hi:
             problems.append(f"{where}/{g['groupName']}: replicas {n} outside [{lo}, {hi}]")
     cfg = serve_config(o)
     apps = cfg.get("applications") or []
@@ -523,16 +533,23 @@ def flow_allowed(policies: list[Obj], src: Peer, dst: Peer, port: int) -> bool:
 
 def promql_metric_names(expr: str) -> set[str]:
     """Metric names an expression selects (parsed by promql-parser; Grafana's $__ variables replaced first)."""
+    return {name for name, _ in promql_selectors(expr) if name}
+
+
+def promql_selectors(expr: str) -> list[tuple[str | None, dict[str, tuple[str, str]]]]:
+    """Every vector selector of an expression: (metric name, {label: (match operator, value)}), the operator as
+    PromQL writes it (=, !=, =~, !~); Grafana's $__ interval variables replaced first, its own $variables kept."""
     import promql_parser
 
     text = re.sub(r"\$__(rate_interval|interval|range)", "5m", expr)
     ast = promql_parser.parse(text)
-    names: set[str] = set()
+    ops = {"Equal": "=", "NotEqual": "!=", "Re": "=~", "NotRe": "!~"}
+    selectors: list[tuple[str | None, dict[str, tuple[str, str]]]] = []
 
     def walk(node: Any) -> None:
         if isinstance(node, promql_parser.VectorSelector):
-            if node.name:
-                names.add(node.name)
+            matchers = {m.name: (ops[str(m.op).rsplit(".", 1)[-1]], m.value) for m in node.matchers.matchers}
+            selectors.append((node.name, matchers))
             return
         for attr in ("expr", "lhs", "rhs", "param", "vector_selector"):
             child = getattr(node, attr, None)
@@ -542,7 +559,7 @@ def promql_metric_names(expr: str) -> set[str]:
             walk(arg)
 
     walk(ast)
-    return names
+    return selectors
 
 
 def declared_metric_series(kind: str | None = None) -> set[str]:
@@ -566,6 +583,19 @@ def declared_metric_series(kind: str | None = None) -> set[str]:
             else:
                 series.add(family.name)
     return series
+
+
+# Ray's own series the rules read (Ray Serve's controller exports them; the PodMonitor keeps their names).
+RAY_SERIES = frozenset({"ray_serve_deployment_replica_healthy"})
+
+
+def engine_exported_series() -> set[str]:
+    """Series of the engine's scrape beyond preft's own: the vLLM families the replicas copy into Ray's metrics
+    (engine.ray_metrics.VLLM_METRICS, named back vllm:* by the PodMonitor), with their suffixes, and RAY_SERIES."""
+    from preft.engine.ray_metrics import VLLM_METRICS
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    return {f"{name}{s}" for name, kind in VLLM_METRICS.items() for s in suffixes[kind]} | RAY_SERIES
 
 
 def engine_metric_relabelings() -> list[Obj]:

@@ -67,7 +67,7 @@ def test_apply_overlay_server_side_applies_everything_and_waits(api, kubeconfig,
         assert stored is not None, f"{m.key(o)} not applied"
         for field in ("spec", "data"):
             assert stored.get(field) == o.get(field), f"{m.key(o)}: {field} differs from the rendered object"
-        assert stored["metadata"]["managedFields"][0] == {
+        assert {k: v for k, v in stored["metadata"]["managedFields"][0].items() if k != "fieldsV1"} == {
             "manager": "preft-admin",
             "operation": "Apply",
             "apiVersion": o["apiVersion"],
@@ -339,3 +339,63 @@ def test_mounts_under_a_parent_app_with_global_json(api, kubeconfig, tmp_path):
     result = runner.invoke(parent, ["--json", "cluster", "--kubeconfig", str(kubeconfig), "status"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["ready"] is True
+
+
+def _gateway_with_hpa(replicas: int | None) -> list[dict]:
+    """The dev overlay's gateway Deployment (with `replicas` as an older manifest had it, or without) and its HPA."""
+    docs = m.kustomize_build(m.DEPLOY / "overlays" / "dev")
+    deployment = m.one(docs, "Deployment", "preft-gateway")
+    if replicas is not None:
+        deployment["spec"]["replicas"] = replicas
+    return [deployment, m.one(docs, "HorizontalPodAutoscaler", "preft-gateway")]
+
+
+def _apply_file(kubeconfig, tmp_path, docs: list[dict]):
+    manifest = tmp_path / "gateway.yaml"
+    manifest.write_text(yaml.safe_dump_all(docs))
+    result = invoke(kubeconfig, tmp_path, "apply", "-f", str(manifest), "--no-wait")
+    assert result.exit_code == 0, result.output
+
+
+def _hpa_scales(api, replicas: int) -> None:
+    """The HPA's scale update (an Update by the controller manager, as the scale subresource records it)."""
+    status, _ = api.handle(
+        "PATCH",
+        "/apis/apps/v1/namespaces/preft/deployments/preft-gateway?fieldManager=kube-controller-manager",
+        {"Authorization": f"Bearer {api.token}", "Content-Type": "application/merge-patch+json"},
+        json.dumps({"spec": {"replicas": replicas}}).encode(),
+    )
+    assert status == 200
+
+
+def test_apply_leaves_an_hpa_scaled_deployment_at_its_count(api, kubeconfig, tmp_path):
+    """issue 55: `cluster apply` force-applied the manifest's `replicas: 3` beside an HPA, resetting every scale-out."""
+    _apply_file(kubeconfig, tmp_path, _gateway_with_hpa(3))
+    assert "replicas" not in api.find("Deployment", "preft-gateway")["spec"], "the HPA's target got a count"
+    _hpa_scales(api, 7)
+    _apply_file(kubeconfig, tmp_path, _gateway_with_hpa(3))
+    assert api.find("Deployment", "preft-gateway")["spec"]["replicas"] == 7
+
+
+def test_apply_hands_replicas_preft_admin_owned_over_before_dropping_them(api, kubeconfig, tmp_path):
+    """A Deployment an older preft-admin applied with `replicas: 3` (before an HPA scaled it): dropping the field from
+    the apply would remove it (the count falls to 1 until the HPA acts); the hand-over keeps 3."""
+    docs = _gateway_with_hpa(3)
+    manifest = tmp_path / "old.yaml"
+    manifest.write_text(yaml.safe_dump(docs[0]))  # the Deployment alone: no HPA in that apply, replicas sent
+    assert invoke(kubeconfig, tmp_path, "apply", "-f", str(manifest), "--no-wait").exit_code == 0
+    _apply_file(kubeconfig, tmp_path, docs)
+    stored = api.find("Deployment", "preft-gateway")
+    assert stored["spec"]["replicas"] == 3
+    owners = {e["manager"] for e in stored["metadata"]["managedFields"] if "fieldsV1" in e}
+    assert owners == {cli.HANDOVER_FIELD_MANAGER}
+    _hpa_scales(api, 5)
+    _apply_file(kubeconfig, tmp_path, docs)
+    assert api.find("Deployment", "preft-gateway")["spec"]["replicas"] == 5
+
+
+def test_the_manifests_leave_hpa_targets_without_replicas(all_outputs):
+    for source, docs in all_outputs.items():
+        for target in cli.hpa_targets(docs):
+            (workload,) = [d for d in docs if (d["kind"], d["metadata"]["name"]) == target]
+            assert "replicas" not in workload["spec"], f"{source}: {target} has replicas beside its HPA"

@@ -96,6 +96,10 @@ def test_existing_secrets_are_referenced_and_nothing_is_generated(helm_outputs):
 def test_everything_disabled_renders_only_the_core(helm_outputs):
     kinds = {o["kind"] for o in helm_outputs["all-disabled-external"]}
     assert kinds == {"ConfigMap", "Deployment", "Service", "ServiceAccount", "RayService"}
+    assert (
+        "gcsFaultToleranceOptions"
+        not in m.one(helm_outputs["all-disabled-external"], "RayService", "preft-engine")["spec"]["rayClusterConfig"]
+    )
     names = {o["metadata"]["name"] for o in helm_outputs["all-disabled-external"]}
     assert not any("redis" in n or "seaweedfs" in n for n in names)
     ray = m.one(helm_outputs["all-disabled-external"], "RayService", "preft-engine")
@@ -103,8 +107,7 @@ def test_everything_disabled_renders_only_the_core(helm_outputs):
         models = {v["name"]: v for v in tpl["spec"]["volumes"]}["models"]
         assert models["persistentVolumeClaim"] == {"claimName": "llama-8b", "readOnly": True}
         assert "initContainers" not in tpl["spec"]
-    cm = m.one(helm_outputs["all-disabled-external"], "ConfigMap", "preft-engine-config")["data"]
-    assert cm["PREFT_ENGINE__MODEL_DIR"] == "/models/llama-3-8b"
+    assert m.engine_args(helm_outputs["all-disabled-external"])["model_dir"] == "/models/llama-3-8b"
 
 
 def test_everything_enabled(helm_outputs):
@@ -230,7 +233,7 @@ def test_redis_has_the_codes_acl_users_and_each_service_its_own(helm_outputs):
     assert users == acl_lines(placeholders)
     secret = m.one(docs, "Secret", "preft-redis-acl")
     passwords = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
-    assert sorted(passwords) == sorted([ADMIN_USER, *SERVICES]) and len(set(passwords.values())) == 4
+    assert sorted(passwords) == sorted([ADMIN_USER, *SERVICES]) and len(set(passwords.values())) == len(SERVICES) + 1
     for scenario, outputs in helm_outputs.items():
         for name, user, prefix in (
             ("preft-gateway", "gateway", "PREFT_GATEWAY__"),

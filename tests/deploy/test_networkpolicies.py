@@ -41,6 +41,7 @@ NEEDED = [
     (KUBERAY, pod("engine"), 8265),
     (PROMETHEUS, pod("gateway"), 8080),
     (PROMETHEUS, pod("engine"), 8080),
+    (PROMETHEUS, pod("registry"), 9102),  # the registry's /metrics
     (pod("gateway"), DNS, 53),
     (pod("engine"), DNS, 53),
 ]
@@ -82,6 +83,10 @@ FORBIDDEN = [
     (INGRESS, pod("engine"), 8080),
     (pod("gateway"), pod("engine"), 8080),
     (pod("registry"), pod("engine"), 8080),
+    # the registry's metrics port: Prometheus' alone
+    (STRANGER, pod("registry"), 9102),
+    (INGRESS, pod("registry"), 9102),
+    (pod("gateway"), pod("registry"), 9102),
 ]
 
 

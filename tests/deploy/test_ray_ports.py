@@ -10,12 +10,10 @@ from tests.deploy import manifests as m
 from tests.deploy.test_networkpolicies import INGRESS, KUBERAY, PROMETHEUS, STRANGER, pod
 
 SOURCES = ["kustomize:dev", "kustomize:gpu", *(f"helm:{n}" for n in ("defaults", "values-cpu", "values-gpu"))]
-TENANT_LABEL = "PREFT_ENGINE__REPLICA__METRICS_TENANT_LABEL"
 
 
-def _engine_config(docs: list[dict]) -> dict[str, str]:
-    (cm,) = [d for d in m.by_kind(docs, "ConfigMap") if "engine-config" in d["metadata"]["name"]]
-    return cm["data"]
+def _tenant_label(docs: list[dict]) -> bool:
+    return m.engine_args(docs).get("replica", {}).get("metrics_tenant_label", False) is True
 
 
 @pytest.mark.parametrize("source", [*SOURCES, "helm:all-disabled-external", "helm:all-enabled-url"])
@@ -33,7 +31,7 @@ def test_every_ray_node_takes_the_pod_ip_as_its_address(all_outputs, source):
 @pytest.mark.parametrize("source", [*SOURCES, "helm:all-disabled-external", "helm:all-enabled-url"])
 def test_tenant_ids_label_engine_metrics_only_behind_network_policies(all_outputs, source):
     docs = all_outputs[source]
-    labelled = _engine_config(docs).get(TENANT_LABEL, "false") == "true"
+    labelled = _tenant_label(docs)
     policies = m.by_kind(docs, "NetworkPolicy")
     if not labelled:
         return
@@ -45,10 +43,10 @@ def test_tenant_ids_label_engine_metrics_only_behind_network_policies(all_output
 
 
 def test_the_overlays_and_the_confined_chart_label_by_tenant_and_the_open_chart_does_not(all_outputs):
-    by_source = {s: _engine_config(docs).get(TENANT_LABEL) for s, docs in all_outputs.items()}
-    assert by_source["kustomize:dev"] == by_source["kustomize:gpu"] == "true"
-    assert by_source["helm:all-enabled-url"] == "true"
-    assert by_source["helm:defaults"] == by_source["helm:all-disabled-external"] == "false"
+    by_source = {s: _tenant_label(docs) for s, docs in all_outputs.items()}
+    assert by_source["kustomize:dev"] is by_source["kustomize:gpu"] is True
+    assert by_source["helm:all-enabled-url"] is True
+    assert by_source["helm:defaults"] is by_source["helm:all-disabled-external"] is False
 
 
 def test_the_chart_refuses_tenant_labels_without_network_policies():

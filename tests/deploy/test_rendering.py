@@ -106,27 +106,23 @@ def test_overlays_differ_where_they_should(kustomize_outputs):
             env = {e["name"]: e for c in tpl["spec"]["containers"] for e in c.get("env") or []}
             redis = [e for n, e in env.items() if n.endswith("REDIS__URL")]
             assert redis and redis[0]["valueFrom"]["secretKeyRef"]["name"] == "preft-redis", where
-    assert m.serve_config(gpu_ray)["applications"][0]["deployments"][0]["num_replicas"] == 2
+    (deployment,) = m.serve_config(gpu_ray)["applications"][0]["deployments"]
+    assert deployment["autoscaling_config"]["min_replicas"] == 2 and "num_replicas" not in deployment
+    assert "replicas" not in gpu_worker, "Ray's autoscaler owns the gpu workers' count"
+    assert m.serve_config(dev_ray)["applications"][0]["deployments"][0]["num_replicas"] == 1
 
 
-def test_generated_configmap_names_are_rewritten_in_the_rayservice(kustomize_outputs):
-    """kustomize appends a content hash to generated ConfigMaps; the RayService (a CRD) must follow it, which needs
-    the nameReference configuration in deploy/base/engine/kustomizeconfig.yaml."""
-    for overlay, docs in kustomize_outputs.items():
-        cm = [
-            o["metadata"]["name"]
-            for o in m.by_kind(docs, "ConfigMap")
-            if o["metadata"]["name"].startswith("preft-engine-config")
-        ]
-        assert len(cm) == 1 and cm[0] != "preft-engine-config", f"{overlay}: {cm}"
-        ray = m.one(docs, "RayService", "preft-engine")
-        refs = {
-            ef["configMapRef"]["name"]
-            for _, t in m.pod_templates(ray)
-            for c in t["spec"]["containers"]
-            for ef in c.get("envFrom") or []
-        }
-        assert refs == set(cm), f"{overlay}: RayService refers to {refs}, rendered {cm}"
+@pytest.mark.parametrize("source", SOURCES)
+def test_the_ray_pods_take_no_configmap_and_no_checksum(all_outputs, source):
+    """The engine's settings are serveConfigV2's args: no ConfigMap (kustomize's would carry a content hash in its
+    name) and no checksum annotation in the Ray pod templates, whose change would replace the Ray cluster."""
+    (ray,) = m.by_kind(all_outputs[source], "RayService")
+    for where, tpl in m.pod_templates(ray):
+        assert not [a for a in (tpl["metadata"].get("annotations") or {}) if a.startswith("checksum/")], where
+        for _, c in m.containers(tpl["spec"]):
+            assert not c.get("envFrom"), f"{where}/{c['name']}: envFrom {c['envFrom']}"
+            assert not [e for e in c.get("env") or [] if "configMapKeyRef" in (e.get("valueFrom") or {})], where
+    assert not [o for o in m.by_kind(all_outputs[source], "ConfigMap") if "engine" in o["metadata"]["name"]]
 
 
 # The chart and the overlays describe the same system: same workloads, Services, ConfigMaps and monitoring objects.

@@ -27,11 +27,8 @@ def test_serve_config_builds_the_engine_app(all_outputs, source, monkeypatch):
         from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     builder = getattr(module, attr)
     assert len(inspect.signature(builder).parameters) == 1, "Serve calls the import path with the args dict"
-    # the replica's environment, as the Ray pods get it from the engine ConfigMap
-    cm = next(o for o in m.by_kind(docs, "ConfigMap") if o["metadata"]["name"].startswith(ray["metadata"]["name"]))
-    for k, v in cm["data"].items():
-        monkeypatch.setenv(k, v)
-    # ... and the Secrets' values its env names (the engine refuses to start without its token)
+    # the Secrets' values the Ray pods' env names (the engine refuses to start without its token); every other
+    # setting is in the args
     (head,) = ray["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"]
     secret_names = {e["name"] for e in head.get("env") or [] if "secretKeyRef" in (e.get("valueFrom") or {})}
     assert {"PREFT_ENGINE__API_TOKEN", "PREFT_ENGINE__REGISTRY_TOKEN"} <= secret_names
@@ -40,3 +37,7 @@ def test_serve_config_builds_the_engine_app(all_outputs, source, monkeypatch):
     application = call_user_app_builder_with_args_if_necessary(builder, app.get("args") or {})
     deployment = application._bound_deployment  # Serve exposes no public accessor
     assert [d["name"] for d in app["deployments"]] == [deployment.name]
+    (settings,) = deployment.init_args  # the EngineSettings the replicas get, from the args
+    args = app.get("args") or {}
+    assert settings.max_loras == args["max_loras"] and str(settings.model_dir) == args["model_dir"]
+    assert deployment.ray_actor_options["num_gpus"] == args["replica"].get("num_gpus_per_replica", 0)

@@ -10,9 +10,9 @@ from preft.engine.vllm_engine import EngineOptions, PreftEngine
 # Small enough that 40+ token prompts are prefilled in chunks and adapters outnumber slots.
 MAX_NUM_BATCHED_TOKENS = 32
 # On CUDA the engine's float32 kernels add in other orders than torch on the CPU: a token within LOGIT_TIE of the
-# reference's best logit counts as the reference's (a near tie), and a logprob within LOGPROB_ABS as equal (off by
-# 2.1e-3 on an H100 in run 152, 8.8e-3 on an H200 in run 157, 0.025 on an H100 in run 160, a DiReFT adapter's
-# prompt position, one run of two); on the CPU the engine must match exactly (to 1e-3 for logprobs)
+# reference's best logit counts as the reference's (a near tie), and a logprob within LOGPROB_ABS as equal (seen off
+# by 2.1e-3 and 0.025 on an H100 and 8.8e-3 on an H200, the largest at a DiReFT adapter's prompt position, in one of
+# two otherwise equal runs); on the CPU the engine must match exactly (to 1e-3 for logprobs)
 LOGIT_TIE = 0.02 if torch.cuda.is_available() else 0.0  # the logits' spread here is ~1.5 (std over the vocabulary)
 LOGPROB_ABS = 0.05 if torch.cuda.is_available() else 1e-3
 MAX_LORAS = 2

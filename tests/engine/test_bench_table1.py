@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from loadtest import trace_gaps
+from loadtest.engine import trace_gaps
 
 pytestmark = pytest.mark.engine
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "loadtest.bench_table1", *args], cwd=ROOT, check=True, timeout=900)
+    subprocess.run([sys.executable, "-m", "loadtest.engine.bench_table1", *args], cwd=ROOT, check=True, timeout=900)
 
 
 def test_small_table_has_every_row(tmp_path):
@@ -111,14 +111,14 @@ def test_bad_arguments_are_refused_before_any_engine_starts(tmp_path):
     refused = [("--configs", "DiReFTP("), ("--host-profile", "DiReFTP("), ("--pairs", "-1"), ("--pairs", "x")]
     for flag, value in [*refused, ("--lora-tiles", "expand=64x100"), ("--lora-tiles", "shrink=64x64 cols-first")]:
         done = subprocess.run(
-            [sys.executable, "-m", "loadtest.bench_table1", "--preset", "cpu-small", flag, value,
+            [sys.executable, "-m", "loadtest.engine.bench_table1", "--preset", "cpu-small", flag, value,
              "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert done.returncode == 2 and f"argument {flag}" in done.stderr, done.stderr
         assert not (tmp_path / "work").exists()
     done = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench_table1", "--preset", "cpu-small", "--profile-trace",
+        [sys.executable, "-m", "loadtest.engine.bench_table1", "--preset", "cpu-small", "--profile-trace",
          "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 import torch
-from loadtest import bench_lora_kernels
+from loadtest.engine import bench_lora_kernels
 
 
 def test_bench_times_both_paths_and_they_agree(lora_kernels_interpreted):
@@ -26,22 +26,10 @@ def test_a_step_can_hold_prompts_without_adapters():
     assert (mixed.token_slots[128:192] == every.token_slots[128:192]).all()
 
 
-def test_host_bench_counts_two_launches_per_lora_linear_on_the_default_kernels():
-    """A Qwen2.5-0.5B layer has four LoRA linears: shrink + expand each, or one fused launch each."""
-    from loadtest import bench_lora_host
-
-    row = bench_lora_host.bench("qwen05", 8, 256, 64, 8, 3)
-    assert row["expand+shrink_launches_per_layer"] == 8 and row["fused_launches_per_layer"] == 4
-    assert row["expand+shrink_host_us_per_layer"] > 0
-    assert bench_lora_host.bench_mapping(256, 64, 8, 2)["mapping_speedup"] > 0  # (times: printed, not asserted)
-    step = bench_lora_host.bench_step(256, 64, 8, 2)
-    assert (step["groups"], step["adapted_span"]) == (4, (0, 256))  # every prompt token adapted, one run each
-
-
 def test_tiles_sweep_times_each_kernel_per_linear_and_checks_every_shape(lora_kernels_interpreted, monkeypatch):
     """On a layer of small widths, two shapes per kernel: every linear gets a time and a check per shape."""
-    from loadtest import bench_lora_kernels as kernels
-    from loadtest import bench_lora_tiles
+    from loadtest.engine import bench_lora_kernels as kernels
+    from loadtest.engine import bench_lora_tiles
 
     from preft.vllm_plugin import lora_kernels
 
@@ -66,8 +54,8 @@ def test_tiles_sweep_times_each_kernel_per_linear_and_checks_every_shape(lora_ke
 def test_shrink_bench_times_each_width_per_linear_and_checks_it(lora_kernels_interpreted, monkeypatch, tmp_path):
     """Widths that put one, two and all of q/k/v's three slices in a program: each times every linear, each
     computes the same z as one slice a program, and the report and its plot are written."""
-    from loadtest import bench_lora_kernels as kernels
-    from loadtest import bench_lora_shrink
+    from loadtest.engine import bench_lora_kernels as kernels
+    from loadtest.engine import bench_lora_shrink
 
     from preft.vllm_plugin import lora_kernels
 
@@ -108,8 +96,8 @@ def test_bench_options_refuse_unknown_models_and_bad_ranks(capsys):
 
 
 def test_ncu_step_runs_the_layers_lora_kernels_once_per_call():
-    """loadtest/ncu_lora_step's call (what Nsight Compute profiles on the GPU) adds every LoRA linear's product."""
-    from loadtest import ncu_lora_step
+    """ncu_lora_step's call (what Nsight Compute profiles on the GPU) adds every LoRA linear's product."""
+    from loadtest.engine import ncu_lora_step
 
     args = argparse.Namespace(tokens=128, group_size=64, slots=8)
     run, ys, out = ncu_lora_step.layer("qwen05", 8, args, torch.device("cpu"))

@@ -6,7 +6,7 @@ import gc
 from pathlib import Path
 
 import pytest
-from loadtest.host_probe import HostProbe, _cpu_jiffies, _rss_mb, speed_probe_ms
+from loadtest.engine.host_probe import HostProbe, _cpu_jiffies, _rss_mb, speed_probe_ms
 
 
 def _stat(path: Path, user: int, idle: int, steal: int) -> None:

@@ -1,6 +1,6 @@
 """The Gluon fold (``lora_fold_gluon``): compiled here for sm_90 as a Hopper GPU runs it, and run where there is one.
 
-What the kernel is for (loadtest/RUNS.md "Runs 178–196"): Triton's fold takes gate, up and h through shared memory
+What the kernel is for (docs/engine.md, "The LoRA kernels"): Triton's fold takes gate, up and h through shared memory
 between their loaded layout and wgmma's accumulator's, and waits on each tile's loads; this one copies every operand
 by cp.async in 16-byte vectors into a ring of buffers tiles ahead of its products, reads gate and up from it and
 stores h in 16-byte vectors straight in the accumulator's layout. Off a Hopper GPU the compile tests run (Triton
@@ -146,7 +146,7 @@ def test_on_a_hopper_gpu_it_folds_as_the_triton_kernel_does(monkeypatch, dtype, 
     expected = torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
     # A sum in another order may round gate or up a unit apart, which moves h by a unit of gate's and up's scale
     # (~1) even where h is near 0; against the float32 reference, h's own rounding adds to that (on an H100, fp16:
-    # both kernels 3.7734 where the reference has 3.7694, two units of h apart; "Runs 178–187" in loadtest/RUNS.md)
+    # both kernels 3.7734 where the reference has 3.7694, two units of h apart)
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
     torch.testing.assert_close(outs["gluon"], expected, rtol=4 * ulp, atol=2 * ulp)
     torch.testing.assert_close(outs["gluon"], outs["fold"], rtol=2 * ulp, atol=2 * ulp)  # (Triton's sums' order)

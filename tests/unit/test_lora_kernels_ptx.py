@@ -1,7 +1,7 @@
 """The LoRA kernels as the H200 runs them: compiled here for sm_90 (Triton ships ptxas), their PTX read.
 
 The expand's cost is y's read and write: before its tiles' first columns were declared multiples of the tile
-width, each thread moved y one 2-byte element at a time (H200 run 31 measured it at half the bandwidth of
+width, each thread moved y one 2-byte element at a time (on the H200 at half the bandwidth of
 torch's own add over y). The shrink's is x's and A's reads: A's address comes from a table, and until it was
 asserted aligned Triton loaded A one element at a time, outside the loop's pipeline.
 """
@@ -114,11 +114,11 @@ def test_x_and_a_load_in_pipelined_16_byte_copies(kernel, per, use_span):
 @pytest.mark.parametrize("rank_block", [16, 64])
 @pytest.mark.parametrize(("kernel", "per"), [("_shrink_kernel", 1), ("_shrink_kernel", 2), ("_expand_kernel", 1)])
 def test_z_and_b_move_in_vectors_where_the_rank_is_aligned(kernel, per, rank_block):
-    """The rank-64 expand waited on memory latency (H200 run 72: 30% of DRAM's peak, 24% occupancy): each
+    """The rank-64 expand waited on memory latency (on the H200: 30% of DRAM's peak, 24% occupancy): each
     thread loaded z's and B's rank columns one bf16 at a time, 48 loads a thread at rank 64, and the shrink
     stored z so. Where the rank, z's and B's strides are multiples of 8 and z and B aligned (RANK_ALIGNED:
     the engine's padded ranks and weights), none is left; without it, they are there. (Triton 3.6, the
-    H200's, keeps no tl.multiple_of on a value a jit function returns: run 73's expand still loaded B so.)"""
+    H200's, keeps no tl.multiple_of on a value a jit function returns, so that alone left B loaded so.)"""
     aligned = _compiled(kernel, True, rank_block=rank_block, slices_per_program=per)
     assert not [op for op in aligned if op.endswith(".b16")], aligned
     unaligned = _compiled(kernel, True, rank_block=rank_block, rank_aligned=False, slices_per_program=per)
@@ -193,7 +193,7 @@ def _registers(compiled) -> int:
 
 @CHUNKS
 def test_the_activation_holds_few_registers_so_enough_reads_stay_in_flight(block_k):
-    """Run 101: the activation without LoRA moved 2.6 TB/s where a plain kernel over the same gate/up moved ~4:
+    """On the H200 the activation without LoRA once moved 2.6 TB/s where a plain kernel over the same gate/up moved ~4:
     its LoRA branch (four float32 tiles) took 122 registers a thread, in both variants, and so too few programs
     per SM. Now the variant without LoRA compiles without the branch (as few as the plain kernel: 32) and the
     folded one sums the products into gate's and up's own tiles, 16 or 32 rank columns at a time (64 at any

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from preft.common.errors import InvalidArgument, NotFound, Unavailable
 from preft.engine.paging.pager import Pager
@@ -190,6 +191,33 @@ def test_method_mismatch_is_invalid(setup):
         with pytest.raises(InvalidArgument, match="is a lora adapter, not direft"):
             await pager.ensure(wrong)
         assert not pager.holds(wrong.digest) and host.loaded == set()
+
+    run(scenario())
+
+
+def test_failed_loads_are_counted_once_by_reason(setup):
+    """preft_adapter_load_failures_total (the PreftAdapterLoadFailures alert): one count per failed load, however
+    many requests waited for it, labelled by the error's status."""
+    make, specs, _, _, blobs = setup
+
+    def failures(reason: str) -> float:
+        return REGISTRY.get_sample_value("preft_adapter_load_failures_total", {"reason": reason}) or 0.0
+
+    async def scenario():
+        pager = make()
+        await pager.start()
+        before = {r: failures(r) for r in ("unavailable", "invalid_argument")}
+        weights = next(f for f in specs["lora_b"].files if f.path == "adapter_model.safetensors")
+        saved = blobs.data.pop(weights.sha256)
+        results = await asyncio.gather(*(pager.ensure(specs["lora_b"]) for _ in range(4)), return_exceptions=True)
+        assert all(isinstance(r, Unavailable) for r in results)
+        assert failures("unavailable") == before["unavailable"] + 1
+        blobs.data[weights.sha256] = saved
+        with pytest.raises(InvalidArgument):
+            await pager.ensure(specs["lora_a"].model_copy(update={"method": "direft"}))
+        assert failures("invalid_argument") == before["invalid_argument"] + 1
+        await pager.ensure(specs["lora_b"])  # a load that works counts nothing
+        assert failures("unavailable") == before["unavailable"] + 1
 
     run(scenario())
 

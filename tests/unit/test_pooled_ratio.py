@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadtest.bench_table1 import pool_ratios
+from loadtest.engine.bench_table1 import pool_ratios
 
 
 def _row(config, method, tokens_per_s, pairs=None, run=None, prompt_len=1):

@@ -108,3 +108,31 @@ def test_the_loop_copies_at_its_interval_and_once_more_on_stop(registry):
 
     asyncio.run(scenario())
     assert _twins()["preft_requests_total"].calls[-1] == ("inc", 5.0, {"tenant": "t1", "mode": "prefill"})
+
+
+def test_chosen_vllm_metrics_are_copied_under_rays_names_and_the_rest_are_not():
+    """vLLM's engine metrics (kv cache, queue, tokens, latency histograms) ride the bridge as `vllm_*` (Ray takes
+    no `:`); vllm:lora_requests_info, whose labels carry adapter names, and families not chosen stay behind."""
+    Twin.made = []
+    reg = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    kv = Gauge("vllm:kv_cache_usage_perc", "kv", labels, registry=reg)
+    prompt = Counter("vllm:prompt_tokens", "prompt", labels, registry=reg)
+    ttft = Histogram("vllm:time_to_first_token_seconds", "ttft", labels, buckets=(0.1,), registry=reg)
+    lora = Gauge("vllm:lora_requests_info", "adapters", ["running_lora_adapters"], registry=reg)
+    Counter("vllm:corrupted_requests", "not chosen", labels, registry=reg).labels("m", "0").inc()
+    kv.labels("m", "0").set(0.25)
+    prompt.labels("m", "0").inc(7)
+    ttft.labels("m", "0").observe(0.05)
+    lora.labels("tenant-a/secret-adapter").set(1)
+    RayMetricsBridge(registry=reg, counter_cls=CounterTwin, gauge_cls=GaugeTwin).push()
+    twins = _twins()
+    assert set(twins) == {
+        "vllm_kv_cache_usage_perc",
+        "vllm_prompt_tokens_total",
+        "vllm_time_to_first_token_seconds_bucket",
+        "vllm_time_to_first_token_seconds_sum",
+        "vllm_time_to_first_token_seconds_count",
+    }
+    assert twins["vllm_kv_cache_usage_perc"].calls == [("set", 0.25, {"model_name": "m", "engine": "0"})]
+    assert twins["vllm_prompt_tokens_total"].calls == [("inc", 7.0, {"model_name": "m", "engine": "0"})]

@@ -28,6 +28,7 @@ def test_credentials_in_the_url_move_to_the_secret_fields():
 
 def test_outside_dev_each_service_must_authenticate_to_redis(monkeypatch):
     monkeypatch.setenv("PREFT_GATEWAY__REGISTRY_TOKEN", "a-real-token")
+    monkeypatch.setenv("PREFT_GATEWAY__ENGINE_TOKEN", "a-real-engine-token")
     monkeypatch.setenv("PREFT_REGISTRY__ADMIN_TOKEN", "a-real-token")
     with pytest.raises(ValueError, match="PREFT_GATEWAY__REDIS__USERNAME and PREFT_GATEWAY__REDIS__PASSWORD"):
         GatewaySettings()

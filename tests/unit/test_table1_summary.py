@@ -1,11 +1,11 @@
-"""loadtest.table1_summary: issue 6's table, one row per configuration pooled over the runs that measured it."""
+"""loadtest.engine.table1_summary: issue 6's table, one row per configuration pooled over the runs that measured it."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from loadtest.table1_summary import BASE_MODEL, BASE_REQUESTS, _rows, main, markdown, summarize
+from loadtest.engine.table1_summary import BASE_MODEL, BASE_REQUESTS, _rows, main, markdown, summarize
 
 
 def _row(config, engine, method, tokens_per_s, pairs=None, rank=8, mode="prefill", requests=1024):

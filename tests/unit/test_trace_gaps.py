@@ -1,4 +1,4 @@
-"""loadtest.trace_gaps: the device's idle gaps in a profiler timeline, credited to the host ranges open then."""
+"""loadtest.engine.trace_gaps: the device's idle gaps in a profiler timeline, credited to the host ranges open then."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gzip
 import json
 
 import pytest
-from loadtest import trace_gaps
+from loadtest.engine import trace_gaps
 
 
 def _x(cat, name, ts, dur, tid=1, pid=7):

@@ -121,7 +121,7 @@ def test_a_bad_setting_stops_the_import_with_what_is_wrong(monkeypatch):
 def test_direct_launches_match_tritons_on_cuda():
     """The LoRA kernels compiled, through both launch paths: the same bits, every key fine by the check mode,
     and the torch path's result."""
-    from loadtest.bench_lora_kernels import step
+    from loadtest.engine.bench_lora_kernels import step
 
     from preft.vllm_plugin import groups as g
     from preft.vllm_plugin import lora_kernels

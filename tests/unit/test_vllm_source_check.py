@@ -1,4 +1,4 @@
-"""loadtest/vllm_source_check: vLLM symbols looked up in a source tree without importing it (the GPU's release is
+"""loadtest/engine/vllm_source_check: vLLM symbols looked up in a source tree without importing it (the GPU's release is
 checked so before a transfer)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib.util
 import textwrap
 from pathlib import Path
 
-from loadtest.vllm_source_check import missing, symbols
+from loadtest.engine.vllm_source_check import missing, symbols
 
 
 def _installed_tree() -> Path:

@@ -147,7 +147,7 @@ app.kubernetes.io/part-of: preft-serve
     secretKeyRef: {name: {{ include "preft.redisAclSecretName" $ctx }}, key: {{ .user }}}
 {{- end }}
 
-{{/* The Redis ACL users' passwords (keys: default = the admin, gateway, registry, engine). */}}
+{{/* The Redis ACL users' passwords (keys: default = the admin, gateway, registry, engine, ray = Ray's GCS). */}}
 {{- define "preft.redisAclSecretName" -}}
 {{- default (printf "%s-redis-acl" (include "preft.fullname" .)) .Values.redis.auth.existingSecret }}
 {{- end }}
@@ -158,6 +158,7 @@ Call with (dict "user" "gateway"). */}}
 {{- if eq .user "gateway" }}resetkeys ~preft:limits:* ~preft:quota-reserved:* ~preft:quota-reservations:* ~preft:usage:* ~preft:usage-hour:* ~preft:usage-minute:* ~preft:usage-month:* ~preft:usage-batch:* ~preft:file:* ~preft:files:* ~preft:batch:* ~preft:batch-done:* ~preft:batch-parts:* ~preft:batch-lease:* ~preft:batches:* ~preft:batches-open ~preft:batches-open:* ~preft:batches-started ~preft:offline-slots ~preft:response:* ~preft:response-run:* ~preft:response-events:* ~preft:conversation:* ~preft:conversation-order:* ~preft:conversation-items:* ~preft:conversations:* %R~preft:key:* %R~preft:keyid:* %R~preft:tenant:* resetchannels -@all +@read +@write +@transaction +@connection +evalsha +evalsha_ro +script|load +script|exists +time -@dangerous -scan -randomkey -function{{ end }}
 {{- if eq .user "registry" }}resetkeys ~preft:tenant:* ~preft:tenants ~preft:key:* ~preft:keyid:* ~preft:keys ~preft:base:* ~preft:bases ~preft:adapter:* ~preft:adapters ~preft:blobrefs ~preft:blobtouch ~preft:gc:deleting ~preft:hot %R~preft:usage:* resetchannels -@all +@read +@write +@transaction +@connection +evalsha +evalsha_ro +script|load +script|exists -@dangerous -scan -randomkey -function{{ end }}
 {{- if eq .user "engine" }}resetkeys ~preft:residency:* %R~preft:hot:specs resetchannels -@all +@read +@write +@transaction +@connection -@dangerous -scan -randomkey -function{{ end }}
+{{- if eq .user "ray" }}resetkeys ~RAY* ~DUMMY resetchannels -@all +@connection +info +hget +hmget +hset +hsetnx +hdel +hscan +hexists +hkeys +hlen +del +exists +scan{{ end }}
 {{- end }}
 
 {{- define "preft.s3Env" -}}
@@ -271,16 +272,6 @@ digests, and links it at the model directory (`python -m preft.common.model_sour
     {{- if .readOnlyRoot }}
     - {name: tmp, mountPath: /tmp}
     {{- end }}
-{{- end }}
-
-{{/* The Serve config embedded in the RayService (serveConfigV2). ----------------------------------------------- */}}
-
-{{- define "preft.serveConfig" -}}
-{{- $s := .Values.engine.serve }}
-{{- $deployment := dict "name" $s.deploymentName "num_replicas" (int $s.numReplicas) }}
-{{- $app := dict "name" $s.appName "route_prefix" $s.routePrefix "import_path" $s.importPath "args" (dict) "deployments" (list $deployment) }}
-{{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) }}
-{{- toYaml $config }}
 {{- end }}
 
 {{/* Bytes in a Kubernetes quantity with a binary suffix (Ki, Mi, Gi, Ti) or none: for the disk tier's capacity. */}}

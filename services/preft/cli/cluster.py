@@ -28,6 +28,9 @@ from rich.console import Console
 from rich.table import Table
 
 FIELD_MANAGER = "preft-admin"
+# Takes spec.replicas of an HPA's target from preft-admin (then the HPA's own updates take it), so that dropping the
+# field from preft-admin's applies keeps the running count: the API server removes a field its last owner drops.
+HANDOVER_FIELD_MANAGER = "preft-admin-handover-to-hpa"
 DEFAULT_NAMESPACE = "preft"
 DEFAULT_ENGINE = "preft-engine"
 RESIDENCY_PREFIX = "preft:residency:"  # written by the engine replicas (preft.engine.residency)
@@ -199,6 +202,31 @@ def scaled_rayservice_patch(
     return ops
 
 
+def hpa_targets(objects: Iterable[Obj]) -> set[tuple[str, str]]:
+    """(kind, name) of the workloads the HorizontalPodAutoscalers among `objects` scale."""
+    out = set()
+    for o in objects:
+        if o.get("kind") == "HorizontalPodAutoscaler":
+            ref = (o.get("spec") or {}).get("scaleTargetRef") or {}
+            out.add((ref.get("kind"), ref.get("name")))
+    return out
+
+
+def without_hpa_replicas(obj: Obj, targets: set[tuple[str, str]]) -> Obj:
+    """`obj` without spec.replicas when an HPA scales it (a copy; `obj` itself otherwise)."""
+    if (obj.get("kind"), obj["metadata"]["name"]) not in targets or "replicas" not in (obj.get("spec") or {}):
+        return obj
+    return {**obj, "spec": {k: v for k, v in obj["spec"].items() if k != "replicas"}}
+
+
+def _owns_replicas(live: Obj, manager: str) -> bool:
+    for entry in (live.get("metadata") or {}).get("managedFields") or []:
+        fields = entry.get("fieldsV1") or entry.get("fields_v1") or {}
+        if entry.get("manager") == manager and "f:replicas" in (fields.get("f:spec") or {}):
+            return True
+    return False
+
+
 def order_for_apply(objects: Iterable[Obj]) -> list[Obj]:
     rank = {k: i for i, k in enumerate(APPLY_ORDER)}
     return sorted(objects, key=lambda o: rank.get(o["kind"], len(APPLY_ORDER)))
@@ -334,13 +362,19 @@ class Cluster:
 
     def apply(self, objects: Sequence[Obj], *, dry_run: bool = False) -> list[Obj]:
         """Server-side apply (field manager preft-admin, conflicts forced) in dependency order; returns the objects
-        as the API server stored them. Every kind is resolved before anything is applied."""
-        ordered = order_for_apply(objects)
+        as the API server stored them. Every kind is resolved before anything is applied.
+
+        A workload a HorizontalPodAutoscaler among `objects` scales is applied without `spec.replicas` (the HPA owns
+        them; forcing the manifest's count would reset every scale-out), after handing the field over where
+        preft-admin owned it (`HANDOVER_FIELD_MANAGER`), so the running count stays."""
+        ordered = [without_hpa_replicas(o, hpa_targets(objects)) for o in order_for_apply(objects)]
         resources = [self._resource(o["apiVersion"], o["kind"]) for o in ordered]
         out = []
         for obj, res in zip(ordered, resources, strict=True):
             ns = (obj["metadata"].get("namespace") or self.namespace) if res.namespaced else None
             name = obj["metadata"]["name"]
+            if (obj["kind"], name) in hpa_targets(objects) and not dry_run:
+                self._hand_replicas_over(obj, res, name, ns)
             options: dict[str, Any] = {"field_manager": FIELD_MANAGER, "force_conflicts": True}
             if dry_run:
                 options["dry_run"] = "All"
@@ -352,6 +386,23 @@ class Cluster:
             )
             out.append(stored.to_dict())
         return out
+
+    def _hand_replicas_over(self, obj: Obj, res: Any, name: str, ns: str | None) -> None:
+        live = self.get(obj["apiVersion"], obj["kind"], name, ns)
+        if live is None or "replicas" not in (live.get("spec") or {}) or not _owns_replicas(live, FIELD_MANAGER):
+            return
+        body = {
+            "apiVersion": obj["apiVersion"],
+            "kind": obj["kind"],
+            "metadata": {"name": name, **({"namespace": ns} if ns else {})},
+            "spec": {"replicas": live["spec"]["replicas"]},
+        }
+        self._call(
+            f"hand {obj['kind']}/{name} replicas to its HPA",
+            lambda: res.server_side_apply(
+                body=body, name=name, namespace=ns, field_manager=HANDOVER_FIELD_MANAGER, force_conflicts=True
+            ),
+        )
 
     def scale_engine(
         self,

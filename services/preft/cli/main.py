@@ -188,7 +188,7 @@ NOTE: the engine serves a tiny randomly initialised model generated for this dem
 outputs are noise. It shows the platform working (keys, adapters, routing), not a model. A real model directory
 (config.json, weights, tokenizer), with an adapter trained for that model, runs offline with
   {preft} generate --model MODEL_DIR --prompt 'hello' --adapter ADAPTER_DIR --mode prefill
-and is served by the Kubernetes manifests in deploy/ and helm/ (README: "Deploying on Kubernetes").
+and is served by the Kubernetes manifests in deploy/ and helm/ (docs/deploy.md).
 
 curl {url}/v1/completions -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
   -d '{{"model": "demo-lora", "prompt": "the adapter serves a prompt", "max_tokens": 16}}'

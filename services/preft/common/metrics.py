@@ -47,6 +47,37 @@ PAGING_LOAD_SECONDS = Histogram(
 )
 PAGING_RESIDENT_BYTES = Gauge("preft_paging_resident_bytes", "Adapter bytes held in this tier", ["tier"])
 PAGING_RESIDENT_ADAPTERS = Gauge("preft_paging_resident_adapters", "Adapters held in this tier", ["tier"])
+ADAPTER_LOAD_FAILURES = Counter(
+    "preft_adapter_load_failures_total",
+    "Adapter loads into a replica that failed, by the error's gRPC status name in lower case (unavailable: the blob "
+    "store or the disk cache; invalid_argument: the adapter does not fit the model; internal: anything else)",
+    ["reason"],
+)
+
+# -- stores (any service: the registry, the engines' downloads, the gateway's files) ---------------------------------
+STORE_ERRORS = Counter(
+    "preft_store_errors_total",
+    "Calls to a store that failed because it was unreachable or timed out (store: redis or s3)",
+    ["store"],
+)
+BLOB_BYTES = Counter(
+    "preft_blob_bytes_total",
+    "Adapter blob bytes this process moved to or from the blob store (direction: upload or download)",
+    ["direction"],
+)
+
+# -- registry (served on its metrics_address) ----------------------------------------------------------------------
+REGISTRY_RPCS = Counter(
+    "preft_registry_rpcs_total", "Registry RPCs answered, by method and gRPC status code", ["method", "code"]
+)
+REGISTRY_RPC_SECONDS = Histogram(
+    "preft_registry_rpc_duration_seconds", "Registry RPC time, arrival to answer", ["method"], buckets=LATENCY_BUCKETS_S
+)
+REGISTRY_INDEX_ENTRIES = Gauge(
+    "preft_registry_index_entries",
+    "Entries in the registry's index, read from Redis on scrape (kind: tenants, adapters, base_models, blobs)",
+    ["kind"],
+)
 
 # -- gateway -----------------------------------------------------------------------------------------------------
 GATEWAY_REQUESTS = Counter("preft_gateway_requests_total", "HTTP requests answered", ["route", "status_class"])

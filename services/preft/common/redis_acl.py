@@ -15,7 +15,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-SERVICES = ("gateway", "registry", "engine")
+SERVICES = ("gateway", "registry", "engine", "ray")
 ADMIN_USER = "default"
 
 
@@ -99,6 +99,32 @@ ACLS: dict[str, ServiceAcl] = {
         writes=("preft:residency:*",),  # engine.residency
         reads=("preft:hot:specs",),  # EngineSettings.hot_specs_redis_key's default (prefetch)
         commands=(*_DATA, *_DENY),
+    ),
+    # Ray's GCS, with GCS fault tolerance (the RayService's gcsFaultToleranceOptions): its tables are hashes named
+    # RAY<external storage namespace>@<table> (KubeRay's namespace: the RayCluster's uid, new with each cluster), plus
+    # the key DUMMY it deletes at connect to detect a Redis cluster's MOVED. Commands as Ray 2.60's GCS sends them
+    # (INFO SENTINEL/CLUSTER at connect, hash reads and writes). SCAN, for KubeRay's cleanup Job that deletes a removed
+    # cluster's keys (`SCAN MATCH RAY<ns>@*`): it lists every key's name (not its value) — preft's key names hold ids
+    # and digests, no secrets — and without it each replaced cluster would leave its tables behind.
+    "ray": ServiceAcl(
+        writes=("RAY*", "DUMMY"),
+        reads=(),
+        commands=(
+            "+@connection",
+            "+info",
+            "+hget",
+            "+hmget",
+            "+hset",
+            "+hsetnx",
+            "+hdel",
+            "+hscan",
+            "+hexists",
+            "+hkeys",
+            "+hlen",
+            "+del",
+            "+exists",
+            "+scan",
+        ),
     ),
 }
 

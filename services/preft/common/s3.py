@@ -12,6 +12,7 @@ from typing import Any
 import botocore.exceptions
 
 from preft.common.errors import Unavailable
+from preft.common.metrics import STORE_ERRORS
 from preft.common.settings import S3Settings
 
 _OUTAGE = (
@@ -45,10 +46,11 @@ def connect(settings: S3Settings) -> Any:
 
 @contextlib.contextmanager
 def s3_errors() -> Iterator[None]:
-    """Turn an unreachable S3 into Unavailable."""
+    """Turn an unreachable S3 into Unavailable (counted in preft_store_errors_total)."""
     try:
         yield
     except _OUTAGE as e:
+        STORE_ERRORS.labels("s3").inc()
         raise Unavailable(f"blob store (S3) unavailable: {e}") from e
 
 

@@ -90,6 +90,11 @@ class RegistrySettings(BaseSettings):
 
     environment: Literal["dev", "prod"] = Field("prod", description="dev allows the placeholder admin token")
     listen_address: str = Field("127.0.0.1:50051", description="host:port the gRPC server binds")
+    metrics_address: str = Field(
+        "127.0.0.1:9102",
+        description="host:port serving Prometheus metrics at /metrics (RPCs, blob bytes, store errors, index size); "
+        "empty = none. Loopback by default: the chart and kustomize bind 0.0.0.0 for the ServiceMonitor",
+    )
     admin_token: SecretStr = Field(SecretStr(DEV_TOKEN), description="Bearer token allowed every RPC (operators)")
     gateway_token: SecretStr | None = Field(
         None,

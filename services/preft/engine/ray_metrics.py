@@ -13,6 +13,14 @@ Ray exports each as `ray_<name>`, with `_total` appended to a counter whose name
 (`WorkerId`, `NodeAddress`, ...); the PodMonitor's relabelings (`deploy/base/monitoring/servicemonitor.yaml`, the
 chart's `monitoring.yaml`) give the samples back their own names, so alerts and dashboards read `preft_*` alike from
 the gateway's scrape and the engine's.
+
+vLLM's own engine metrics (`vllm:*`, its PrometheusStatLogger, which AsyncLLM registers in the same process registry
+when `EngineOptions.log_stats` is on) ride the same copy, those of `VLLM_METRICS` only: vLLM's
+`vllm:lora_requests_info` labels a sample with adapter names (unbounded), and the rest are detail the dashboards and
+alerts do not read. Ray takes no `:` in a name, so `vllm:x` goes as `vllm_x` (exported `ray_vllm_x`), and the
+PodMonitor names it `vllm:x` again. (vLLM's RayPrometheusStatLogger, which Ray Serve LLM passes as a stat logger,
+would record them in Ray directly, but all of them, adapter names included, and a histogram's sum from bucket
+midpoints; this copy touches no vLLM internal: the names are vLLM's documented Prometheus metrics.)
 """
 
 from __future__ import annotations
@@ -30,6 +38,38 @@ logger = logging.getLogger(__name__)
 PREFIX = "preft_"
 GATEWAY_PREFIX = "preft_gateway_"  # (declared beside the engine's, recorded only by the gateway)
 COUNTER_SUFFIXES = ("_total", "_bucket", "_sum", "_count")
+# vLLM's metric families copied (prometheus_client family names, a counter's without `_total`) and their types;
+# the same names in vLLM 0.26 and 0.28 but TPOT's (0.28: request_time_per_output_token_seconds; the older
+# time_per_output_token_seconds is copied where a release still has it).
+VLLM_METRICS = {
+    "vllm:kv_cache_usage_perc": "gauge",  # (a fraction, 0-1, despite its name)
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+}
+
+
+def copied(family_name: str) -> bool:
+    """Whether the bridge copies this family: preft's engine metrics and the chosen vLLM ones."""
+    if family_name.startswith(PREFIX):
+        return not family_name.startswith(GATEWAY_PREFIX)
+    return family_name in VLLM_METRICS
+
+
+def ray_name(sample_name: str) -> str:
+    """The name a sample goes to Ray under (Ray takes [a-zA-Z0-9_] only: vLLM's `vllm:` becomes `vllm_`)."""
+    return sample_name.replace(":", "_")
 
 
 class RayMetricsBridge:
@@ -56,10 +96,11 @@ class RayMetricsBridge:
         self._task: asyncio.Task[None] | None = None
 
     def push(self) -> int:
-        """Copy every engine sample once; returns how many were recorded (a counter that did not rise is not)."""
+        """Copy every engine sample (and the chosen vLLM ones) once; returns how many were recorded (a counter that
+        did not rise is not)."""
         recorded = 0
         for family in self._registry.collect():
-            if not family.name.startswith(PREFIX) or family.name.startswith(GATEWAY_PREFIX):
+            if not copied(family.name):
                 continue
             for sample in family.samples:
                 if family.type == "gauge":
@@ -83,7 +124,7 @@ class RayMetricsBridge:
     def _twin(self, name: str, documentation: str, labels: dict[str, str], cls: Callable[..., Any]) -> Any:
         twin = self._twins.get(name)
         if twin is None:
-            twin = self._twins[name] = cls(name, description=documentation, tag_keys=tuple(sorted(labels)))
+            twin = self._twins[name] = cls(ray_name(name), description=documentation, tag_keys=tuple(sorted(labels)))
         return twin
 
     def start(self, interval_s: float) -> None:

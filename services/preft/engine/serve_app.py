@@ -17,6 +17,7 @@ import contextvars
 import logging
 import os
 from typing import Any
+from urllib.parse import urlsplit
 
 from ray import serve
 
@@ -184,7 +185,41 @@ def build_app(
     return deployment.bind(settings, engine_cls=engine_cls, blobs=blobs, hot_source=hot_source)
 
 
+# Settings that are secrets: they come from the pods' environment (Kubernetes Secrets), never from the Serve config's
+# `args`, which KubeRay shows in the RayService and Serve keeps in its checkpoints (in Redis, with GCS fault tolerance).
+SECRET_SETTINGS = (
+    ("api_token",),
+    ("registry_token",),
+    ("redis", "password"),
+    ("s3", "access_key"),
+    ("s3", "secret_key"),
+)
+
+
+def secrets_in_args(args: dict[str, Any]) -> list[str]:
+    """The secret settings present in a Serve config's `args` (dotted names); a Redis URL with a password counts."""
+    found = []
+    for path in SECRET_SETTINGS:
+        node: Any = args
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            found.append(".".join(path))
+    url = (args.get("redis") or {}).get("url") if isinstance(args.get("redis"), dict) else None
+    if isinstance(url, str) and urlsplit(url).password:
+        found.append("redis.url (with a password)")
+    return found
+
+
 def app_builder(args: dict[str, Any]) -> serve.Application:
-    """Serve-config entry point (`import_path: preft.engine.serve_app:app_builder`): settings from the pod's
-    PREFT_ENGINE__* environment, overridden by the config's `args`."""
+    """Serve-config entry point (`import_path: preft.engine.serve_app:app_builder`).
+
+    `args` holds the engine's non-secret settings (EngineSettings' fields, nested as in the class: `{"max_loras": 8,
+    "replica": {"num_gpus_per_replica": 1}}`): the RayService carries them in serveConfigV2, so changing one is an
+    in-place Serve update (new replicas on the same Ray cluster), not a new cluster. They override the pods'
+    PREFT_ENGINE__* environment, which keeps what is secret (tokens, passwords, a Redis URL with credentials):
+    secrets in `args` are refused."""
+    secrets = secrets_in_args(args)
+    if secrets:
+        raise ValueError(f"secret settings belong in the pods' environment, not in the Serve config's args: {secrets}")
     return build_app(EngineSettings(**args))

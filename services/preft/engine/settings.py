@@ -106,7 +106,7 @@ class EngineSettings(BaseSettings):
         ge=1,
         description="OMP_NUM_THREADS of the replica processes: torch's CPU thread pool (the model on CPU, adapter "
         "loads everywhere). None = Ray's default, the replica's num_cpus: keep it at or under the cores each replica "
-        "may use (loadtest/bench_load_threads.py shows loads 100x slower when two processes' pools overlap)",
+        "may use (loadtest/engine/bench_load_threads.py shows loads 100x slower when two processes' pools overlap)",
     )
     cpu_omp_threads_bind: str | None = Field(
         None,
@@ -123,20 +123,20 @@ class EngineSettings(BaseSettings):
         "gate/up LoRA inside it up to rank 64, 'gluon' does so with the Gluon kernel on Hopper GPUs, 'down' has "
         "that kernel also compute down's shrink of its output on large steps), 'expand,shrink,act,fold,gluon', "
         "'expand,shrink,act,fold', 'expand,shrink,act', 'expand,shrink', 'expand,shrink,fused' (the fused "
-        "kernel on steps of rank 64 or more), 'expand', 'fused', 'none' (the torch path); the README's issue-6 "
-        "section says what each measured",
+        "kernel on steps of rank 64 or more), 'expand', 'fused', 'none' (the torch path); docs/engine.md "
+        "says what each measured",
     )
     lora_tiles: str | None = Field(
         None,
         description="PREFT_LORA_TILES of the replica processes: the LoRA kernels' launch shapes, as "
-        "loadtest/bench_lora_tiles prints them for a GPU ('shrink=64x64 w4 s4,expand=64x128 w8 s3'); None = "
+        "loadtest/engine/bench_lora_tiles prints them for a GPU ('shrink=64x64 w4 s4,expand=64x128 w8 s3'); None = "
         "the plugin's defaults (the fastest on the H200)",
     )
     gc_freeze: bool = Field(
         True,
         description="PREFT_GC_FREEZE of the replica processes: when the engine goes idle after loading adapters, "
         "its workers freeze their heap out of the garbage collector's full collections (vLLM holds hundreds of "
-        "objects per loaded adapter; README 'How it works inside vLLM')",
+        "objects per loaded adapter; docs/engine.md 'How it works inside vLLM')",
     )
 
     # -- adapter paging ----------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import botocore.exceptions
 
 from preft.common import s3
 from preft.common.errors import InvalidArgument, NotFound, Unavailable
+from preft.common.metrics import BLOB_BYTES
 from preft.common.s3 import s3_errors
 from preft.common.settings import S3Settings
 
@@ -90,6 +91,7 @@ class BlobStore:
             _verify(data, digest)
             with s3_errors():
                 self.s3.put_object(Bucket=self.bucket, Key=self.key(digest), Body=data)
+            BLOB_BYTES.labels("upload").inc(size_bytes)
             return
         with s3_errors():
             upload_id = self.s3.create_multipart_upload(Bucket=self.bucket, Key=self.key(digest))["UploadId"]
@@ -103,6 +105,7 @@ class BlobStore:
             with contextlib.suppress(Exception):
                 self.s3.abort_multipart_upload(Bucket=self.bucket, Key=self.key(digest), UploadId=upload_id)
             raise
+        BLOB_BYTES.labels("upload").inc(size_bytes)
 
     def _put_parts(self, digest: str, size_bytes: int, chunks: Iterable[bytes], upload_id: str) -> list[dict]:
         sha, buf, received, parts = hashlib.sha256(), bytearray(), 0, []
@@ -140,11 +143,13 @@ class BlobStore:
         rng = f"bytes={start}-{'' if end is None else end - 1}"
         with s3_errors():
             try:
-                return self.s3.get_object(Bucket=self.bucket, Key=self.key(digest), Range=rng)["Body"].read()
+                data = self.s3.get_object(Bucket=self.bucket, Key=self.key(digest), Range=rng)["Body"].read()
             except botocore.exceptions.ClientError as e:
                 if s3.is_missing(e):
                     raise NotFound(f"blob {digest[:12]} is not in the blob store") from e
                 raise
+        BLOB_BYTES.labels("download").inc(len(data))
+        return data
 
     def download(self, digest: str, dest: Path) -> None:
         """Write a blob to `dest`, checking its sha256; a mismatch leaves no file behind."""
@@ -159,6 +164,7 @@ class BlobStore:
                 for chunk in body.iter_chunks(1 << 20):
                     sha.update(chunk)
                     f.write(chunk)
+                    BLOB_BYTES.labels("download").inc(len(chunk))
         if sha.hexdigest() != digest:
             tmp.unlink(missing_ok=True)
             raise Unavailable(f"blob {digest[:12]} is corrupt in the blob store (sha256 {sha.hexdigest()[:12]})")

@@ -37,6 +37,7 @@ from preft.common.errors import (
     Unauthenticated,
     Unavailable,
 )
+from preft.common.metrics import STORE_ERRORS
 from preft.common.refs import AdapterRef
 from preft.common.settings import RedisSettings
 from preft.registry import lua
@@ -65,10 +66,12 @@ def key_hash(secret: str) -> str:
 
 @contextlib.contextmanager
 def redis_errors() -> Iterator[None]:
-    """Turn a Redis outage into Unavailable (fast: the client has short socket timeouts)."""
+    """Turn a Redis outage into Unavailable (fast: the client has short socket timeouts), counted in
+    preft_store_errors_total."""
     try:
         yield
     except (redis.ConnectionError, redis.TimeoutError) as e:
+        STORE_ERRORS.labels("redis").inc()
         raise Unavailable(f"metadata store (Redis) unavailable: {e}") from e
 
 
@@ -112,6 +115,16 @@ class RedisIndex:
     @_guarded
     def ping(self) -> bool:
         return bool(self.redis.ping())
+
+    @_guarded
+    def entry_counts(self) -> dict[str, int]:
+        """How many tenants, adapters, base models and referenced blobs the index holds (one round trip, O(1))."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.scard("preft:tenants")
+        pipe.scard("preft:adapters")
+        pipe.scard("preft:bases")
+        pipe.hlen("preft:blobrefs")
+        return dict(zip(("tenants", "adapters", "base_models", "blobs"), map(int, pipe.execute()), strict=True))
 
     # -- tenants -------------------------------------------------------------------------------------------------
 

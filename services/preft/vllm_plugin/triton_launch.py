@@ -3,8 +3,9 @@ Triton's internals.
 
 ``kernel[grid](*args)`` (``JITFunction.run``) binds every argument, works out its specialization, builds and
 hashes a cache key and checks the kernel's globals on every launch, before the compiled launcher runs: 34 µs
-a launch on the H200's host, where a Qwen2.5-0.5B prefill step makes 192 of them (loadtest/RUNS.md, "Runs 41–48"). A
-``Launcher`` does that work once per variant: the caller names the variant with a key of its own (what
+a launch on the H200's host, where a Qwen2.5-0.5B prefill step makes 192 of them
+(``loadtest/engine/bench_lora_launch``). A ``Launcher`` does that work once per variant: the caller names the variant
+with a key of its own (what
 decides Triton's specialization of the arguments that change between its calls; the arguments that do not
 change are part of what the caller keys on), the first launch of each key goes through ``JITFunction.run``
 (which compiles, or finds, the variant), and later launches call the variant's launcher.

@@ -18,6 +18,7 @@ from pydantic import SecretStr
 
 from preft.common.engine_contract import MULTIPLEX_HEADER, EngineChunk, EngineResponse
 from preft.common.settings import RedisSettings, S3Settings
+from preft.engine.ray_metrics import VLLM_METRICS
 from preft.engine.residency import KEY_PREFIX
 from preft.engine.settings import EngineSettings, ReplicaSettings
 from preft.registry.blobstore import BlobStore
@@ -250,18 +251,27 @@ def test_replica_metrics_reach_rays_metrics_port_under_their_own_names(serve_app
     does (deploy/base/monitoring). After the requests above, every preft_* counter sample of the replica's /metrics
     that has risen (requests, tokens, latency histograms, paging) is there under its own name with the same value,
     and the gauges are there too (engine.ray_metrics copies them; Ray names them ray_*, the relabelings name them
-    back)."""
+    back). vLLM's own engine metrics (KV-cache usage, running/waiting requests, tokens, TTFT/e2e histograms, prefix
+    cache) come the same way, as vllm:<name>."""
     client, _ = serve_app
     rules = engine_metric_relabelings()
     ray_own = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId"}
-    replica = {
-        key: value
-        for key, value in _samples(client.get("/metrics").text).items()
-        if key[0].startswith("preft_") and not key[0].startswith("preft_gateway_") and not key[0].endswith("_created")
-    }
+
+    def bridged(name: str) -> bool:  # preft's engine series and the vLLM families engine.ray_metrics copies
+        if name.endswith("_created"):
+            return False
+        if name.startswith("vllm:"):
+            return any(name.removeprefix(f) in ("", "_total", "_bucket", "_sum", "_count") for f in VLLM_METRICS)
+        return name.startswith("preft_") and not name.startswith("preft_gateway_")
+
+    replica = {key: value for key, value in _samples(client.get("/metrics").text).items() if bridged(key[0])}
     # (a counter sample still at 0, e.g. an empty low bucket, appears in Ray's export once it first rises)
     counters = {k: v for k, v in replica.items() if k[0].endswith(("_total", "_bucket", "_sum", "_count")) and v}
     assert any(k[0] == "preft_requests_total" for k in counters) and any(k[0].endswith("_bucket") for k in counters)
+    # vLLM's own engine metrics (its Prometheus stat logger, in the replica's registry) after the requests above
+    vllm_counters = {"vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total"}
+    vllm_counters |= {"vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count"}
+    assert vllm_counters <= {k[0] for k in counters}
     scraped: dict = {}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -270,9 +280,9 @@ def test_replica_metrics_reach_rays_metrics_port_under_their_own_names(serve_app
         for (name, labels), value in _samples(text).items():
             relabeled = relabel({"__name__": name, **dict(labels)}, rules)
             name = relabeled.pop("__name__")
-            if name.startswith("ray_preft_"):
+            if name.startswith(("ray_preft_", "ray_vllm_")):
                 unnamed.add(name)
-            if name.startswith("preft_"):
+            if name.startswith(("preft_", "vllm:")):
                 own = {k: v for k, v in relabeled.items() if k not in ray_own and not k.startswith("otel_scope_")}
                 scraped[(name, tuple(sorted(own.items())))] = value
         if all(scraped.get(k) == pytest.approx(v) for k, v in counters.items()):
@@ -282,6 +292,8 @@ def test_replica_metrics_reach_rays_metrics_port_under_their_own_names(serve_app
     assert not missing, f"{len(missing)} of {len(counters)} counter samples differ or are missing: {missing}"
     gauges = {name for name, _ in scraped} - {name for name, _ in counters}
     assert {"preft_queue_depth", "preft_tokens_per_second"} <= gauges
+    # the KV-cache pressure alert's series, and the scheduler's queue
+    assert {"vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"} <= gauges
     assert not unnamed, f"samples the relabelings did not name back: {unnamed}"
     assert not {name for name, _ in scraped if name.startswith("preft_gateway_")}  # (the gateway's, not copied)
 

@@ -161,8 +161,10 @@ class Pager:
     def _load_done(self, digest: str, task: asyncio.Task[None]) -> None:
         if self._loading.get(digest) is task:
             del self._loading[digest]
-        if not task.cancelled() and task.exception() is not None:  # retrieved here: no "never retrieved" warning
-            logger.info("loading adapter %s failed: %s", digest[:12], task.exception())
+        if not task.cancelled() and (error := task.exception()) is not None:  # (retrieved: no "never retrieved")
+            logger.info("loading adapter %s failed: %s", digest[:12], error)
+            reason = error.grpc_code.lower() if isinstance(error, PreftError) else "internal"
+            metrics.ADAPTER_LOAD_FAILURES.labels(reason).inc()
 
     async def _load(self, spec: AdapterSpec) -> None:
         """Disk (fetching from S3 if needed), then host memory; one run per digest at a time."""

@@ -11,6 +11,8 @@ from preft.gateway.settings import GatewaySettings
 
 def test_settings_from_environment_and_the_placeholder_guard(monkeypatch, tmp_path):
     monkeypatch.setenv("PREFT_GATEWAY__REDIS__URL", "redis://10.0.0.5:6379/2")
+    monkeypatch.setenv("PREFT_GATEWAY__REDIS__USERNAME", "gateway")  # (outside dev, Redis needs the ACL user)
+    monkeypatch.setenv("PREFT_GATEWAY__REDIS__PASSWORD", "a-real-redis-password")
     monkeypatch.setenv("PREFT_GATEWAY__REGISTRY_TOKEN", "a-real-token")
     monkeypatch.setenv("PREFT_GATEWAY__ENGINE_TOKEN", "a-real-engine-token")
     monkeypatch.setenv("PREFT_GATEWAY__MODEL_DIR", str(tmp_path))

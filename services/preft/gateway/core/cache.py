@@ -1,19 +1,25 @@
-"""A small in-process TTL cache with a size bound (the key and resolution caches), and single-flight loading."""
+"""An in-process TTL cache with a size bound (the key and resolution caches), and single-flight loading.
+
+The entries live in cachetools' TLRUCache (a time-aware LRU: per-entry expiry, then least recently used first);
+what it lacks, and this adds, is sharing one asynchronous load between concurrent callers of a key.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+from cachetools import TLRUCache
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
 class TTLCache(Generic[K, V]):
-    """Owns entries that expire `ttl_s` after they were stored (or earlier, per entry); the oldest go first when full.
+    """Owns entries that expire `ttl_s` after they were stored (or earlier, per entry); the least recently used go
+    first when full.
 
     `get_or_load` shares one load between concurrent callers of the same key, so a burst of requests for an
     uncached key makes one lookup. Errors are not cached unless the loader returns them as values.
@@ -22,27 +28,19 @@ class TTLCache(Generic[K, V]):
     def __init__(self, ttl_s: float, max_entries: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._clock = clock
-        self._entries: OrderedDict[K, tuple[float, V]] = OrderedDict()
+        # (values stored with their own lifetime: the cache's time-to-use reads it)
+        self._entries: TLRUCache[K, tuple[float, V]] = TLRUCache(max_entries, _expiry, timer=clock)
         self._loading: dict[K, asyncio.Task[V]] = {}
 
     def get(self, key: K) -> V | None:
         entry = self._entries.get(key)
-        if entry is None:
-            return None
-        if entry[0] <= self._clock():
-            del self._entries[key]
-            return None
-        return entry[1]
+        return None if entry is None else entry[1]
 
     def put(self, key: K, value: V, ttl_s: float | None = None) -> None:
         ttl = self.ttl_s if ttl_s is None else min(ttl_s, self.ttl_s)
         if ttl <= 0:
             return
-        self._entries[key] = (self._clock() + ttl, value)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._entries[key] = (ttl, value)
 
     def clear(self) -> None:
         self._entries.clear()
@@ -72,6 +70,10 @@ class TTLCache(Generic[K, V]):
             return value
         finally:
             del self._loading[key]
+
+
+def _expiry(_key: Any, entry: tuple[float, Any], now: float) -> float:
+    return now + entry[0]
 
 
 def _retrieve(task: asyncio.Task) -> None:

@@ -252,3 +252,21 @@ def test_new_adapter_saves_in_the_registry_format_and_loads_back(model_dirs, tmp
     with torch.no_grad():
         base_lp = base(input_ids=ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
     assert (got[0, 3:] - base_lp[3:]).abs().max() > 1e-4  # the saved adapter is not a no-op
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_keeps_the_gate(model_dirs, adapters, reentrant):
+    """Layers recomputed in backward (TRL turns checkpointing on by default) apply the gate of their forward."""
+    grads = []
+    for checkpointing in (False, True):
+        policy = PreftModel.from_pretrained(
+            _base(model_dirs["llama"]), adapters["llama"]["direft_a"], mode="prefill", is_trainable=True
+        )
+        if checkpointing:
+            policy.hf_model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+            policy.hf_model.enable_input_require_grads()
+        policy.train()
+        policy.model(**trl_batch(_pairs(5))).loss.backward()
+        grads.append({n: p.grad for n, p in policy.trainable_parameters().items()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5)

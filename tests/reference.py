@@ -1,86 +1,34 @@
-"""Reference PreFT generation with Hugging Face transformers + peft, written independently of the plugin.
+"""Reference PreFT generation: preft.training's model (Hugging Face transformers + peft), written independently of
+the plugin — the same code that trains adapters, so what the engine is checked against is what is trained.
 
-Greedy decoding over one KV cache: the prompt is run with the adapter on; in ``prefill`` mode every
-generated token is then run with the adapter off (attending to the adapter-computed prompt KV), in ``all``
-mode with it on. LoRA goes through peft (``disable_adapter()`` turns it off); DiReFT through forward hooks
-on the decoder layers that add Bᵀ(A·h + b) to the layer's output h.
+Greedy decoding over one KV cache (``preft.training.step_logits``): the prompt is run with the adapter on; in
+``prefill`` mode every generated token is then run with the adapter off (attending to the adapter-computed
+prompt KV), in ``all`` mode with it on. DiReFT's Bᵀ(A·h + b) is computed in float64 (as this reference always
+did); tests/training checks preft.training itself against a separate two-phase computation.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
-from peft import PeftModel
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-
-class _DireftHooks:
-    def __init__(self, model, adapter_dir: Path) -> None:
-        cfg = json.loads((adapter_dir / "preft_config.json").read_text())
-        weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
-        self.enabled = True
-        self.handles = []
-        for layer in cfg["layers"]:
-            a, b, bias = (weights[f"layers.{layer}.{p}"].double() for p in ("A", "B", "b"))
-            self.handles.append(model.model.layers[layer].register_forward_hook(self._hook(a, b, bias)))
-
-    def _hook(self, a, b, bias):
-        def hook(module, args, output):
-            if not self.enabled:
-                return output
-            h = output[0] if isinstance(output, tuple) else output
-            delta = ((h.double() @ a.T + bias) @ b).to(h.dtype)
-            h = h + delta
-            return (h, *output[1:]) if isinstance(output, tuple) else h
-
-        return hook
+from preft.training import PreftModel, step_logits
 
 
-def _method(adapter_dir: Path) -> str:
-    return "direft" if (adapter_dir / "preft_config.json").exists() else "lora"
-
-
-def _model(model_dir: str | Path, adapter_dir: str | Path | None):
-    """The float32 reference model with the adapter on, and a context manager that turns it off."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    adapter_off = contextlib.nullcontext
-    if adapter_dir is not None:
-        adapter_dir = Path(adapter_dir)
-        if _method(adapter_dir) == "lora":
-            model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
-            adapter_off = model.disable_adapter
-        else:
-            hooks = _DireftHooks(model, adapter_dir)
-
-            @contextlib.contextmanager
-            def adapter_off():
-                hooks.enabled = False
-                try:
-                    yield
-                finally:
-                    hooks.enabled = True
-
-    return model, adapter_off
+def _model(model_dir: str | Path, adapter_dir: str | Path | None, mode: str = "prefill") -> torch.nn.Module:
+    """The float32 reference model, its adapter gated per position as `mode` says."""
+    if adapter_dir is None:
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return PreftModel.from_model_dir(model_dir, adapter_dir, mode=mode, direft_dtype=torch.float64).model
 
 
 @torch.no_grad()
 def _step_logits(model_dir, prompt_ids, adapter_dir, mode: str, steps: int, feed) -> list[torch.Tensor]:
     """Next-token logits of `steps` decoding steps; `feed(i, logits)` is the token fed after step i."""
-    model, adapter_off = _model(model_dir, adapter_dir)
-    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
-    cache, logits = out.past_key_values, [out.logits[0, -1]]
-    decode_ctx = adapter_off if mode == "prefill" else contextlib.nullcontext
-    for i in range(steps - 1):
-        with decode_ctx():
-            out = model(input_ids=torch.tensor([[feed(i, logits[-1])]]), past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        logits.append(out.logits[0, -1])
-    return logits
+    return step_logits(_model(model_dir, adapter_dir, mode), prompt_ids, steps, feed)
 
 
 def reference_generate(
@@ -146,5 +94,4 @@ def reference_prompt_logits(
 ) -> torch.Tensor:
     """The reference's logits at each prompt position but the last (row i: before prompt token i + 1), adapter on:
     the prompt pass is the same in both modes."""
-    model, _ = _model(model_dir, adapter_dir)
-    return model(input_ids=torch.tensor([prompt_ids])).logits[0, :-1]
+    return _model(model_dir, adapter_dir)(input_ids=torch.tensor([prompt_ids])).logits[0, :-1]

@@ -45,8 +45,10 @@ def _method(adapter_dir: Path) -> str:
     return "direft" if (adapter_dir / "preft_config.json").exists() else "lora"
 
 
-def _model(model_dir: str | Path, adapter_dir: str | Path | None):
-    """The float32 reference model with the adapter on, and a context manager that turns it off."""
+def reference_model(model_dir: str | Path, adapter_dir: str | Path | None):
+    """The float32 reference model with the adapter on, and a context manager that turns it off: load it once and
+    pass it as `loaded=` to reference_generate for many prompts on one adapter (not from two threads at once: turning
+    the adapter off is the model's state)."""
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     adapter_off = contextlib.nullcontext
     if adapter_dir is not None:
@@ -69,9 +71,9 @@ def _model(model_dir: str | Path, adapter_dir: str | Path | None):
 
 
 @torch.no_grad()
-def _step_logits(model_dir, prompt_ids, adapter_dir, mode: str, steps: int, feed) -> list[torch.Tensor]:
+def _step_logits(model_dir, prompt_ids, adapter_dir, mode: str, steps: int, feed, loaded=None) -> list[torch.Tensor]:
     """Next-token logits of `steps` decoding steps; `feed(i, logits)` is the token fed after step i."""
-    model, adapter_off = _model(model_dir, adapter_dir)
+    model, adapter_off = loaded or reference_model(model_dir, adapter_dir)
     out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
     cache, logits = out.past_key_values, [out.logits[0, -1]]
     decode_ctx = adapter_off if mode == "prefill" else contextlib.nullcontext
@@ -97,12 +99,14 @@ def reference_generate(
     allowed: Callable[[list[int]], Collection[int]] | None = None,
     min_tokens: int = 0,
     stop_token_ids: Collection[int] = (),
+    loaded=None,
 ) -> list[int]:
     """Greedy tokens of the reference; the penalties as OpenAI defines them, over the tokens generated so far: each
     token's logit less frequency_penalty × its count and presence_penalty once it has appeared; repetition_penalty
     as vLLM (and HF) define it, over the prompt and the tokens so far: a positive logit divided by it, a negative
     one multiplied; logit_bias added to its tokens' logits; `allowed(tokens so far)`: the only tokens it may pick
-    next (a constraint); stop_token_ids left out of the first min_tokens, and the answer ends with the first one."""
+    next (a constraint); stop_token_ids left out of the first min_tokens, and the answer ends with the first one.
+    `loaded`: reference_model(model_dir, adapter_dir), loaded once for many prompts."""
     counts: dict[int, int] = {}
     tokens: list[int] = []
 
@@ -127,7 +131,7 @@ def reference_generate(
         tokens.append(token)
         return token
 
-    logits = _step_logits(model_dir, prompt_ids, adapter_dir, mode, max_tokens, lambda i, step: pick(step))
+    logits = _step_logits(model_dir, prompt_ids, adapter_dir, mode, max_tokens, lambda i, step: pick(step), loaded)
     pick(logits[-1])  # (the last step's token is not fed back)
     stops = [i for i, t in enumerate(tokens) if t in stop_token_ids]
     return tokens[: stops[0] + 1] if stops else tokens
@@ -146,5 +150,5 @@ def reference_prompt_logits(
 ) -> torch.Tensor:
     """The reference's logits at each prompt position but the last (row i: before prompt token i + 1), adapter on:
     the prompt pass is the same in both modes."""
-    model, _ = _model(model_dir, adapter_dir)
+    model, _ = reference_model(model_dir, adapter_dir)
     return model(input_ids=torch.tensor([prompt_ids])).logits[0, :-1]

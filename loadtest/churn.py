@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 import random
+import sys
 import tempfile
 import threading
 import time
@@ -55,7 +56,9 @@ ENGINE: dict[str, Any] = dict(
     max_loras=2,
     max_cpu_loras=4,
     prefetch_adapters=0,
-    disk_cache_max_bytes=400_000,  # (a rank-8 LoRA of the tiny model is ~100 kB: about 6 adapters on disk)
+    # a rank-8 LoRA of the tiny model is ~100 kB: about 8 on disk, the 4 in host memory (pinned there) and the loads of
+    # the 4 clients' requests; less, and a load finds no room (503)
+    disk_cache_max_bytes=800_000,
     replica={"num_replicas": 1, "num_cpus_per_replica": 1, "max_adapters_per_replica": 4},
 )
 PREFIXES = (  # each 60+ tokens: two or more 32-token KV blocks shared by every request that starts with it
@@ -80,7 +83,7 @@ class ChurnConfig:
     live_adapters: int = 32  # kept constant: a deleted adapter is replaced by a new one (its name or another)
     max_versions: int = 4  # versions per adapter before the churn deletes rather than publishes
     max_tokens: int = 8
-    churn_interval_s: float = 0.3  # pause between two churn operations
+    churn_interval_s: float = 0.5  # pause between two churn operations
     resolve_cache_ttl_s: float = 2.0  # the gateway's: how long after a move an alias may still resolve the old way
     base_fraction: float = 0.15
     alias_fraction: float = 0.2  # of adapter requests: `name:prod`
@@ -214,6 +217,7 @@ class Churner:
         self.rng = random.Random(f"churn-{cfg.seed}")
         self.seeds = itertools.count(1000)
         self.names = itertools.count()
+        self.modes = itertools.cycle(MODES)  # new adapters alternate: both modes among the hot ones
         self.ops: Counter[str] = Counter()
         self.op_errors: list[str] = []
 
@@ -249,7 +253,7 @@ class Churner:
     def create_adapter(self, tenant: str, name: str | None = None) -> None:
         directory, method = self.build()
         name = name or f"a{next(self.names)}"
-        self.upload(tenant, name, directory, method, self.rng.choice(MODES), alias=True)
+        self.upload(tenant, name, directory, method, next(self.modes), alias=True)
 
     def populate(self) -> None:
         """The live adapters, spread over the tenants; a few of them the same files as another tenant's (one digest
@@ -272,12 +276,17 @@ class Churner:
         name = self.rng.choice(sorted(live))
         versions = live[name]
         roll = self.rng.random()
+        op = "publish" if roll < 0.35 else "alias" if roll < 0.6 else "delete_version" if roll < 0.85 else "replace"
+        if op == "publish" and len(versions) >= self.cfg.max_versions:
+            op = "delete_version"
+        elif op == "delete_version" and len(versions) == 1:
+            op = "publish"
         try:
-            if roll < 0.35 and len(versions) < self.cfg.max_versions:
+            if op == "publish":
                 self.publish(tenant, name, versions)
-            elif roll < 0.6:
+            elif op == "alias":
                 self.move_alias(tenant, name, versions)
-            elif roll < 0.85 and len(versions) > 1:
+            elif op == "delete_version":
                 self.delete_version(tenant, name, versions)
             else:
                 self.replace(tenant, name)
@@ -384,7 +393,7 @@ class Traffic:
         if roll < self.cfg.deleted_fraction:
             with self.catalog.lock:
                 now = time.monotonic()
-                recent = [v for v in self.catalog.deleted[-8:] if v.tenant == tenant and now - v.deleted_s < 5]
+                recent = [v for v in self.catalog.deleted[-8:] if v.tenant == tenant and now - v.deleted_s < 2]
             if recent:
                 v = rng.choice(recent)
                 return tenant, f"{v.name}@v{v.number}", "deleted", (v.tenant, v.name, v.number)
@@ -463,8 +472,10 @@ class Reference:
 
     def compute(self, needed: dict[tuple[str | None, str], tuple[Path | None, set[int]]]) -> None:
         """needed: (version key or None for the base model, mode) -> (adapter directory, prompt indexes)."""
+        import torch
         from tests.reference import reference_generate, reference_model
 
+        torch.set_num_threads(1)  # (tiny models: one thread is faster, the more so on a shared machine)
         for (key, mode), (directory, wanted) in needed.items():
             todo = sorted(p for p in wanted if (key, mode, p) not in self.cache)
             if not todo:
@@ -525,8 +536,8 @@ def check(answers: list[Answer], catalog: Catalog, ref: Reference, ttl_s: float)
         if a.text != ref.text(ref.tokens(v, a.prompt)):
             text_mismatches.append({"model": a.model, "prompt": a.prompt, "text": a.text, "tokens": a.tokens})
         stats[f"served_in_{v.mode if v else 'base'}"] += 1
-        if v is not None and v.deleted_s is not None:
-            stats["served_by_a_version_deleted_before_the_answer"] += 1
+        if v is not None and v.deleted_s is not None and v.deleted_s <= a.ended_s:
+            stats["served_by_a_version_deleted_before_the_answer_came"] += 1
     return {
         "checked": len(ok),
         "mismatches": len(mismatches),
@@ -654,6 +665,7 @@ def run(cfg: ChurnConfig, state_dir: Path) -> dict[str, Any]:
             "answered": sum(1 for a in deleted if a.status is None),
             "refused": dict(Counter(a.status for a in deleted if a.status is not None)),
         },
+        "pinned_version_deleted_mid_flight": _mid_flight(answers, churner.catalog),
         "streamed": sum(1 for a in answers if a.stream),
         "requests_by_kind": dict(Counter(a.kind for a in answers)),
         "requests_by_mode": _by_mode(answers, churner.catalog),
@@ -666,6 +678,21 @@ def run(cfg: ChurnConfig, state_dir: Path) -> dict[str, Any]:
         "prompt_tokens": [len(p) for p in ref.prompt_ids],
         "logit_bias_tokens": len(ref.logit_bias),
         "engine_metrics_delta": {k: after.get(k, 0) - before.get(k, 0) for k in sorted(after)},
+    }
+
+
+def _mid_flight(answers: list[Answer], catalog: Catalog) -> dict[str, Any]:
+    """Pinned requests whose version was deleted between their start and their answer: answered (checked above
+    like every answer) or refused, by status."""
+    hit = []
+    for a in answers:
+        deleted_s = catalog.versions[a.pinned].deleted_s if a.pinned else None
+        if deleted_s is not None and a.started_s <= deleted_s <= a.ended_s:
+            hit.append(a)
+    return {
+        "requests": len(hit),
+        "answered": sum(1 for a in hit if a.status is None),
+        "refused": dict(Counter(a.status for a in hit if a.status is not None)),
     }
 
 
@@ -705,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     cfg = ChurnConfig(requests=args.requests, concurrency=args.concurrency, seed=args.seed)
     with _state(args.state_dir) as state:
-        results = run(cfg, state)
+        results = {"command": " ".join(["python -m loadtest.churn", *(argv or sys.argv[1:])]), **run(cfg, state)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     summary = {k: results[k] for k in ("requests", "checked", "mismatches", "errors", "errors_by_status")}

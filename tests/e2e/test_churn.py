@@ -27,6 +27,7 @@ def test_every_answer_under_churn_is_its_versions_reference(tmp_path: Path) -> N
     assert out.is_file(), done.stdout[-3000:] + done.stderr[-6000:]
     r = json.loads(out.read_text())
     assert r["mismatches"] == 0, json.dumps(r["mismatch_details"], indent=1)
+    assert r["text_mismatches"] == 0, r["text_mismatch_details"]  # (the text: the tokens' text, specials left out)
     assert done.returncode == 0, done.stderr[-6000:]
     assert r["requests"] == REQUESTS and r["checked"] >= 0.9 * REQUESTS, r["errors_by_status"]
     # every kind of request was checked, in both modes, and the churn did each of its operations

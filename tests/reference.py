@@ -18,17 +18,18 @@ from transformers import AutoModelForCausalLM
 from preft.training import PreftModel, step_logits
 
 
-def _model(model_dir: str | Path, adapter_dir: str | Path | None, mode: str = "prefill") -> torch.nn.Module:
-    """The float32 reference model, its adapter gated per position as `mode` says."""
+def reference_model(model_dir: str | Path, adapter_dir: str | Path | None, mode: str = "prefill") -> torch.nn.Module:
+    """The float32 reference model, its adapter gated per position as `mode` says: load it once and pass it as
+    `loaded=` to reference_generate for many prompts on one adapter and mode."""
     if adapter_dir is None:
         return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     return PreftModel.from_model_dir(model_dir, adapter_dir, mode=mode, direft_dtype=torch.float64).model
 
 
 @torch.no_grad()
-def _step_logits(model_dir, prompt_ids, adapter_dir, mode: str, steps: int, feed) -> list[torch.Tensor]:
+def _step_logits(model_dir, prompt_ids, adapter_dir, mode: str, steps: int, feed, loaded=None) -> list[torch.Tensor]:
     """Next-token logits of `steps` decoding steps; `feed(i, logits)` is the token fed after step i."""
-    return step_logits(_model(model_dir, adapter_dir, mode), prompt_ids, steps, feed)
+    return step_logits(loaded or reference_model(model_dir, adapter_dir, mode), prompt_ids, steps, feed)
 
 
 def reference_generate(
@@ -45,12 +46,14 @@ def reference_generate(
     allowed: Callable[[list[int]], Collection[int]] | None = None,
     min_tokens: int = 0,
     stop_token_ids: Collection[int] = (),
+    loaded=None,
 ) -> list[int]:
     """Greedy tokens of the reference; the penalties as OpenAI defines them, over the tokens generated so far: each
     token's logit less frequency_penalty × its count and presence_penalty once it has appeared; repetition_penalty
     as vLLM (and HF) define it, over the prompt and the tokens so far: a positive logit divided by it, a negative
     one multiplied; logit_bias added to its tokens' logits; `allowed(tokens so far)`: the only tokens it may pick
-    next (a constraint); stop_token_ids left out of the first min_tokens, and the answer ends with the first one."""
+    next (a constraint); stop_token_ids left out of the first min_tokens, and the answer ends with the first one.
+    `loaded`: reference_model(model_dir, adapter_dir, mode), loaded once for many prompts."""
     counts: dict[int, int] = {}
     tokens: list[int] = []
 
@@ -75,7 +78,7 @@ def reference_generate(
         tokens.append(token)
         return token
 
-    logits = _step_logits(model_dir, prompt_ids, adapter_dir, mode, max_tokens, lambda i, step: pick(step))
+    logits = _step_logits(model_dir, prompt_ids, adapter_dir, mode, max_tokens, lambda i, step: pick(step), loaded)
     pick(logits[-1])  # (the last step's token is not fed back)
     stops = [i for i, t in enumerate(tokens) if t in stop_token_ids]
     return tokens[: stops[0] + 1] if stops else tokens
@@ -94,4 +97,4 @@ def reference_prompt_logits(
 ) -> torch.Tensor:
     """The reference's logits at each prompt position but the last (row i: before prompt token i + 1), adapter on:
     the prompt pass is the same in both modes."""
-    return _model(model_dir, adapter_dir)(input_ids=torch.tensor([prompt_ids])).logits[0, :-1]
+    return reference_model(model_dir, adapter_dir)(input_ids=torch.tensor([prompt_ids])).logits[0, :-1]

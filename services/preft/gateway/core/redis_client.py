@@ -2,6 +2,11 @@
 
 A Redis outage must turn into a 503 within about a second, not hang a request or retry with backoff; the pool
 reconnects by itself on the next operation once Redis is back.
+
+Lua scripts: each store registers its own with redis-py's `register_script` (EVALSHA, loaded again when Redis lost
+it), beside the key builders and the Python that reads their answers; a registry of all of them in one module would
+part each script from the only code that knows its keys and replies, for no gain over redis-py's. The one script kind
+redis-py lacks, a read-only one (EVALSHA_RO, which the gateway's ACL user needs on the registry's keys), is here.
 """
 
 from __future__ import annotations

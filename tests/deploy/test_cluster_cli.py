@@ -12,6 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from preft.cli import cluster as cli
+from preft.cli import kube
 from tests.deploy import manifests as m
 from tests.deploy.fake_apiserver import CORE, KUBERAY, FakeApiServer
 
@@ -306,18 +307,18 @@ def test_rollout_rules():
         "spec": {"replicas": 2},
         "status": {"observedGeneration": 2},
     }
-    assert cli.rollout_of(dep).detail == "waiting for the controller to see the new spec"
+    assert kube.rollout_of(dep).detail == "waiting for the controller to see the new spec"
     dep["status"] = {"observedGeneration": 3, "replicas": 3, "updatedReplicas": 2, "availableReplicas": 2}
-    assert cli.rollout_of(dep).detail == "1 old replicas pending termination"
+    assert kube.rollout_of(dep).detail == "1 old replicas pending termination"
     dep["status"]["replicas"] = 2
-    assert cli.rollout_of(dep).ready
+    assert kube.rollout_of(dep).ready
     old_kuberay = {
         "kind": "RayService",
         "metadata": {"name": "e", "generation": 1},
         "spec": {},
         "status": {"serviceStatus": "Running"},
     }
-    assert cli.rollout_of(old_kuberay).ready
+    assert kube.rollout_of(old_kuberay).ready
 
 
 def test_mounts_under_a_parent_app_with_global_json(api, kubeconfig, tmp_path):
@@ -388,7 +389,7 @@ def test_apply_hands_replicas_preft_admin_owned_over_before_dropping_them(api, k
     stored = api.find("Deployment", "preft-gateway")
     assert stored["spec"]["replicas"] == 3
     owners = {e["manager"] for e in stored["metadata"]["managedFields"] if "fieldsV1" in e}
-    assert owners == {cli.HANDOVER_FIELD_MANAGER}
+    assert owners == {kube.HANDOVER_FIELD_MANAGER}
     _hpa_scales(api, 5)
     _apply_file(kubeconfig, tmp_path, docs)
     assert api.find("Deployment", "preft-gateway")["spec"]["replicas"] == 5
@@ -396,6 +397,6 @@ def test_apply_hands_replicas_preft_admin_owned_over_before_dropping_them(api, k
 
 def test_the_manifests_leave_hpa_targets_without_replicas(all_outputs):
     for source, docs in all_outputs.items():
-        for target in cli.hpa_targets(docs):
+        for target in kube.hpa_targets(docs):
             (workload,) = [d for d in docs if (d["kind"], d["metadata"]["name"]) == target]
             assert "replicas" not in workload["spec"], f"{source}: {target} has replicas beside its HPA"

@@ -153,19 +153,7 @@ class AsyncPreftEngine:
 
         arrived = time.perf_counter()
         llm = self._running()
-        try:
-            check_prompt(
-                request.prompt_token_ids,
-                request.max_tokens,
-                vocab_size=self.shape.vocab_size,
-                max_model_len=self.max_model_len,
-            )
-            check_sampling(request, self.shape.vocab_size)
-            params = sampling_params(
-                request, max_tokens=request.max_tokens, mode=request.mode, tokenizer=self.options.tokenizer, delta=True
-            )
-        except (ValueError, client_error()) as e:  # (SamplingParams' own checks raise vLLM's client errors)
-            raise InvalidArgument(str(e)) from e
+        params = self._checked_params(request)
         lora, method = None, "none"
         if adapter_dir is not None:
             entry = self._resolve(adapter_dir)
@@ -231,6 +219,22 @@ class AsyncPreftEngine:
             metrics.REQUESTS.labels(*labels, outcome).inc()
             metrics.PROMPT_TOKENS.labels(*labels).inc(n_prompt)
             metrics.GENERATED_TOKENS.labels(*labels).inc(n_generated)
+
+    def _checked_params(self, request: EngineRequest) -> Any:
+        """The request's vLLM SamplingParams (streaming deltas), once its prompt and sampling fit this engine."""
+        try:
+            check_prompt(
+                request.prompt_token_ids,
+                request.max_tokens,
+                vocab_size=self.shape.vocab_size,
+                max_model_len=self.max_model_len,
+            )
+            check_sampling(request, self.shape.vocab_size)
+            return sampling_params(
+                request, max_tokens=request.max_tokens, mode=request.mode, tokenizer=self.options.tokenizer, delta=True
+            )
+        except (ValueError, client_error()) as e:  # (SamplingParams' own checks raise vLLM's client errors)
+            raise InvalidArgument(str(e)) from e
 
     def num_unfinished_requests(self) -> int:
         """Requests vLLM's output side still tracks (0 once every stream finished or was aborted)."""

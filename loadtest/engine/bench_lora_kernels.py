@@ -29,6 +29,7 @@ import torch
 from preft.vllm_plugin.kernels import policy, triton_launch
 from preft.vllm_plugin.kernels.plans import PlanCache
 from preft.vllm_plugin.step import groups as g
+from preft.vllm_plugin.step import lora
 from preft.vllm_plugin.step.state import using
 
 PLANS = PlanCache()  # the kernels' plans, as a worker's slot state keeps them
@@ -196,7 +197,7 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
         for (x, w, *_), y in zip(modules, ys, strict=True):
             torch.matmul(x, w.t(), out=y)
 
-    def lora():
+    def adapted():
         for (x, _, a, b, slices), y in zip(modules, ys, strict=True):
             lora.lora_linear(y, x, a, b, slices, 1.0, groups, plans=PLANS)
 
@@ -208,13 +209,13 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
         with using(*kernels), triton_launch.launching(launch), policy.rank_vectors(vectors):
             if not all(policy.available(ys[0], k) for k in kernels):  # they failed to compile (logged)
                 raise SystemExit(f"the {path} path's kernels are unavailable on this machine")
-            wall, host = _timed(lora, device, iters)
+            wall, host = _timed(adapted, device, iters)
             row[f"lora_{path}_ms"], row[f"lora_{path}_host_ms"] = wall * 1e3, host * 1e3
             row[f"lora_{path}_over_base"] = row[f"lora_{path}_ms"] / row["base_matmuls_ms"]
             for y in ys:
                 y.zero_()
             with triton_launch.launching("check" if launch == "direct" else launch):  # the launcher's keys hold
-                lora()
+                adapted()
             outputs[path] = [y.to(torch.float32, copy=True) for y in ys]
     for path in outputs.keys() - {"torch"}:
         row[f"{path}_speedup"] = row["lora_torch_ms"] / row[f"lora_{path}_ms"]

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
-from preft.vllm_plugin import lora_act, lora_kernels
+from preft.vllm_plugin import settings
+from preft.vllm_plugin.kernels import act, common, expand, fused, policy, shrink
 
 # torch.cuda.is_available() asks the CUDA runtime, which initializes the driver and so poisons fork, while
 # torch.cuda.is_initialized() stays False: vLLM then forks its engine core, which cannot use CUDA (as
@@ -67,13 +68,19 @@ def lora_kernels_interpreted(monkeypatch, request):
     if (refusal := _interpreter_refusal()) is not None:
         pytest.skip(f"this Triton's interpreter cannot run the kernels' loops: {refusal}")
     monkeypatch.setenv("PREFT_LORA_KERNELS", request.param)
-    importlib.reload(lora_kernels)
-    importlib.reload(lora_act)
-    monkeypatch.setattr(lora_kernels, "supported", lambda y: True)  # CPU tensors too
+    _reload_kernels()  # (triton.jit interprets only what it decorates while TRITON_INTERPRET is set)
+    settings.load()
+    monkeypatch.setattr(policy, "supported", lambda y: True)  # CPU tensors too
     yield
     monkeypatch.undo()
-    importlib.reload(lora_kernels)
-    importlib.reload(lora_act)
+    _reload_kernels()
+    settings.load()
+
+
+def _reload_kernels() -> None:
+    """The kernel modules again, the jit helpers first (the kernels take them from their module's globals)."""
+    for module in (common, shrink, expand, fused, act):
+        importlib.reload(module)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The MLP's activation with the gate/up LoRA folded in (``lora_act``), in each launch shape, on the GPU machine.
+"""The MLP's activation with the gate/up LoRA folded in (``kernels.act``), in each launch shape, on the GPU machine.
 
     python3 -m loadtest.engine.bench_lora_act --out $OUT/gpu-lora-act   # on the GPU machine
 
@@ -11,7 +11,7 @@ activation kernel without LoRA (``act`` without ``fold``), and the activation ke
 each in both grid orders (row blocks or column tiles first), with the LoRA folded in
 (``fold``; and how far its result is from the added LoRA's) and with no LoRA token (its activation on steps without
 adapters); above rank 16, the ``PIPELINED`` shapes folded again in the other rank chunks than
-``lora_act.RANK_CHUNK`` that change the kernel (16 and 64, labelled `` k16`` and `` k64``: what
+``kernels.act.RANK_CHUNK`` that change the kernel (16 and 64, labelled `` k16`` and `` k64``: what
 ``RANK_CHUNK`` is chosen from), and the default shape on a step where every other prompt has no
 adapter (``mixed_half_base``, beside the ideal: half its blocks at the folded cost, half at the plain one). Prints
 ms per call and the bandwidth each plain activation moves (gate, up and the output once each).
@@ -28,9 +28,15 @@ import torch
 
 from loadtest.engine.bench_lora_kernels import _timed, step, step_groups
 from loadtest.engine.bench_lora_launch import per_model_main
-from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_act, lora_kernels
+from preft.vllm_plugin import settings
+from preft.vllm_plugin.kernels import act, policy
+from preft.vllm_plugin.kernels.plans import PlanCache
+from preft.vllm_plugin.step import groups as g
+from preft.vllm_plugin.step import lora
+from preft.vllm_plugin.step.state import using
 from preft.vllm_plugin.tiles import Tiles
+
+PLANS = PlanCache()  # the kernels' plans, as a worker's slot state keeps them
 
 SHAPES = [Tiles(r, c, w, 1) for r, c, w in ((64, 32, 4), (64, 64, 4), (64, 64, 8), (64, 128, 4), (64, 128, 8))]
 SHAPES += [Tiles(r, c, w, 1) for r, c, w in ((32, 64, 4), (32, 128, 4), (16, 128, 4), (128, 32, 4), (32, 32, 4))]
@@ -43,9 +49,9 @@ SHAPES += [Tiles(r, c, w, s, True) for r, c, w in PIPELINED for s in (2, 3)]
 
 
 def folding_at(rank: int) -> contextlib.AbstractContextManager[None]:
-    """The fold taken at this rank, above ``lora_act.FOLD_MAX_RANK`` too: the bench measures the ranks that
+    """The fold taken at this rank, above ``kernels.policy.FOLD_MAX_RANK`` too: the bench measures the ranks that
     set it. (Without this, a rank above it would time the expand's add into gate/up, not the fold.)"""
-    return mock.patch.object(lora_act, "FOLD_MAX_RANK", max(lora_act.FOLD_MAX_RANK, rank))
+    return mock.patch.object(policy, "FOLD_MAX_RANK", max(policy.FOLD_MAX_RANK, rank))
 
 
 def bench(model: str, rank: int, iters: int) -> dict:
@@ -69,32 +75,32 @@ def bench(model: str, rank: int, iters: int) -> dict:
     gate, up = gate_up[:, :half].contiguous(), gate_up[:, half:].contiguous()
     row["torch_mul_apart_ms"] = timed(lambda: torch.mul(gate, up, out=out))  # (the halves in tensors of their own)
     row["torch_mul_apart_TB_s"] = moved / row["torch_mul_apart_ms"] / 1e9
-    with lora_kernels.using("expand", "shrink"):  # (each call adds the LoRA into gate_up again)
-        row["added_then_vllm_ms"] = timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))
+    with using("expand", "shrink"):  # (each call adds the LoRA into gate_up again)
+        row["added_then_vllm_ms"] = timed(lambda: lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, plans=PLANS))
         gate_up.zero_()
-        lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+        lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, plans=PLANS)
         reference = out.float()
-        expand = dataclasses.replace(lora_kernels._TILES["expand"], cols_first=True)
-        with lora_kernels.tiled(expand=expand):  # (the expand's grid in its other order)
+        expand = dataclasses.replace(settings.current().lora_tiles["expand"], cols_first=True)
+        with policy.tiled(expand=expand):  # (the expand's grid in its other order)
             row["added_cols_first_then_vllm_ms"] = timed(
-                lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+                lambda: lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, plans=PLANS)
             )
-    with lora_kernels.using("expand", "shrink", "act"):  # (the default act tiles)
-        row["added_then_plain_ms"] = timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))
-    with lora_kernels.using("expand", "shrink", "act", "fold"), folding_at(rank):
-        if lora_act.fuses(gate_up, x, a, b, groups.rank) is None:
+    with using("expand", "shrink", "act"):  # (the default act tiles)
+        row["added_then_plain_ms"] = timed(lambda: lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, plans=PLANS))
+    with using("expand", "shrink", "act", "fold"), folding_at(rank):
+        if lora.fold_plan(gate_up, x, a, b, groups.rank, plans=PLANS) is None:
             raise RuntimeError(f"{model} rank {rank}: the LoRA would be added into gate/up, not folded")
         wide = [t for t in SHAPES if t.stages == 1 and t.cols_first and (t.rows, t.cols, t.warps) in PIPELINED]
-        tile = lora_act.rank_tile(rank, lora_act.RANK_CHUNK)
-        other = [k for k in (16, 32, 64) if lora_act.rank_tile(rank, k) != tile]  # (chunks that change the kernel)
-        cells = [(t, lora_act.RANK_CHUNK) for t in SHAPES] + [(t, k) for k in other for t in wide]
+        tile = act.rank_tile(rank, act.RANK_CHUNK)
+        other = [k for k in (16, 32, 64) if act.rank_tile(rank, k) != tile]  # (chunks that change the kernel)
+        cells = [(t, act.RANK_CHUNK) for t in SHAPES] + [(t, k) for k in other for t in wide]
         for tiles, chunk in cells:
-            label = tiles.label + f" k{chunk}" * (chunk != lora_act.RANK_CHUNK)
-            with lora_kernels.tiled(act=tiles), mock.patch.object(lora_act, "RANK_CHUNK", chunk):
+            label = tiles.label + f" k{chunk}" * (chunk != act.RANK_CHUNK)
+            with policy.tiled(act=tiles), mock.patch.object(act, "RANK_CHUNK", chunk):
                 gate_up.zero_()
-                cell = {"folded_ms": timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups))}
+                cell = {"folded_ms": timed(lambda: lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, plans=PLANS))}
                 cell["max_rel_diff"] = float((out.float() - reference).abs().max() / reference.abs().max())
-                cell["plain_ms"] = timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, none))
+                cell["plain_ms"] = timed(lambda: lora.lora_silu_and_mul(out, gate_up, x, a, b, none, plans=PLANS))
             cell["plain_TB_s"] = moved / cell["plain_ms"] / 1e9
             row[label] = cell
             print(model, label, json.dumps({k: round(v, 4) for k, v in cell.items()}), flush=True)
@@ -103,9 +109,9 @@ def bench(model: str, rank: int, iters: int) -> dict:
         # products' layout (sm_90 compile, Triton 3.6); "ideal": half the blocks at the folded cost, half plain.
         mixed = step_groups(rank, gate_up.shape[0], 1024, 512, device, base_every=2)
         gate_up.zero_()
-        default = row[lora_kernels._TILES["act"].label]
+        default = row[settings.current().lora_tiles["act"].label]
         row["mixed_half_base"] = {
-            "folded_ms": timed(lambda: lora_act.lora_silu_and_mul(out, gate_up, x, a, b, mixed)),
+            "folded_ms": timed(lambda: lora.lora_silu_and_mul(out, gate_up, x, a, b, mixed, plans=PLANS)),
             "ideal_ms": (default["folded_ms"] + default["plain_ms"]) / 2,
         }
         print(model, "mixed_half_base", json.dumps(row["mixed_half_base"]), flush=True)

@@ -8,7 +8,7 @@ groups of one adapter each, drawn from 512 slots, through the layer's four LoRA 
 fused gate/up, down). Times, in one process on one device, the base layer's own matmuls and
 `groups.lora_linear` on each path: the torch path (A and B gathered per group, grouped matmuls, each slice's
 delta added into y's slice), the expand kernel, the shrink and expand kernels, and the fused kernel (one
-launch per linear) (``lora_kernels``), the last two also through Triton's own launch path in place of the
+launch per linear) (``preft.vllm_plugin.kernels``), the last two also through Triton's own launch path in place of the
 engine's direct launches (``triton_launch``); prints each LoRA cost as a fraction of the base matmuls, with
 the host's time to issue the calls (near the wall time: host-bound). Also checks every path agrees with the
 torch path, and that the direct launches ran the variants Triton picks (``triton_launch``'s check mode).
@@ -26,8 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_kernels, triton_launch
+from preft.vllm_plugin.kernels import policy, triton_launch
+from preft.vllm_plugin.kernels.plans import PlanCache
+from preft.vllm_plugin.step import groups as g
+from preft.vllm_plugin.step import lora
+from preft.vllm_plugin.step.state import using
+
+PLANS = PlanCache()  # the kernels' plans, as a worker's slot state keeps them
 
 # hidden, (q, k, v) widths, intermediate
 SHAPES = {"qwen05": (896, (896, 128, 128), 4864), "llama8b": (4096, (4096, 1024, 1024), 14336)}
@@ -192,25 +197,25 @@ def bench(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
         for (x, w, *_), y in zip(modules, ys, strict=True):
             torch.matmul(x, w.t(), out=y)
 
-    def lora():
+    def adapted():
         for (x, _, a, b, slices), y in zip(modules, ys, strict=True):
-            g.lora_linear(y, x, a, b, slices, 1.0, groups)
+            lora.lora_linear(y, x, a, b, slices, 1.0, groups, plans=PLANS)
 
     row = {"model": model, "rank": rank, "tokens": tokens, "group_size": group_size, "slots": slots}
     row["base_matmuls_ms"] = _timed(base, device, iters)[0] * 1e3
     outputs = {}
-    paths = PATHS.items() if lora_kernels.supported(ys[0]) else [("torch", PATHS["torch"])]
+    paths = PATHS.items() if policy.supported(ys[0]) else [("torch", PATHS["torch"])]
     for path, (kernels, launch, vectors) in paths:
-        with lora_kernels.using(*kernels), triton_launch.launching(launch), lora_kernels.rank_vectors(vectors):
-            if not all(lora_kernels.available(ys[0], k) for k in kernels):  # they failed to compile (logged)
+        with using(*kernels), triton_launch.launching(launch), policy.rank_vectors(vectors):
+            if not all(policy.available(ys[0], k) for k in kernels):  # they failed to compile (logged)
                 raise SystemExit(f"the {path} path's kernels are unavailable on this machine")
-            wall, host = _timed(lora, device, iters)
+            wall, host = _timed(adapted, device, iters)
             row[f"lora_{path}_ms"], row[f"lora_{path}_host_ms"] = wall * 1e3, host * 1e3
             row[f"lora_{path}_over_base"] = row[f"lora_{path}_ms"] / row["base_matmuls_ms"]
             for y in ys:
                 y.zero_()
             with triton_launch.launching("check" if launch == "direct" else launch):  # the launcher's keys hold
-                lora()
+                adapted()
             outputs[path] = [y.to(torch.float32, copy=True) for y in ys]
     for path in outputs.keys() - {"torch"}:
         row[f"{path}_speedup"] = row["lora_torch_ms"] / row[f"lora_{path}_ms"]

@@ -25,9 +25,14 @@ from types import SimpleNamespace
 import torch
 
 from loadtest.engine.bench_lora_kernels import add_model_and_rank_arguments, models_and_ranks, step
-from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_kernels, ops, triton_launch  # noqa: F401  (ops: the torch.ops.preft namespace)
-from preft.vllm_plugin.state import STATES
+from preft.vllm_plugin.kernels import shrink as shrink_kernel
+from preft.vllm_plugin.kernels import split, triton_launch
+from preft.vllm_plugin.kernels.plans import PlanCache
+from preft.vllm_plugin.step import groups as g
+from preft.vllm_plugin.step import lora, ops  # noqa: F401  (ops: the torch.ops.preft namespace)
+from preft.vllm_plugin.step.state import STATES, using
+
+PLANS = PlanCache()  # the kernels' plans, as a worker's slot state keeps them
 
 
 def _host_us(fn: Callable[[], object], calls: int) -> tuple[float, float]:
@@ -43,15 +48,15 @@ def _host_us(fn: Callable[[], object], calls: int) -> tuple[float, float]:
     return (issued - start) / calls * 1e6, (time.perf_counter() - start) / calls * 1e6
 
 
-def _shrink_launch(x2: torch.Tensor, plan: lora_kernels.SplitPlan, groups: g.SlotGroups) -> tuple:
-    """What `lora_kernels._shrink` hands its launcher for this call: (grid, key, args, warps, stages, addresses)."""
+def _shrink_launch(x2: torch.Tensor, plan: split.SplitPlan, groups: g.SlotGroups) -> tuple:
+    """What `kernels.shrink._shrink` hands its launcher for this call: (grid, key, args, warps, stages, addresses)."""
     calls = []
-    real = lora_kernels._SHRINK
-    lora_kernels._SHRINK = lambda *launch: calls.append(launch)
+    real = shrink_kernel._SHRINK
+    shrink_kernel._SHRINK = lambda *launch: calls.append(launch)
     try:
-        lora_kernels._shrink(x2, plan.a, plan.a_table, 1.0, groups)
+        shrink_kernel._shrink(x2, plan.a, plan.a_table, 1.0, groups)
     finally:
-        lora_kernels._SHRINK = real
+        shrink_kernel._SHRINK = real
     return calls[0]
 
 
@@ -64,23 +69,23 @@ def bench(tokens: int, group_size: int, calls: int) -> dict:
     row: dict = {"tokens": tokens, "group_size": group_size, "calls": calls}
 
     def linear() -> None:
-        g.lora_linear(y, x, a, b, slices, 1.0, groups)
+        lora.lora_linear(y, x, a, b, slices, 1.0, groups, plans=PLANS)
 
     state = max(STATES, default=0) + 1  # the op reads its step's groups from a worker's state
-    STATES[state] = SimpleNamespace(step=SimpleNamespace(lora_tokens=groups))
+    STATES[state] = SimpleNamespace(step=SimpleNamespace(lora_tokens=groups), plans=PLANS)
     op = torch.ops.preft.lora_linear.default
 
     def through_op() -> None:  # as the compiled model calls it
         op(y, x, a, b, slices, 1.0, state, False)
 
-    with lora_kernels.using("expand", "shrink"):
+    with using("expand", "shrink"):
         for mode in ("direct", "triton"):
             with triton_launch.launching(mode):
                 row[f"lora_linear_{mode}"] = _host_us(linear, calls)
         row["lora_linear_op_direct"] = _host_us(through_op, calls)
-        plan = lora_kernels.split_plan(y2, x2, a, b, slices)
+        plan = split.split_plan(y2, x2, a, b, slices, plans=PLANS)
         grid, key, args, warps, stages, addresses = _shrink_launch(x2, plan, groups)
-        launcher, dev = lora_kernels._SHRINK, torch.cuda.current_device()
+        launcher, dev = shrink_kernel._SHRINK, torch.cuda.current_device()
         row["shrink_launcher"] = _host_us(lambda: launcher(grid, key, args, warps, stages, addresses), calls)
         compiled = launcher.variants[dev, key]  # (the direct passes put it there)
         stream = torch.cuda.current_stream().cuda_stream

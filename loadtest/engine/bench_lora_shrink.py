@@ -4,7 +4,7 @@
     # results: loadtest/results/gpu-lora-shrink.{json,png}
 
 On the step of ``bench_lora_kernels`` (16,384 tokens in groups of one adapter, 512 slots), times the shrink
-alone on each of the layer's four LoRA linears at each ``lora_kernels.SHRINK_WIDTH`` of --widths (0: one slice a
+alone on each of the layer's four LoRA linears at each ``kernels.shrink.SHRINK_WIDTH`` of --widths (0: one slice a
 program, each re-reading x; wider: a module's slices side by side in one program, x read once for them), the
 widths alternated over --rounds. On CUDA each time is --iters launches replayed from one CUDA graph, so it is the
 device's alone (``bench_lora_kernels.device_us``); elsewhere the wall time of a call. Checks each width's z against
@@ -29,7 +29,11 @@ from loadtest.engine.bench_lora_kernels import (
     models_and_ranks,
     step,
 )
-from preft.vllm_plugin import lora_kernels
+from preft.vllm_plugin.kernels import common, split
+from preft.vllm_plugin.kernels import shrink as shrink_kernel
+from preft.vllm_plugin.kernels.plans import PlanCache
+
+PLANS = PlanCache()  # the kernels' plans, as a worker's slot state keeps them
 
 
 def bench(
@@ -43,28 +47,28 @@ def bench(
     widths: list[int],
     rounds: int,
 ) -> dict:
-    modules, ys, groups = step(model, rank, tokens, group_size, slots, device, block_rows=lora_kernels.ROW_BLOCK)
-    before = lora_kernels.SHRINK_WIDTH
+    modules, ys, groups = step(model, rank, tokens, group_size, slots, device, block_rows=common.ROW_BLOCK)
+    before = shrink_kernel.SHRINK_WIDTH
     linears = {}
     try:
         for name, (x, _w, a, b, slices), y in zip(LINEARS, modules, ys, strict=True):
-            plan = lora_kernels.split_plan(y, x, a, b, slices)
+            plan = split.split_plan(y, x, a, b, slices, plans=PLANS)
 
             def shrink(plan=plan, x=x) -> torch.Tensor:
-                return lora_kernels._shrink(x, plan.a, plan.a_table, 1.0, groups)
+                return shrink_kernel._shrink(x, plan.a, plan.a_table, 1.0, groups)
 
             times: dict[int, list[float]] = {w: [] for w in widths}
             for _ in range(rounds):
                 for width in widths:
-                    lora_kernels.SHRINK_WIDTH = width
+                    shrink_kernel.SHRINK_WIDTH = width
                     times[width].append(device_us(shrink, device, iters))
-            lora_kernels.SHRINK_WIDTH = 0
+            shrink_kernel.SHRINK_WIDTH = 0
             want = shrink().float()
             diffs, per_program = {}, {}
             for width in widths:
-                lora_kernels.SHRINK_WIDTH = width
+                shrink_kernel.SHRINK_WIDTH = width
                 diffs[width] = float((shrink().float() - want).abs().max() / want.abs().max())
-                per_program[width] = lora_kernels.slices_per_program(len(slices), rank)
+                per_program[width] = shrink_kernel.slices_per_program(len(slices), rank)
             linears[name] = {
                 "slices": len(slices),
                 "slices_per_program": per_program,
@@ -73,7 +77,7 @@ def bench(
                 "max_rel_diff_from_one_slice_a_program": diffs,
             }
     finally:
-        lora_kernels.SHRINK_WIDTH = before
+        shrink_kernel.SHRINK_WIDTH = before
     layer = {w: sum(e["us"][w] for e in linears.values()) for w in widths}
     return {"model": model, "rank": rank, "tokens": tokens, "linears": linears, "layer_us": layer}
 

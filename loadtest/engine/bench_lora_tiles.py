@@ -5,7 +5,7 @@
 
 For each model shape and rank (the step of ``bench_lora_kernels``: 16,384 tokens in groups of one adapter, 512
 slots), times each kernel alone on each of the layer's four LoRA linears, in every launch shape of the sweep
-(``lora_kernels.Tiles``: rows per program, columns per tile or per iteration, warps, stages, and the expand's
+(``Tiles``: rows per program, columns per tile or per iteration, warps, stages, and the expand's
 grid order), the others at the default. Beside them, per linear: the base matmul, and an in-place add over y
 (the expand's traffic, read and written once, at the rate torch's own kernel reaches). Reports each kernel's
 bytes per second, the default shape's and the fastest shape's time per linear, and the layer's LoRA time with
@@ -37,11 +37,19 @@ from loadtest.engine.bench_lora_kernels import (
     models_and_ranks,
     step,
 )
-from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_kernels
-from preft.vllm_plugin.lora_kernels import Tiles
+from preft.vllm_plugin import settings
+from preft.vllm_plugin.kernels import common, policy, split
+from preft.vllm_plugin.kernels import expand as expand_kernel
+from preft.vllm_plugin.kernels import shrink as shrink_kernel
+from preft.vllm_plugin.kernels.plans import PlanCache
+from preft.vllm_plugin.step import groups as g
+from preft.vllm_plugin.step import lora
+from preft.vllm_plugin.step.state import using
+from preft.vllm_plugin.tiles import Tiles
 
-BLOCK_ROWS = lora_kernels.ROW_BLOCK  # the step's row blocks, as the engine cuts them
+PLANS = PlanCache()  # the kernels' plans, as a worker's slot state keeps them
+
+BLOCK_ROWS = common.ROW_BLOCK  # the step's row blocks, as the engine cuts them
 
 
 def shapes(kernel: str) -> list[Tiles]:
@@ -54,7 +62,7 @@ def shapes(kernel: str) -> list[Tiles]:
         swept = [
             Tiles(r, c, w, 3, o) for r, c, w, o in itertools.product(rows, (32, 64, 128, 256), (4, 8), (False, True))
         ]
-    default = lora_kernels._TILES[kernel]
+    default = settings.current().lora_tiles[kernel]
     return swept if default in swept else [default, *swept]
 
 
@@ -65,8 +73,8 @@ def sweep(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
     references = []
     for (x, _, a, b, slices), y in zip(modules, ys, strict=True):
         y.zero_()
-        with lora_kernels.using():  # the torch path
-            g.lora_linear(y, x, a, b, slices, 1.0, groups)
+        with using():  # the torch path
+            lora.lora_linear(y, x, a, b, slices, 1.0, groups, plans=PLANS)
         references.append(y.to(torch.float32, copy=True))
     linears = {}
     for name, (x, w, a, b, slices), y, want in zip(LINEARS, modules, ys, references, strict=True):
@@ -82,22 +90,22 @@ def sweep(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
             "y_add_us": device_us(lambda y=y: y.add_(1.0), device, iters),
         }
         entry["y_add_gb_per_s"] = traffic["expand"] / entry["y_add_us"] / 1e3
-        with lora_kernels.using("expand", "shrink"):
+        with using("expand", "shrink"):
             for kernel in ("shrink", "expand"):
                 times = {}
                 for tiles in shapes(kernel):
-                    with lora_kernels.tiled(**{kernel: tiles}):
-                        plan = lora_kernels.split_plan(y, x, a, b, slices)
+                    with policy.tiled(**{kernel: tiles}):
+                        plan = split.split_plan(y, x, a, b, slices, plans=PLANS)
                         seconds = device_us(_launch(kernel, x, y, plan, groups), device, iters) / 1e6
                         y.zero_()
-                        lora_kernels.split_linear(y, x, plan, 1.0, groups)
+                        split.split_linear(y, x, plan, 1.0, groups, plans=PLANS)
                         diff = float((y.to(torch.float32) - want).abs().max() / want.abs().max())
                     times[tiles.label] = {
                         "us": seconds * 1e6,
                         "gb_per_s": traffic[kernel] / seconds / 1e9,
                         "max_rel_diff": diff,
                     }
-                default = lora_kernels._TILES[kernel].label
+                default = settings.current().lora_tiles[kernel].label
                 best = min(times, key=lambda k: times[k]["us"])
                 entry[kernel] = {"default": default, "best": best, "shapes": times}
         linears[name] = entry
@@ -106,12 +114,12 @@ def sweep(model: str, rank: int, tokens: int, group_size: int, slots: int, devic
     return row
 
 
-def _launch(kernel: str, x: torch.Tensor, y: torch.Tensor, plan: lora_kernels.SplitPlan, groups: g.SlotGroups):
+def _launch(kernel: str, x: torch.Tensor, y: torch.Tensor, plan: split.SplitPlan, groups: g.SlotGroups):
     """One call of this kernel alone on this linear (the expand adds a z made once)."""
     if kernel == "shrink":
-        return lambda: lora_kernels._shrink(x, plan.a, plan.a_table, 1.0, groups)
-    z = lora_kernels._shrink(x, plan.a, plan.a_table, 1.0, groups)
-    return lambda: lora_kernels._expand(y, z, plan.expand, groups.rank, groups)
+        return lambda: shrink_kernel._shrink(x, plan.a, plan.a_table, 1.0, groups)
+    z = shrink_kernel._shrink(x, plan.a, plan.a_table, 1.0, groups)
+    return lambda: expand_kernel._expand(y, z, plan.expand, groups.rank, groups)
 
 
 def _summary(linears: dict) -> dict:

@@ -17,8 +17,8 @@ import torch
 
 from loadtest.engine.bench_engine import ARCH_CONFIGS
 from preft.adapters import ModelShape
-from preft.vllm_plugin import ops
-from preft.vllm_plugin.state import PreftSlotState
+from preft.vllm_plugin.step import ops
+from preft.vllm_plugin.step.state import PreftSlotState
 
 HIDDEN, SLICES, RANK, TOKENS = 896, (896, 128, 128), 8, 512
 

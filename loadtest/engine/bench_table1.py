@@ -41,7 +41,10 @@ from pathlib import Path
 
 from loadtest.engine.bench_engine import ARCH_CONFIGS
 from loadtest.engine.host_probe import HostProbe, speed_probe_ms
-from preft.vllm_plugin import lora_kernels, triton_launch
+from preft.vllm_plugin import settings
+from preft.vllm_plugin.kernels import policy, triton_launch
+from preft.vllm_plugin.kernels.variants import compiled_variants
+from preft.vllm_plugin.step.state import using
 from preft.vllm_plugin.tiles import parse_tiles
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -476,7 +479,7 @@ class Bench:
             notes = dict(load_notes)
             warm = min(n_requests, a.warmup_requests)
             notes["warmup_s"] = round(self.run(llm, warm, prompt_len, a.warmup_tokens, draw(warm), mode)[0], 3)
-            compiled = lora_kernels.compiled_variants()
+            compiled = compiled_variants()
             t_po, _ = self.run(llm, n_requests, prompt_len, 1, draw(n_requests), mode)
             mark, ttft = len(self.steps.records), []
             speed_before, host_before = speed_probe_ms(), self.host.sample()
@@ -487,7 +490,7 @@ class Bench:
             notes["speed_probe_best_ms"] = [speed_before[1], speed_after[1]]
             notes.update(self.steps.summary(mark))
             if compiled is not None:  # LoRA kernel variants compiled inside the timed passes (stalls)
-                notes["lora_kernel_compiles"] = lora_kernels.compiled_variants() - compiled
+                notes["lora_kernel_compiles"] = compiled_variants() - compiled
             paired = None
             if a.pairs and engine == "preft" and adapters:
                 paired, pair_notes = self.pairs(llm, n_requests, prompt_len, output_len, draw, mode)
@@ -673,9 +676,9 @@ class Bench:
             plan.append((f"LoRA all r{first_rank}", "lora", "all", first_rank, lora_reqs[first_rank], first))
         plan = [step for step in plan if a.configs.search(step[0])]
         # each LoRA configuration's passes again on other LoRA kernels, then launched otherwise, same engine
-        variants = [(f"kernels: {k}", lambda k=k: lora_kernels.using(*k.split(","))) for k in a.lora_kernels]
+        variants = [(f"kernels: {k}", lambda k=k: using(*k.split(","))) for k in a.lora_kernels]
         variants += [(f"launch: {m}", lambda m=m: triton_launch.launching(m)) for m in a.triton_launch]
-        variants += [(f"tiles: {t}", lambda t=t: lora_kernels.tiled(**parse_tiles(t))) for t in a.lora_tiles]
+        variants += [(f"tiles: {t}", lambda t=t: policy.tiled(**parse_tiles(t))) for t in a.lora_tiles]
         for name, method, mode, rank, reqs, workloads in plan:
             if self.out_of_time(name):
                 break
@@ -765,8 +768,8 @@ class Bench:
                 "device": device_name(),
                 "vllm": __import__("vllm").__version__,
                 "dtype": self.dtype,
-                "lora_kernels": sorted(lora_kernels._KERNELS),
-                "lora_tiles": {k: t.label for k, t in lora_kernels._TILES.items()},
+                "lora_kernels": sorted(settings.current().lora_kernels),
+                "lora_tiles": {k: t.label for k, t in settings.current().lora_tiles.items()},
                 "triton_launch": triton_launch.mode(),
                 "triton": getattr(triton_launch.triton, "__version__", None),
             },
@@ -982,7 +985,7 @@ def merge(parts: list[Path], out: Path) -> None:
 def plugin_digest() -> str:
     """Compiled graphs of the PreFT engine depend on the plugin's code: cache them under its digest."""
     h = hashlib.sha256()
-    for f in sorted((Path(__file__).resolve().parents[1] / "services/preft/vllm_plugin").glob("*.py")):
+    for f in sorted((Path(__file__).resolve().parents[1] / "services/preft/vllm_plugin").rglob("*.py")):
         h.update(f.read_bytes())
     return h.hexdigest()[:12]
 

@@ -4,7 +4,7 @@
         > $OUT/ncu.txt                                                  # on the GPU machine
 
 The step is ``bench_lora_kernels``'s (16,384 tokens in groups of 1,024, 512 slots). Each (model, rank) runs, in
-this order: the gate/up shrink and the activation with that LoRA folded in (``lora_act``), the activation of a step
+this order: the gate/up shrink and the activation with that LoRA folded in (``kernels.act``), the activation of a step
 without LoRA tokens, and the shrink and the expand of q/k/v, o and down. They run ``--iters`` times first (3:
 Triton compiles, the caches warm), then once between ``cudaProfilerStart`` and ``cudaProfilerStop``: ``ncu
 --profile-from-start off`` profiles only those launches.
@@ -18,10 +18,14 @@ from collections.abc import Callable
 import torch
 
 from loadtest.engine.bench_lora_kernels import add_step_arguments, models_and_ranks, step
-from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_act
+from preft.vllm_plugin.kernels.plans import PlanCache
+from preft.vllm_plugin.step import groups as g
+from preft.vllm_plugin.step import lora
 
 GATE_UP = 2  # the step's modules: q/k/v, o, gate/up, down
+
+
+PLANS = PlanCache()  # the kernels' plans, as a worker's slot state keeps them
 
 
 def layer(
@@ -37,11 +41,11 @@ def layer(
     none = g.empty_groups(device)
 
     def run() -> None:
-        lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
-        lora_act.lora_silu_and_mul(out, gate_up, x, a, b, none)
+        lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, plans=PLANS)
+        lora.lora_silu_and_mul(out, gate_up, x, a, b, none, plans=PLANS)
         for i, (x_i, _, a_i, b_i, slices) in enumerate(modules):
             if i != GATE_UP:
-                g.lora_linear(ys[i], x_i, a_i, b_i, slices, 1.0, groups)
+                lora.lora_linear(ys[i], x_i, a_i, b_i, slices, 1.0, groups, plans=PLANS)
 
     return run, ys, out
 

@@ -1,5 +1,5 @@
 """Adapters loaded into host memory are frozen out of the garbage collector's walk once the engine is idle, and
-an evicted adapter is still freed (``preft.vllm_plugin.gc_freeze``). The checks run in the process of the
+an evicted adapter is still freed (``preft.vllm_plugin.patches.gc_freeze``). The checks run in the process of the
 worker, which holds the adapters, through vLLM's ``collective_rpc``."""
 
 from __future__ import annotations

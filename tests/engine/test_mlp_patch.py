@@ -1,4 +1,4 @@
-"""The MLP forward that ``act`` (a default kernel) installs on CUDA (``mlp_patch``): the projection's base GEMM,
+"""The MLP forward that ``act`` (a default kernel) installs on CUDA (``patches.mlp``): the projection's base GEMM,
 then ``preft::lora_silu_and_mul_down`` (the activation and down's shrink of it), down's base GEMM and
 ``preft::lora_expand``. Installed here on CPU in a running engine's worker, where the op adds the gate/up LoRA
 into gate_up, runs torch's activation and shrinks it, it must give the tokens vLLM's own forward gave, with base
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.engine
 def _patch(worker) -> tuple[int, int]:
     """In the worker: patch the model's MLPs as the plugin does on CUDA; how many were, and how many of them also
     take down_proj's LoRA."""
-    from preft.vllm_plugin import compat, mlp_patch
+    from preft.vllm_plugin import compat
+    from preft.vllm_plugin.patches import mlp as mlp_patch
 
     manager = worker.model_runner.lora_manager
     model = manager._adapter_manager.model

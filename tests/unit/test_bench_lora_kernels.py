@@ -31,11 +31,12 @@ def test_tiles_sweep_times_each_kernel_per_linear_and_checks_every_shape(lora_ke
     from loadtest.engine import bench_lora_kernels as kernels
     from loadtest.engine import bench_lora_tiles
 
-    from preft.vllm_plugin import lora_kernels
+    from preft.vllm_plugin import settings
+    from preft.vllm_plugin.tiles import Tiles, parse_tiles
 
     monkeypatch.setitem(kernels.SHAPES, "tiny", (64, (64, 16, 16), 128))
-    other = lora_kernels.Tiles(rows=32, cols=32, warps=4, stages=2)
-    monkeypatch.setattr(bench_lora_tiles, "shapes", lambda kernel: [lora_kernels._TILES[kernel], other])
+    other = Tiles(rows=32, cols=32, warps=4, stages=2)
+    monkeypatch.setattr(bench_lora_tiles, "shapes", lambda kernel: [settings.current().lora_tiles[kernel], other])
     row = bench_lora_tiles.sweep("tiny", 8, 256, 128, 4, torch.device("cpu"), 1)
     assert list(row["linears"]) == ["qkv", "o", "gate_up", "down"]
     for linear in row["linears"].values():
@@ -46,7 +47,7 @@ def test_tiles_sweep_times_each_kernel_per_linear_and_checks_every_shape(lora_ke
     summary = row["summary"]
     assert summary["shrink"]["per_linear_best_us"] <= summary["shrink"]["uniform_best_us"]
     assert summary["expand"]["uniform_best_us"] <= summary["expand"]["default_us"]
-    tiles = lora_kernels.parse_tiles(bench_lora_tiles.fastest_overall([row, row]))
+    tiles = parse_tiles(bench_lora_tiles.fastest_overall([row, row]))
     assert set(tiles) == {"shrink", "expand"}
     assert all(tiles[k].label in row["linears"]["qkv"][k]["shapes"] for k in tiles)
 
@@ -57,12 +58,12 @@ def test_shrink_bench_times_each_width_per_linear_and_checks_it(lora_kernels_int
     from loadtest.engine import bench_lora_kernels as kernels
     from loadtest.engine import bench_lora_shrink
 
-    from preft.vllm_plugin import lora_kernels
+    from preft.vllm_plugin.kernels import shrink
 
     monkeypatch.setitem(kernels.SHAPES, "tiny", (64, (64, 16, 16), 128))
-    width = lora_kernels.SHRINK_WIDTH
+    width = shrink.SHRINK_WIDTH
     row = bench_lora_shrink.bench("tiny", 16, 256, 128, 4, torch.device("cpu"), 1, [0, 32, 64], 2)
-    assert width == lora_kernels.SHRINK_WIDTH  # (restored)
+    assert width == shrink.SHRINK_WIDTH  # (restored)
     assert list(row["linears"]) == ["qkv", "o", "gate_up", "down"]
     qkv = row["linears"]["qkv"]
     assert qkv["slices_per_program"] == {0: 1, 32: 2, 64: 4}

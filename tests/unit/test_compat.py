@@ -19,13 +19,20 @@ def test_touch_point_exists(point):
     importlib.import_module(f"preft.vllm_plugin.{point.ours}")
 
 
+def test_each_touch_point_is_listed_once_and_resolves_its_owner():
+    symbols = [point.symbol for point in compat.TOUCH_POINTS]
+    assert len(symbols) == len(set(symbols))
+    for point in compat.TOUCH_POINTS:
+        assert getattr(point.owner(), point.attr) is point.resolve()
+
+
 def test_installed_vllm_is_a_tested_release():
     assert compat.check_version() in compat.TESTED_VLLM_VERSIONS
 
 
 def test_register_is_idempotent():
     from preft import vllm_plugin
-    from preft.vllm_plugin.patching import is_wrapped
+    from preft.vllm_plugin.patches.patching import is_wrapped
 
     vllm_plugin.register()
     vllm_plugin.register()

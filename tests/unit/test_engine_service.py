@@ -266,10 +266,10 @@ def test_settings_read_nested_environment(monkeypatch, tmp_path):
 
 
 def test_lora_kernels_setting_reaches_the_replica_environment(tmp_path):
-    from preft.vllm_plugin import lora_kernels
+    from preft.vllm_plugin import settings
 
     default = EngineSettings(model_dir=tmp_path).lora_kernels  # the plugin reads it as the six names
-    assert lora_kernels._picked(default) == {"expand", "shrink", "act", "fold", "gluon", "down"}
+    assert settings.parse_kernels(default) == {"expand", "shrink", "act", "fold", "gluon", "down"}
     assert EngineSettings(model_dir=tmp_path).process_env()["PREFT_LORA_KERNELS"] == "expand,shrink,act,fold,gluon,down"
     choices = ((" fused, expand", "fused,expand"), ("none", "none"), ("expand,shrink,act", "expand,shrink,act"))
     for value, env in choices:
@@ -292,7 +292,7 @@ def test_lora_tiles_setting_is_checked_and_reaches_the_replica_environment(tmp_p
 
 
 def test_gc_freeze_setting_reaches_the_replica_environment(tmp_path, monkeypatch):
-    from preft.vllm_plugin import gc_freeze
+    from preft.vllm_plugin.patches import gc_freeze
 
     assert EngineSettings(model_dir=tmp_path).process_env()["PREFT_GC_FREEZE"] == "1"
     off = EngineSettings(model_dir=tmp_path, gc_freeze=False).process_env()["PREFT_GC_FREEZE"]

@@ -6,13 +6,19 @@ import numpy as np
 import pytest
 import torch
 
-from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_kernels
+from preft.adapters import ModelShape
+from preft.vllm_plugin import settings
+from preft.vllm_plugin.kernels import common, expand, fused, policy, shrink, split, staging, variants
+from preft.vllm_plugin.kernels.plans import PlanCache
+from preft.vllm_plugin.step import groups as g
+from preft.vllm_plugin.step import lora, state, torch_path, warmup
+from preft.vllm_plugin.step.state import using
+from preft.vllm_plugin.tiles import Tiles
 
 SLOTS, RANK, IN, OUT = 5, 16, 24, 40
 
 
-def _groups(token_slots, ranks=(8, 8, 16, 8, 8), block_rows=lora_kernels.ROW_BLOCK):
+def _groups(token_slots, ranks=(8, 8, 16, 8, 8), block_rows=common.ROW_BLOCK):
     slot_ranks = np.asarray([*ranks, 0])
     return g.SlotGroups.build(
         np.asarray(token_slots), "cpu", slot_ranks=slot_ranks, max_rank=RANK, block_rows=block_rows
@@ -52,7 +58,7 @@ def test_contiguous_adapted_tokens_are_a_span():
 
 
 def test_too_many_runs_fall_back_to_grouping_by_slot(monkeypatch):
-    monkeypatch.setattr(g, "_MAX_GROUPS", 3)
+    monkeypatch.setattr(g, "MAX_GROUPS", 3)
     groups = _groups([0, 1, 0, 1, 0])
     assert groups.span is None
     assert groups.rows.tolist() == [0, 2, 4, 1, 3]
@@ -69,10 +75,10 @@ def test_lora_linear_matches_per_token_reference(token_slots, dtype):
         _check_lora_linear(token_slots)
     finally:
         torch.set_default_dtype(torch.float32)
-    assert not g._fast_path_failed
+    assert not torch_path._fast_path_failed
 
 
-def _check_lora_linear(token_slots, slices=(OUT, 8), in_cols=IN, block_rows=lora_kernels.ROW_BLOCK, **tolerance):
+def _check_lora_linear(token_slots, slices=(OUT, 8), in_cols=IN, block_rows=common.ROW_BLOCK, plans=None, **tolerance):
     gen = torch.Generator().manual_seed(0)
     n = len(token_slots)
     x = torch.randn(n, in_cols, generator=gen, dtype=torch.get_default_dtype())
@@ -87,7 +93,8 @@ def _check_lora_linear(token_slots, slices=(OUT, 8), in_cols=IN, block_rows=lora
         for ai, bi, size in zip(a, b, slices, strict=True):
             expected[t, offset : offset + size] += (x[t] @ ai[slot, 0].T * 0.5) @ bi[slot, 0].T
             offset += size
-    g.lora_linear(y, x, a, b, list(slices), 0.5, _groups(token_slots, block_rows=block_rows))
+    groups = _groups(token_slots, block_rows=block_rows)
+    lora.lora_linear(y, x, a, b, list(slices), 0.5, groups, plans=plans or PlanCache())
     torch.testing.assert_close(y, expected, **tolerance)
 
 
@@ -98,9 +105,9 @@ def test_shrink_then_expand_as_vllm_buffers(token_slots):
     a, b = [_stacked(gen, RANK, IN)], [_stacked(gen, OUT, RANK, rank_dim=-1)]
     groups = _groups(token_slots)
     buffer = torch.zeros(1, 4, RANK, dtype=torch.get_default_dtype())
-    g.lora_shrink(buffer, x, a, 2.0, groups)
+    lora.lora_shrink(buffer, x, a, 2.0, groups)
     y = torch.zeros(4, OUT, dtype=torch.get_default_dtype())
-    g.lora_expand(y, buffer, b, [OUT], 0, True, groups)
+    lora.lora_expand(y, buffer, b, [OUT], 0, True, groups, plans=PlanCache())
     for t, slot in enumerate(token_slots):
         want = (
             torch.zeros(OUT, dtype=torch.get_default_dtype())
@@ -121,7 +128,7 @@ def test_direft_apply_edits_only_adapted_rows_and_keeps_the_sum_order(token_slot
     a[:, 8:], b[:, 8:], bias[:, 8:] = 0, 0, 0
     stream = hidden + residual
     h0, r0 = hidden.clone(), residual.clone()
-    g.direft_apply(hidden, residual, a, b, bias, _groups(token_slots, ranks=(8, 8, 8, 8, 8)))
+    torch_path.direft_apply(hidden, residual, a, b, bias, _groups(token_slots, ranks=(8, 8, 8, 8, 8)))
     for t, slot in enumerate(token_slots):
         if slot < 0:
             assert torch.equal(hidden[t], h0[t]) and torch.equal(residual[t], r0[t])
@@ -136,20 +143,20 @@ def test_loop_fallback_matches_grouped_mm():
     groups = _groups([1, 1, 3, 0, 3])
     a = torch.randn(5, IN, generator=gen)
     w = torch.randn(len(groups.bounds), IN, 8, generator=gen)
-    fast = g.grouped_mm(a, w, groups)
-    g._fast_path_failed = True
+    fast = torch_path.grouped_mm(a, w, groups)
+    torch_path._fast_path_failed = True
     try:
-        slow = g.grouped_mm(a, w, groups)
+        slow = torch_path.grouped_mm(a, w, groups)
     finally:
-        g._fast_path_failed = False
+        torch_path._fast_path_failed = False
     torch.testing.assert_close(fast, slow)
 
 
 def test_staged_puts_host_arrays_end_to_end_in_one_int64_tensor():
     parts = (np.array([1, 2], dtype=np.int32), np.array([[3, 4], [5, 6]]), np.zeros(0, dtype=np.int64))
-    host = g.staged(parts, pinned=False)
+    host = staging.staged(parts, pinned=False)
     assert host.dtype == torch.int64 and host.tolist() == [1, 2, 3, 4, 5, 6]
-    assert [t.tolist() for t in g.to_device(parts[:1] + parts[2:], torch.device("cpu"))] == [[1, 2], []]
+    assert [t.tolist() for t in staging.to_device(parts[:1] + parts[2:], torch.device("cpu"))] == [[1, 2], []]
 
 
 def test_row_blocks_cut_each_group_into_kernel_blocks():
@@ -177,50 +184,55 @@ def test_lora_kernels_matches_per_token_reference(lora_kernels_interpreted, toke
 @pytest.mark.parametrize("slices", [(272, 16, 16), (640,)])
 def test_lora_kernels_on_wide_slices(lora_kernels_interpreted, slices, monkeypatch):
     """Slices wider than one column tile, 16-aligned: programs that cover several tiles, several per slice."""
-    fused = []
-    launch = lora_kernels.lora_linear
-    monkeypatch.setattr(lora_kernels, "lora_linear", lambda *args: fused.append(1) or launch(*args))
+    launched = []
+    launch = fused.lora_linear
+    monkeypatch.setattr(fused, "lora_linear", lambda *args, **kw: launched.append(1) or launch(*args, **kw))
     _check_lora_linear(LONG_RUNS[60:], slices=slices, in_cols=32)
-    assert len(fused) == lora_kernels.available(torch.zeros(1), "fused")
+    assert len(launched) == policy.available(torch.zeros(1), "fused")
 
 
 @pytest.mark.parametrize(("width", "per_program"), [(0, 1), (32, 2), (64, 4)])
 def test_the_shrink_takes_a_modules_slices_side_by_side(lora_kernels_interpreted, monkeypatch, width, per_program):
     """Three slices of rank 16: one a program, two (the second program's other slice past the last), all."""
-    monkeypatch.setattr(lora_kernels, "SHRINK_WIDTH", width)
-    assert lora_kernels.slices_per_program(3, RANK) == per_program
-    assert lora_kernels.slices_per_program(1, RANK) == 1
+    monkeypatch.setattr(shrink, "SHRINK_WIDTH", width)
+    assert shrink.slices_per_program(3, RANK) == per_program
+    assert shrink.slices_per_program(1, RANK) == 1
     _check_lora_linear(LONG_RUNS[60:], slices=(OUT, 8, 16))
 
 
 def test_shrink_and_expand_kernels_make_two_launches_per_lora_linear(lora_kernels_interpreted, monkeypatch):
     """Whatever its number of slices, and with widths that are and are not multiples of 16."""
     launches = []
-    for name in ("_launch_shrink", "_launch_expand"):
-        launch = getattr(lora_kernels, name)
-        monkeypatch.setattr(lora_kernels, name, lambda *args, _f=launch, _n=name: launches.append(_n) or _f(*args))
-    with lora_kernels.using("expand", "shrink"):
+    for name in ("launch_shrink", "launch_expand"):
+        launch = getattr(split, name)
+        monkeypatch.setattr(split, name, lambda *args, _f=launch, _n=name: launches.append(_n) or _f(*args))
+    with using("expand", "shrink"):
         _check_lora_linear(LONG_RUNS, slices=(OUT, 8, 16))
         _check_lora_linear(LONG_RUNS[60:], slices=(272, 16, 16), in_cols=32)
         _check_lora_linear([2, -1, 0, 2], slices=(OUT,))
-    assert launches == ["_launch_shrink", "_launch_expand"] * 3
+    assert launches == ["launch_shrink", "launch_expand"] * 3
 
 
 def test_steps_from_the_fused_rank_on_take_the_fused_kernel(lora_kernels_interpreted, monkeypatch):
     """With the pair and the fused kernel picked (``expand,shrink,fused``), a step's rank picks between them;
     either way the reference's result. Slot 2 has rank 16, the others 8."""
     launches = []
-    for name in ("lora_linear", "split_linear"):
-        launch = getattr(lora_kernels, name)
-        monkeypatch.setattr(lora_kernels, name, lambda *args, _f=launch, _n=name: launches.append(_n) or _f(*args))
-    monkeypatch.setattr(lora_kernels, "FUSED_FROM_RANK", 16)
-    with lora_kernels.using("expand", "shrink", "fused"):
+    for module, name in ((fused, "lora_linear"), (split, "split_linear")):
+        launch = getattr(module, name)
+
+        def recording(*args, _f=launch, _n=name, **kw):
+            launches.append(_n)
+            return _f(*args, **kw)
+
+        monkeypatch.setattr(module, name, recording)
+    monkeypatch.setattr(policy, "FUSED_FROM_RANK", 16)
+    with using("expand", "shrink", "fused"):
         _check_lora_linear([0, 1, -1, 4], slices=(OUT, 8, 16))  # rank 8
         _check_lora_linear(LONG_RUNS, slices=(OUT, 8, 16))  # rank 16 (slot 2)
     assert launches == ["split_linear", "lora_linear"]
     picked = frozenset({"expand", "shrink", "fused"})
-    assert [lora_kernels.fuses(r, picked) for r in (8, 15, 16, 64)] == [False, False, True, True]
-    assert lora_kernels.fuses(8, frozenset({"fused", "expand"})) and not lora_kernels.fuses(64, picked - {"fused"})
+    assert [policy.fuses(r, picked) for r in (8, 15, 16, 64)] == [False, False, True, True]
+    assert policy.fuses(8, frozenset({"fused", "expand"})) and not policy.fuses(64, picked - {"fused"})
 
 
 def _lora_reference(y, x, a, b, slices, scale, token_slots):
@@ -238,30 +250,31 @@ def test_a_module_keeps_its_plan_and_the_step_its_arguments(lora_kernels_interpr
     call them: the results of the torch path; each module's plan made once and found again by its weights'
     identity; each step's group arguments made once; z's buffer reused, wider steps widening it."""
     made = []
-    make = lora_kernels._make_split_plan
-    monkeypatch.setattr(lora_kernels, "_make_split_plan", lambda *args: made.append(1) or make(*args))
+    make = split.make_split_plan
+    monkeypatch.setattr(split, "make_split_plan", lambda *args, **kw: made.append(1) or make(*args, **kw))
+    plans = PlanCache()
     gen = torch.Generator().manual_seed(3)
     modules = []
     for slices in ((OUT, 8, 16), (OUT,)):
         a = [_stacked(gen, RANK, IN) for _ in slices]
         b = [_stacked(gen, size, RANK, rank_dim=-1) for size in slices]
         modules.append((a, b, list(slices)))
-    with lora_kernels.using("expand", "shrink"):
+    with using("expand", "shrink"):
         for token_slots in (LONG_RUNS[60:], LONG_RUNS):
             groups = _groups(token_slots)
             x = torch.randn(len(token_slots), IN, generator=gen, dtype=torch.get_default_dtype())
             for a, b, slices in modules * 2:
                 y = torch.randn(len(token_slots), sum(slices), generator=gen, dtype=torch.get_default_dtype())
                 expected = _lora_reference(y, x, a, b, slices, 0.5, token_slots)
-                g.lora_linear(y, x, a, b, slices, 0.5, groups)
+                lora.lora_linear(y, x, a, b, slices, 0.5, groups, plans=plans)
                 torch.testing.assert_close(y, expected)
-            assert list(groups.launch_args) == [lora_kernels.ROW_BLOCK]  # (the shrink's and expand's rows agree)
-            (z,) = lora_kernels._SCRATCH.values()
+            assert list(groups.launch_args) == [common.ROW_BLOCK]  # (the shrink's and expand's rows agree)
+            (z,) = plans.scratch_buffers.values()
             assert z.numel() >= len(groups.rows) * 3 * groups.rank
     assert len(made) == len(modules)
     a, b, slices = modules[0]
     y = torch.zeros(len(LONG_RUNS), sum(slices))
-    plan = lora_kernels.split_plan(y, x, a, b, slices)
+    plan = split.split_plan(y, x, a, b, slices, plans=plans)
     assert len(made) == len(modules)
     assert not plan.serves(y, x, a, b, [OUT, 16, 8]) and not plan.serves(y, x, [a[1], a[0], a[2]], b, slices)
     assert not plan.serves(y, x.double(), a, b, slices) and plan.serves(y, x, a, b, slices)
@@ -270,40 +283,40 @@ def test_a_module_keeps_its_plan_and_the_step_its_arguments(lora_kernels_interpr
 @pytest.mark.parametrize(
     ("block_rows", "shrink", "expand"),
     [
-        (64, lora_kernels.Tiles(rows=32, cols=16), lora_kernels.Tiles(rows=16, cols=32, stages=1)),
-        (128, lora_kernels.Tiles(rows=128, cols=32, stages=4), lora_kernels.Tiles(rows=64, cols=256, warps=8)),
-        (64, lora_kernels.Tiles(rows=32, cols=16), lora_kernels.Tiles(rows=32, cols=32, cols_first=True)),
+        (64, Tiles(rows=32, cols=16), Tiles(rows=16, cols=32, stages=1)),
+        (128, Tiles(rows=128, cols=32, stages=4), Tiles(rows=64, cols=256, warps=8)),
+        (64, Tiles(rows=32, cols=16), Tiles(rows=32, cols=32, cols_first=True)),
     ],
 )
 def test_lora_kernels_in_other_tiles_match_the_reference(lora_kernels_interpreted, block_rows, shrink, expand):
     """Several programs per row block, wider and narrower tiles, the expand's grid in either order: what a
     tuning sweep tries."""
-    with lora_kernels.using("expand", "shrink"), lora_kernels.tiled(shrink=shrink, expand=expand):
+    with using("expand", "shrink"), policy.tiled(shrink=shrink, expand=expand):
         _check_lora_linear(LONG_RUNS, slices=(OUT, 8, 16), block_rows=block_rows)
         _check_lora_linear(LONG_RUNS[60:], slices=(272, 16, 16), in_cols=32, block_rows=block_rows)
         _check_lora_linear([2, -1, 0, 2, 4, -1, 1, 1, 3], block_rows=block_rows)
 
 
 def test_tiled_restores_the_tiles_and_refuses_what_cannot_run(lora_kernels_interpreted):
-    before = dict(lora_kernels._TILES)
-    with pytest.raises(ValueError, match="unknown kernels"), lora_kernels.tiled(fused=lora_kernels.Tiles(16, 16)):
+    before = dict(settings.current().lora_tiles)
+    with pytest.raises(ValueError, match="unknown kernels"), policy.tiled(fused=Tiles(16, 16)):
         pass
-    odd = lora_kernels.Tiles(rows=64, cols=16)  # 64 rows per program do not divide a row block of 96
+    odd = Tiles(rows=64, cols=16)  # 64 rows per program do not divide a row block of 96
     with (
-        lora_kernels.using("expand", "shrink"),
-        lora_kernels.tiled(shrink=odd),
+        using("expand", "shrink"),
+        policy.tiled(shrink=odd),
         pytest.raises(ValueError, match="divide"),
     ):
         _check_lora_linear(LONG_RUNS, block_rows=96)
-    assert before == lora_kernels._TILES
+    assert before == dict(settings.current().lora_tiles)
 
 
 def test_column_ranges_bound_the_rereads_of_x():
-    assert lora_kernels._column_ranges([40, 8], 24) == ([(0, 0), (1, 0)], 128)  # one program per slice
-    assert lora_kernels._column_ranges([272, 16], 32) == ([(0, 0), (0, 128), (0, 256), (1, 0)], 128)
+    assert fused.column_ranges([40, 8], 24) == ([(0, 0), (1, 0)], 128)  # one program per slice
+    assert fused.column_ranges([272, 16], 32) == ([(0, 0), (0, 128), (0, 256), (1, 0)], 128)
     # 5 tiles, at most 1 + 2·640/640 = 3 programs: 2 tiles each
-    assert lora_kernels._column_ranges([640], 640) == ([(0, 0), (0, 256), (0, 512)], 256)
-    assert lora_kernels._column_ranges([0, 300], 4096) == ([(1, 0)], 384)  # an empty slice gets no program
+    assert fused.column_ranges([640], 640) == ([(0, 0), (0, 256), (0, 512)], 256)
+    assert fused.column_ranges([0, 300], 4096) == ([(1, 0)], 384)  # an empty slice gets no program
 
 
 @pytest.mark.parametrize("token_slots", [[1, -1, 1, 0], [-1, 1, 1, 0]])
@@ -313,14 +326,14 @@ def test_lora_kernels_as_vllm_buffers(lora_kernels_interpreted, token_slots):
 
 def test_lora_kernels_warm_up_covers_every_variant(lora_kernels_interpreted, monkeypatch):
     launched = []
-    launch = lora_kernels.expand_add
+    launch = expand.expand_add
 
-    def recording(y2, z, b, offset, width, groups):
+    def recording(y2, z, b, offset, width, groups, *, plans):
         launched.append((groups.span is not None, max(16, 1 << (groups.rank - 1).bit_length())))
-        launch(y2, z, b, offset, width, groups)
+        launch(y2, z, b, offset, width, groups, plans=plans)
 
-    monkeypatch.setattr(lora_kernels, "expand_add", recording)
-    lora_kernels.warm_up(torch.device("cpu"), torch.float32, 32, 40)
+    monkeypatch.setattr(expand, "expand_add", recording)
+    warmup.compile_kernels(torch.device("cpu"), torch.float32, 32, 40, plans=PlanCache())
     assert sorted(launched) == [(span, k) for span in (False, True) for k in (16, 32, 64)]
 
 
@@ -328,30 +341,32 @@ def test_lora_kernels_that_cannot_compile_leave_the_torch_path(lora_kernels_inte
     def fails(*args, **kwargs):
         raise RuntimeError("no such target")
 
-    monkeypatch.setattr(lora_kernels, "shrink", fails)
-    monkeypatch.setattr(lora_kernels, "lora_linear", fails)
-    lora_kernels.warm_up(torch.device("cpu"), torch.float32, 32, 8)
-    assert not lora_kernels.available(torch.zeros(1)) and "no such target" in caplog.text
+    monkeypatch.setattr(shrink, "shrink", fails)
+    monkeypatch.setattr(fused, "lora_linear", fails)
+    warmup.compile_kernels(torch.device("cpu"), torch.float32, 32, 8, plans=PlanCache())
+    assert not policy.available(torch.zeros(1)) and "no such target" in caplog.text
     _check_lora_linear([0, 0, -1, 2])  # served by the torch path
 
 
 def test_using_compiles_the_picked_kernels_for_every_engine_then_restores(lora_kernels_interpreted, monkeypatch):
     launched = []
-    launch = lora_kernels.expand_add
-    monkeypatch.setattr(lora_kernels, "expand_add", lambda *args: launched.append(1) or launch(*args))
-    monkeypatch.setattr(lora_kernels, "_KERNELS", frozenset())  # the default: the torch path
-    lora_kernels.warm_up(torch.device("cpu"), torch.float32, 32, 8)
-    assert not launched and not lora_kernels.available(torch.zeros(1))
-    with lora_kernels.using("expand"):
-        assert len(launched) == 2 and lora_kernels.available(torch.zeros(1))
-        assert not lora_kernels.available(torch.zeros(1), "shrink")
-    assert not lora_kernels.available(torch.zeros(1))
+    launch = expand.expand_add
+    monkeypatch.setattr(expand, "expand_add", lambda *args, **kw: launched.append(1) or launch(*args, **kw))
+    monkeypatch.setattr(state, "STATES", {})  # (this test's engine only)
+    settings.replace(lora_kernels=frozenset())  # the default: the torch path
+    shape = ModelShape("LlamaForCausalLM", 32, 2, 2, 2, 16, 64, 100)
+    engine = state.PreftSlotState(shape=shape, max_slots=2, max_rank=8, dtype=torch.float32, device="cpu")
+    assert not launched and not policy.available(torch.zeros(1)) and engine.warmed_up is not None
+    with using("expand"):
+        assert len(launched) == 2 and policy.available(torch.zeros(1))
+        assert not policy.available(torch.zeros(1), "shrink")
+    assert not policy.available(torch.zeros(1))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests before it compile kernels")
 def test_compiled_variants_are_counted_from_tritons_caches():
     """The pinned Triton's JIT layout is the one read: nothing compiled on this CPU-only machine."""
-    assert lora_kernels.compiled_variants() == 0
+    assert variants.compiled_variants() == 0
 
 
 def test_the_expand_stores_the_delta_without_reading_y(lora_kernels_interpreted):
@@ -364,9 +379,10 @@ def test_the_expand_stores_the_delta_without_reading_y(lora_kernels_interpreted)
     b = [_stacked(gen, s, RANK, rank_dim=-1) for s in slices]
     y = torch.full((len(token_slots), sum(slices)), float("nan"))
     expected = _lora_reference(torch.zeros_like(y), x, a, b, slices, 0.5, token_slots)
-    with lora_kernels.using("expand", "shrink"):
-        plan = lora_kernels.split_plan(y, x, a, b, slices)
-        lora_kernels.split_linear(y, x, plan, 0.5, _groups(token_slots), add=False)
+    with using("expand", "shrink"):
+        plans = PlanCache()
+        plan = split.split_plan(y, x, a, b, slices, plans=plans)
+        split.split_linear(y, x, plan, 0.5, _groups(token_slots), add=False, plans=plans)
     adapted = torch.tensor(token_slots) >= 0
     torch.testing.assert_close(y[adapted], expected[adapted], rtol=1e-5, atol=1e-5)
     assert y[~adapted].isnan().all()
@@ -378,18 +394,18 @@ def test_the_kernels_load_rank_columns_in_vectors_only_where_they_are_aligned(lo
     multiples, and B with its rank columns strided, the variant that moves them element by element. Each, the
     reference's result."""
     seen: list[tuple[str, bool]] = []
-    for name in ("_SHRINK", "_EXPAND"):
-        launcher = getattr(lora_kernels, name)
+    for module, name in ((shrink, "_SHRINK"), (expand, "_EXPAND")):
+        launcher = getattr(module, name)
 
         def recording(grid, key, args, *rest, _launch=launcher, _name=name):
             seen.append((_name, args[_launch.fn.arg_names.index("RANK_ALIGNED")]))
             _launch(grid, key, args, *rest)
 
-        monkeypatch.setattr(lora_kernels, name, recording)
+        monkeypatch.setattr(module, name, recording)
     gen = torch.Generator().manual_seed(5)
     token_slots = [2, -1, 0, 2, 2, 1, 1, -1, 0]
     x = torch.randn(len(token_slots), IN, generator=gen)
-    with lora_kernels.using("expand", "shrink"):
+    with using("expand", "shrink"):
         for rank, b_strided, slices in ((16, False, [OUT, 16]), (4, False, [OUT, 16]), (16, True, [OUT])):
             a = [torch.randn(3, 1, rank, IN, generator=gen) for _ in slices]
             b = [torch.randn(3, 1, rank, size, generator=gen).transpose(2, 3) for size in slices]
@@ -399,7 +415,7 @@ def test_the_kernels_load_rank_columns_in_vectors_only_where_they_are_aligned(lo
             y = torch.randn(len(token_slots), sum(slices), generator=gen)
             expected = _lora_reference(y, x, a, b, slices, 0.5, token_slots)
             seen.clear()
-            g.lora_linear(y, x, a, b, slices, 0.5, groups)
+            lora.lora_linear(y, x, a, b, slices, 0.5, groups, plans=PlanCache())
             torch.testing.assert_close(y, expected)
             assert [name for name, _ in seen] == ["_SHRINK", "_EXPAND"], (rank, b_strided, seen)
             assert dict(seen) == {"_SHRINK": rank % 8 == 0, "_EXPAND": rank % 8 == 0 and not b_strided}, seen

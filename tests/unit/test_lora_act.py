@@ -1,4 +1,5 @@
-"""The MLP activation with the gate/up LoRA folded in (lora_act), against the LoRA added into gate/up first."""
+"""The MLP activation with the gate/up LoRA folded in (kernels.act, step.lora), against the LoRA added into gate/up
+first."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_act, lora_kernels
+from preft.vllm_plugin.kernels import act, policy
+from preft.vllm_plugin.kernels.plans import PlanCache
+from preft.vllm_plugin.step import groups as g
+from preft.vllm_plugin.step import lora
 from preft.vllm_plugin.tiles import Tiles
 
 SLOTS, IN, INTER = 4, 32, 48
@@ -51,18 +54,20 @@ def _reference(x, gate_up, a, b, token_slots):
 def test_the_kernel_matches_the_lora_added_into_gate_up(
     lora_kernels_interpreted, monkeypatch, token_slots, padding, cols_first, ranks, chunk
 ):
-    monkeypatch.setattr(lora_act, "RANK_CHUNK", chunk)
+    monkeypatch.setattr(act, "RANK_CHUNK", chunk)
     x, gate_up, a, b, groups = _case(token_slots, len(token_slots) + padding, ranks)
     expected = _reference(x, gate_up, a, b, token_slots)
     before = gate_up.clone()
     launched = []
-    act = lora_act._ACT
-    monkeypatch.setattr(lora_act, "_ACT", lambda grid, key, *rest: launched.append(key[-1]) or act(grid, key, *rest))
+    launch = act._ACT
+    monkeypatch.setattr(act, "_ACT", lambda grid, key, *rest: launched.append(key[-1]) or launch(grid, key, *rest))
     out = torch.empty(gate_up.shape[0], INTER)
-    with lora_kernels.tiled(act=Tiles(rows=32, cols=16, warps=4, stages=1, cols_first=cols_first)):
-        lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)  # (a grid of 4-5 row blocks by 3 column tiles)
+    with policy.tiled(act=Tiles(rows=32, cols=16, warps=4, stages=1, cols_first=cols_first)):
+        lora.lora_silu_and_mul(
+            out, gate_up, x, a, b, groups, plans=PlanCache()
+        )  # (a grid of 4-5 row blocks by 3 column tiles)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # (another order of the products' sums)
-    picked = lora_kernels.picked(gate_up)
+    picked = policy.picked(gate_up)
     assert launched == ["fold" in picked] * ("act" in picked)  # the variant with LoRA, or without it after the add
     assert torch.equal(gate_up, before) == ("fold" in picked)  # folded, gate_up is only read
 
@@ -73,26 +78,26 @@ def test_a_step_above_the_fold_rank_adds_its_lora_into_gate_up_then_runs_the_ker
     x, gate_up, a, b, groups = _case(TOKEN_SLOTS, len(TOKEN_SLOTS))  # (the step's rank: 16)
     expected = _reference(x, gate_up, a, b, TOKEN_SLOTS)
     before = gate_up.clone()
-    monkeypatch.setattr(lora_act, "FOLD_MAX_RANK", 8)
+    monkeypatch.setattr(policy, "FOLD_MAX_RANK", 8)
     launches = []
-    act = lora_act._ACT
-    monkeypatch.setattr(lora_act, "_ACT", lambda grid, key, *rest: launches.append(key[-1]) or act(grid, key, *rest))
+    launch = act._ACT
+    monkeypatch.setattr(act, "_ACT", lambda grid, key, *rest: launches.append(key[-1]) or launch(grid, key, *rest))
     out = torch.empty(gate_up.shape[0], INTER)
-    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+    lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, plans=PlanCache())
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert not torch.equal(gate_up, before)  # the LoRA was added into gate/up
-    assert launches == [False] * ("act" in lora_kernels.picked(gate_up))  # the kernel's variant without LoRA
+    assert launches == [False] * ("act" in policy.picked(gate_up))  # the kernel's variant without LoRA
 
 
 def test_a_step_makes_its_slot_table_once_and_each_block_lists_its_slots(lora_kernels_interpreted):
     x, gate_up, a, b, groups = _case(TOKEN_SLOTS, len(TOKEN_SLOTS))
-    if "fold" not in lora_kernels.picked(gate_up):
+    if "fold" not in policy.picked(gate_up):
         pytest.skip("this choice does not fold the LoRA into the activation kernel")
     out = torch.empty(gate_up.shape[0], INTER)
-    with lora_kernels.tiled(act=Tiles(rows=64, cols=32, warps=4, stages=1)):
+    with policy.tiled(act=Tiles(rows=64, cols=32, warps=4, stages=1)):
         for _ in range(2):
-            lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
-    tables = groups.launch_args["row blocks", 64, lora_act.RANK_CHUNK].tensors
+            lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, plans=PlanCache())
+    tables = groups.launch_args["row blocks", 64, act.RANK_CHUNK].tensors
     token_slot, offs, slots = tables[:3]
     assert token_slot.tolist() == TOKEN_SLOTS
     per_block = [slots[offs[i] : offs[i + 1]].tolist() for i in range(len(offs) - 1)]
@@ -102,14 +107,14 @@ def test_a_step_makes_its_slot_table_once_and_each_block_lists_its_slots(lora_ke
 def test_without_lora_tokens_it_is_the_plain_activation():
     x, gate_up, a, b, _ = _case([-1] * 5, 5)
     out = torch.empty(5, INTER)
-    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, g.empty_groups())
+    lora.lora_silu_and_mul(out, gate_up, x, a, b, g.empty_groups(), plans=PlanCache())
     torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:])
 
 
 def test_the_kernel_without_lora_tokens_is_the_plain_activation(lora_kernels_interpreted):
     x, gate_up, a, b, _ = _case([-1] * 70, 70)
     out = torch.empty(70, INTER)
-    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, g.empty_groups())
+    lora.lora_silu_and_mul(out, gate_up, x, a, b, g.empty_groups(), plans=PlanCache())
     torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:])
 
 
@@ -117,20 +122,20 @@ def test_where_the_gluon_fold_cannot_build_triton_s_fold_serves_and_says_why(
     lora_kernels_interpreted, monkeypatch, caplog
 ):
     x, gate_up, a, b, groups = _case(TOKEN_SLOTS, len(TOKEN_SLOTS))
-    if "fold" not in lora_kernels.picked(gate_up):
+    if "fold" not in policy.picked(gate_up):
         pytest.skip("this choice does not fold the LoRA into the activation kernel")
     expected = _reference(x, gate_up, a, b, TOKEN_SLOTS)
-    monkeypatch.setattr(lora_act, "gluon_folds", lambda *args: True)  # (as on a Hopper GPU)
-    monkeypatch.setattr(lora_act, "_GLUON_ARCHS", {})
+    monkeypatch.setattr(act, "gluon_folds", lambda *args: True)  # (as on a Hopper GPU)
+    monkeypatch.setattr(act, "_GLUON_ARCHS", {})
 
     def cannot_build(*args):
         raise RuntimeError("this Triton's Gluon has no warpgroup_mma")
 
-    monkeypatch.setattr(lora_act, "_launch_gluon", cannot_build)
+    monkeypatch.setattr(act, "_launch_gluon", cannot_build)
     out = torch.empty(gate_up.shape[0], INTER)
-    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+    lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, plans=PlanCache())
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert lora_act._GLUON_ARCHS[gate_up.get_device()] is False  # (gluon_folds then says no on that device)
+    assert act._GLUON_ARCHS[gate_up.get_device()] is False  # (gluon_folds then says no on that device)
     assert "the Gluon fold is unavailable (RuntimeError: this Triton's Gluon has no warpgroup_mma)" in caplog.text
 
 
@@ -145,7 +150,7 @@ def test_with_down_s_shrink_it_returns_the_activation_and_down_s_z_at_each_adapt
         a_down[s, :, r:] = 0
     expected = _reference(x, gate_up, a, b, token_slots)
     out, z = torch.empty(rows, INTER), torch.full((rows, max(ranks)), 7.0)
-    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups, (a_down, z))
+    lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, (a_down, z), plans=PlanCache())
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     r = groups.rank  # (the step's: its slots' largest, 8 in the span)
     for t in range(rows):  # (the shrink of the activation as returned: down's input)
@@ -159,6 +164,8 @@ def test_with_down_s_shrink_it_returns_the_activation_and_down_s_z_at_each_adapt
 def test_without_lora_tokens_down_s_shrink_writes_nothing():
     x, gate_up, a, b, _ = _case([-1] * 5, 5)
     out, z = torch.empty(5, INTER), torch.full((5, 8), 7.0)
-    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, g.empty_groups(), (torch.zeros(SLOTS, 1, 8, INTER), z))
+    lora.lora_silu_and_mul(
+        out, gate_up, x, a, b, g.empty_groups(), (torch.zeros(SLOTS, 1, 8, INTER), z), plans=PlanCache()
+    )
     torch.testing.assert_close(out, torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:])
     assert (z == 7.0).all()

@@ -1,4 +1,4 @@
-"""The Gluon fold (``lora_fold_gluon``): compiled here for sm_90 as a Hopper GPU runs it, and run where there is one.
+"""The Gluon fold (``kernels.fold_gluon``): compiled here for sm_90 as a Hopper GPU runs it, and run where there is one.
 
 What the kernel is for (docs/engine.md, "The LoRA kernels"): Triton's fold takes gate, up and h through shared memory
 between their loaded layout and wgmma's accumulator's, and waits on each tile's loads; this one copies every operand
@@ -16,11 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_act, lora_fold_gluon, lora_kernels
+from preft.vllm_plugin.kernels import act, fold_gluon
+from preft.vllm_plugin.kernels.plans import PlanCache
+from preft.vllm_plugin.step import groups as g
+from preft.vllm_plugin.step import lora
+from preft.vllm_plugin.step.state import using
 
 triton = pytest.importorskip("triton")
-if lora_fold_gluon.gluon is None:
+if fold_gluon.gluon is None:
     pytest.skip("this Triton has no Gluon", allow_module_level=True)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
@@ -29,15 +32,15 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 # pointers but z's and the tables', strides and widths that the model makes multiples of 16
 TENSORS = ("out_ptr", "gu_ptr", "z_ptr", "bg_ptr", "bu_ptr", "ad_ptr", "zd_ptr")
 ALIGNED = ("out_ptr", "gu_ptr", "bg_ptr", "bu_ptr", "stride_out", "stride_gu", "stride_b_slot", "stride_b_out", "inter")
-# (with down's shrink: A_down's and z_down's pointers and A_down's strides too, as lora_act.down_folds has them)
+# (with down's shrink: A_down's and z_down's pointers and A_down's strides too, as kernels.act.down_folds has them)
 DOWN_ALIGNED = (*ALIGNED, "ad_ptr", "zd_ptr", "stride_ad_slot", "stride_ad_rank")
 
 
 def _compiled(block_k: int, down: bool = False):
-    fn = lora_fold_gluon.fold_kernel
+    fn = fold_gluon.fold_kernel
     names = fn.arg_names
-    shape = lora_act.GLUON_SHAPES[block_k]
-    stages = lora_act.GLUON_DOWN_STAGES[block_k] if down else shape.stages
+    shape = act.GLUON_SHAPES[block_k]
+    stages = act.GLUON_DOWN_STAGES[block_k] if down else shape.stages
     constexprs = {"BLOCK_K": block_k, "BLOCK_M": shape.rows, "BLOCK_N": shape.cols, "STAGES": stages, "DOWN": down}
     signature = {
         name: "constexpr" if name in constexprs else ("*bf16" if name in TENSORS else "*i64")
@@ -67,7 +70,7 @@ def test_it_compiles_for_hopper_with_every_copy_async_and_gate_up_and_h_in_16_by
     assert not [a for a in accesses if a.endswith((".b16", ".u16"))]  # (no access an element at a time)
     assert "wgmma.mma_async" in ptx
     # shared memory: z's gate and up tiles, then per stage gate's and up's tiles (64 × 64) and B's (64 × the rank's)
-    stages = lora_act.GLUON_SHAPES[block_k].stages
+    stages = act.GLUON_SHAPES[block_k].stages
     assert compiled.metadata.shared == 2 * 64 * block_k * 2 + stages * (2 * 64 * 64 * 2 + 2 * 64 * block_k * 2)
 
 
@@ -83,7 +86,7 @@ def test_with_down_s_shrink_it_compiles_for_hopper_with_each_tile_of_h_through_s
     assert accesses["st.shared.v4.b32"] == 8
     assert "ld.global.v4.b32" not in accesses and set(copies) == {"0x10"}
     assert f"wgmma.mma_async.sync.aligned.m64n{block_k}k16" in ptx  # (down's product: rank columns)
-    stages = lora_act.GLUON_DOWN_STAGES[block_k]
+    stages = act.GLUON_DOWN_STAGES[block_k]
     ring = stages * (2 * 64 * 64 * 2 + 2 * 64 * block_k * 2 + block_k * 64 * 2)  # (gate, up, their B, A_down)
     assert compiled.metadata.shared == 2 * 64 * block_k * 2 + ring + 64 * 64 * 2  # (z; the ring; h's tile)
 
@@ -91,7 +94,7 @@ def test_with_down_s_shrink_it_compiles_for_hopper_with_each_tile_of_h_through_s
 def test_off_a_cuda_device_lora_act_does_not_take_it():
     gate_up = torch.zeros(4, 32, dtype=torch.bfloat16)
     b = (torch.zeros(2, 16, 8, dtype=torch.bfloat16),) * 2
-    assert not lora_act.gluon_folds(gate_up, gate_up, b, rank_aligned=True)
+    assert not act.gluon_folds(gate_up, gate_up, b, rank_aligned=True)
 
 
 def _hopper() -> bool:
@@ -125,13 +128,13 @@ def test_on_a_hopper_gpu_it_folds_as_the_triton_kernel_does(monkeypatch, dtype, 
     token_slots = np.asarray(TOKEN_SLOTS)
     groups = g.SlotGroups.build(token_slots, "cuda", slot_ranks=np.asarray([*ranks, 0]), max_rank=rank)
     launched = []
-    fold = lora_act._FOLD
-    monkeypatch.setattr(lora_act, "_FOLD", lambda *args: launched.append(args[1]) or fold(*args))
+    fold = act._FOLD
+    monkeypatch.setattr(act, "_FOLD", lambda *args: launched.append(args[1]) or fold(*args))
     outs = {}
     for kernels in (("expand", "shrink", "act", "fold", "gluon"), ("expand", "shrink", "act", "fold")):
-        with lora_kernels.using(*kernels):
+        with using(*kernels):
             out = torch.empty(rows, inter, device="cuda", dtype=dtype)
-            lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups)
+            lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, plans=PlanCache())
             outs[kernels[-1]] = out.float()
     assert len(launched) == 1  # the Gluon kernel folded the first; Triton's the second
     # the reference: each row's z = x·Aᵀ rounded to the dtype (as the shrink stores it), z·Bᵀ in float32 added
@@ -173,14 +176,14 @@ def test_on_a_hopper_gpu_down_s_shrink_folded_in_gives_the_shrink_kernel_s_z(mon
             w[s, :, :, r:] = 0
     groups = g.SlotGroups.build(np.asarray(TOKEN_SLOTS), "cuda", slot_ranks=np.asarray([*ranks, 0]), max_rank=rank)
     launched = []
-    fold = lora_act._FOLD
-    monkeypatch.setattr(lora_act, "_FOLD", lambda *args: launched.append(args[2][-1]) or fold(*args))
+    fold = act._FOLD
+    monkeypatch.setattr(act, "_FOLD", lambda *args: launched.append(args[2][-1]) or fold(*args))
     outs = {}
     for sms in (1, 10**6):  # (a GPU of one SM takes down's shrink into the fold; one of a million leaves it apart)
-        monkeypatch.setattr(lora_act, "_SMS", {torch.cuda.current_device(): sms})
-        with lora_kernels.using("expand", "shrink", "act", "fold", "gluon", "down"):
+        monkeypatch.setattr(act, "_SMS", {torch.cuda.current_device(): sms})
+        with using("expand", "shrink", "act", "fold", "gluon", "down"):
             out, z = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16), torch.zeros_like(x[:, :rank])
-            lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups, (a_down, z))
+            lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, (a_down, z), plans=PlanCache())
             outs[sms] = out, z
     assert launched == [True, False]  # (DOWN, the kernel's last argument)
     (folded, z_folded), (apart, z_apart) = outs[1], outs[10**6]
@@ -198,9 +201,9 @@ def test_on_a_hopper_gpu_gate_up_rows_out_of_16_byte_vectors_are_left_to_the_tri
     wide = torch.zeros(64, 2 * inter + 8, device="cuda", dtype=torch.bfloat16)  # (rows 16-byte aligned)
     z = torch.zeros(64, 2 * rank, device="cuda", dtype=torch.bfloat16)
     b = (torch.zeros(2, 1, inter, rank, device="cuda", dtype=torch.bfloat16),) * 2
-    with lora_kernels.using("expand", "shrink", "act", "fold", "gluon"):
-        assert lora_act.gluon_folds(wide[:, : 2 * inter], z, b, rank_aligned=True)
-        assert not lora_act.gluon_folds(wide[:, 2 : 2 * inter + 2], z, b, rank_aligned=True)  # (4 bytes in)
-        assert not lora_act.gluon_folds(wide[:, : 2 * inter - 8], z, b, rank_aligned=True)  # (inter % 8 = 4)
+    with using("expand", "shrink", "act", "fold", "gluon"):
+        assert act.gluon_folds(wide[:, : 2 * inter], z, b, rank_aligned=True)
+        assert not act.gluon_folds(wide[:, 2 : 2 * inter + 2], z, b, rank_aligned=True)  # (4 bytes in)
+        assert not act.gluon_folds(wide[:, : 2 * inter - 8], z, b, rank_aligned=True)  # (inter % 8 = 4)
         odd_rows = torch.zeros(64, 2 * inter + 4, device="cuda", dtype=torch.bfloat16)  # (rows 8 bytes apart of 16)
-        assert not lora_act.gluon_folds(odd_rows[:, : 2 * inter], z, b, rank_aligned=True)
+        assert not act.gluon_folds(odd_rows[:, : 2 * inter], z, b, rank_aligned=True)

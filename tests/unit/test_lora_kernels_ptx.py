@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from preft.vllm_plugin import lora_act, lora_kernels
+from preft.vllm_plugin.kernels import act, common, expand, fused, shrink
+from preft.vllm_plugin.tiles import DEFAULT_TILES
 
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -30,8 +31,9 @@ HOPPER = GPUTarget("cuda", 90, 32)
 TENSORS = ("x_ptr", "y_ptr", "z_ptr", "b0_ptr")  # the rest are tables: int64, offs int32
 ALIGNED_ARGS = ("x_ptr", "y_ptr", "b0_ptr", "stride_x", "stride_y", "in_cols", "stride_a_slot", "stride_a_rank")
 ONES = {"stride_z_col": 1, "stride_b_rank": 1}
-ROWS = lora_kernels.ROW_BLOCK  # each program's rows, as the engine's launches have them
-SHRINK, EXPAND = lora_kernels.DEFAULT_TILES["shrink"], lora_kernels.DEFAULT_TILES["expand"]
+ROWS = common.ROW_BLOCK  # each program's rows, as the engine's launches have them
+SHRINK, EXPAND = DEFAULT_TILES["shrink"], DEFAULT_TILES["expand"]
+MODULES = {"_shrink_kernel": shrink, "_expand_kernel": expand, "_lora_kernel": fused}  # (each kernel's file)
 # Each kernel in the launch shape the engine gives it (the fused kernel: its own columns, warps and stages)
 LAUNCHES = {
     "_shrink_kernel": ({"BLOCK_C": SHRINK.cols}, SHRINK.warps, SHRINK.stages),
@@ -41,9 +43,9 @@ LAUNCHES = {
         EXPAND.stages,
     ),
     "_lora_kernel": (
-        {"ALIGNED": True, "BLOCK_C": lora_kernels._BLOCK_C, "BLOCK_N": lora_kernels._BLOCK_N},
-        lora_kernels._FUSED_WARPS,
-        lora_kernels._FUSED_STAGES,
+        {"ALIGNED": True, "BLOCK_C": fused._BLOCK_C, "BLOCK_N": fused._BLOCK_N},
+        fused._FUSED_WARPS,
+        fused._FUSED_STAGES,
     ),
 }
 
@@ -54,7 +56,7 @@ def global_accesses(
     """How many of each global load and store and asynchronous copy instruction the kernel's sm_90 PTX holds
     (e.g. st.global.b16, cp.async.cg.shared.global), for ranks up to `rank_block` (the shrink: in programs of
     `slices_per_program` slices)."""
-    fn = getattr(lora_kernels, kernel)
+    fn = getattr(MODULES[kernel], kernel)
     names = fn.arg_names
     shape, warps, stages = LAUNCHES[kernel]
     rank = {"BLOCK_K" if kernel == "_expand_kernel" else "BLOCK_R": rank_block, "RANK_ALIGNED": rank_aligned}
@@ -131,16 +133,16 @@ def test_kernels_refuse_weights_that_are_not_16_byte_aligned():
     aligned = torch.zeros(2, 8, 24)
     shifted = torch.zeros(2 * 8 * 24 + 1)[1:].view(2, 8, 24)  # 4 bytes past an allocation's start
     b = torch.zeros(2, 40, 8)
-    assert lora_kernels.can_shrink(x, [aligned, aligned]) and lora_kernels.can_fuse(x, [aligned], [b])
-    assert not lora_kernels.can_shrink(x, [aligned, shifted])
-    assert not lora_kernels.can_fuse(x, [aligned], [torch.zeros(2 * 40 * 8 + 1)[1:].view(2, 40, 8)])
+    assert common.can_shrink(x, [aligned, aligned]) and fused.can_fuse(x, [aligned], [b])
+    assert not common.can_shrink(x, [aligned, shifted])
+    assert not fused.can_fuse(x, [aligned], [torch.zeros(2 * 40 * 8 + 1)[1:].view(2, 40, 8)])
 
 
 def _activation(rank_aligned: bool, lora: bool, block_k: int = 16):
     """lora_act's kernel as the engine launches it (its default tiles, `block_k`-wide rank chunks), for sm_90."""
-    fn = lora_act._silu_mul_lora_kernel
+    fn = act._silu_mul_lora_kernel
     names = fn.arg_names
-    tiles = lora_kernels.DEFAULT_TILES["act"]
+    tiles = DEFAULT_TILES["act"]
     constexprs = {"BLOCK_K": block_k, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.cols, "PRECISION": "tf32"}
     constexprs |= {"RANK_ALIGNED": rank_aligned, "COLS_FIRST": tiles.cols_first, "LORA": lora, "stride_b_rank": 1}
     pointers = {"out_ptr": "*bf16", "gu_ptr": "*bf16", "z_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16"}
@@ -160,8 +162,8 @@ def _activation(rank_aligned: bool, lora: bool, block_k: int = 16):
         pytest.skip(f"cannot compile for sm_90 here: {error}")
 
 
-# (the rank chunks: 16 columns at ranks up to 16, lora_act.RANK_CHUNK above)
-CHUNKS = pytest.mark.parametrize("block_k", [16, lora_act.RANK_CHUNK], ids=lambda k: f"k{k}")
+# (the rank chunks: 16 columns at ranks up to 16, act.RANK_CHUNK above)
+CHUNKS = pytest.mark.parametrize("block_k", [16, act.RANK_CHUNK], ids=lambda k: f"k{k}")
 
 
 @CHUNKS

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from preft.vllm_plugin import lora_kernels
-from preft.vllm_plugin.lora_kernels import Tiles, parse_tiles
+from preft.vllm_plugin.tiles import DEFAULT_TILES, Tiles, parse_tiles
 
 
 def test_labels_round_trip_and_leave_out_warps_and_stages():
@@ -52,11 +51,14 @@ def test_bad_settings_say_what_is_wrong(setting, message):
         parse_tiles(setting)
 
 
-def test_the_environment_sets_the_shapes_at_import_and_a_bad_one_stops_it():
-    code = "from preft.vllm_plugin import lora_kernels as k; print(k._TILES['expand'].label, k._TILES['shrink'].label)"
+def test_the_environment_sets_the_shapes_when_the_settings_load_and_a_bad_one_stops_it():
+    code = (
+        "from preft.vllm_plugin import settings; tiles = settings.current().lora_tiles; "
+        "print(tiles['expand'].label, tiles['shrink'].label)"
+    )
     env = {**os.environ, "PREFT_LORA_TILES": "expand=32x128 w4 s2"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.stdout.split("\n")[0] == f"32x128 w4 s2 {lora_kernels.DEFAULT_TILES['shrink'].label}", done.stderr
+    assert done.stdout.split("\n")[0] == f"32x128 w4 s2 {DEFAULT_TILES['shrink'].label}", done.stderr
     env["PREFT_LORA_TILES"] = "expand=32x100"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "cols must be a power of two" in done.stderr

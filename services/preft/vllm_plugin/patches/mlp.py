@@ -4,9 +4,9 @@ activation through ``preft::lora_silu_and_mul``.
 vLLM's MLP computes ``down_proj(act_fn(gate_up_proj(x)))``: the LoRA layer adds its LoRA into gate_up, which the
 activation then reads. The patched forward runs the projection's base GEMM itself (as the LoRA layer's
 ``_apply_sync`` does) and hands gate_up, x and the LoRA weights to the op, which folds the LoRA into the
-activation (``lora_act``). Where down_proj is a LoRA layer over one tensor-parallel rank without bias
+activation (``kernels.act``). Where down_proj is a LoRA layer over one tensor-parallel rank without bias
 (``down_fits``), the forward runs its base GEMM too, and the op (``preft::lora_silu_and_mul_down``) also returns
-down's shrink of the activation, which the activation's kernel computes as it writes it (``lora_fold_gluon``'s
+down's shrink of the activation, which the activation's kernel computes as it writes it (``kernels.fold_gluon``'s
 DOWN) instead of the shrink reading it back; ``preft::lora_expand`` then adds down's LoRA. MLPs of another shape
 (a bias, a gathered or sharded output, another activation) keep vLLM's forward.
 """
@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from preft.vllm_plugin import compat, lora_kernels, ops  # noqa: F401  (ops: torch.ops.preft.lora_silu_and_mul)
+from preft.vllm_plugin import compat
+from preft.vllm_plugin.kernels import policy
+from preft.vllm_plugin.step import ops  # noqa: F401  (ops: torch.ops.preft.lora_silu_and_mul)
 
 logger = logging.getLogger(__name__)
 _CLASSES: dict[type, type] = {}
@@ -75,7 +77,7 @@ def down_fits(mlp: Any) -> bool:
 def install(model: torch.nn.Module, state_id: int, device: torch.device) -> int:
     """Patch every decoder layer's MLP that `fits`, where the activation kernel is picked (``act``, the default)
     and serves (CUDA); how many were."""
-    if "act" not in lora_kernels.chosen() or device.type != "cuda":
+    if "act" not in policy.chosen() or device.type != "cuda":
         return 0
     return patch(model, state_id)
 

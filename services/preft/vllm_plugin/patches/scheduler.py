@@ -15,8 +15,9 @@ bind (no request waits to be admitted and the running ones have at most ``max_lo
 from __future__ import annotations
 
 from preft.common.modes import is_prefill_only
-from preft.vllm_plugin import compat, priority_preemption
-from preft.vllm_plugin.patching import wrap_method
+from preft.vllm_plugin import compat
+from preft.vllm_plugin.patches import priority_preemption
+from preft.vllm_plugin.patches.patching import wrap_method
 
 PREFILL_ONLY = "_preft_prefill_only"  # set on each vLLM Request by the scheduler's add_request
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from preft.common.modes import is_prefill_only
 from preft.vllm_plugin import compat
-from preft.vllm_plugin.patching import wrap_method
+from preft.vllm_plugin.patches.patching import wrap_method
 
 BOUNDARY_KEY = "preft-prefill-boundary"
 

@@ -2,10 +2,10 @@
 
 A DiReFT adapter travels through vLLM's LoRA machinery (one LoRA id, one slot, one token->slot map, one
 scheduler limit), as a LoRAModel with no LoRA weights that carries its DiReFT tensors. When it takes a slot
-its tensors are copied into per-slot buffers (``PreftSlotState``). Each decoder layer is given a subclass
+its tensors are copied into per-slot buffers (``step.state.PreftSlotState``). Each decoder layer is given a subclass
 whose forward ends with ``preft::direft_apply``: for every token of the step whose slot holds a DiReFT
 adapter with this layer, the residual stream h after the layer becomes h + Bᵀ(A·h + b), computed over those
-tokens only, grouped by slot (``groups.direft_apply``); other tokens, and every step without DiReFT tokens,
+tokens only, grouped by slot (``step.torch_path.direft_apply``); other tokens, and every step without DiReFT tokens,
 run exactly the base layer.
 """
 
@@ -17,9 +17,11 @@ import torch
 
 from preft.adapters import AdapterMethod, ModelShape, load_direft_tensors
 from preft.adapters.formats import detect_method
-from preft.vllm_plugin import compat, gc_freeze, mlp_patch, ops  # noqa: F401  (ops registers torch.ops.preft.direft_apply)
-from preft.vllm_plugin.patching import wrap_method
-from preft.vllm_plugin.state import PreftSlotState
+from preft.vllm_plugin import compat
+from preft.vllm_plugin.patches import gc_freeze, mlp
+from preft.vllm_plugin.patches.patching import wrap_method
+from preft.vllm_plugin.step import ops  # noqa: F401  (ops registers torch.ops.preft.direft_apply)
+from preft.vllm_plugin.step.state import PreftSlotState
 
 # --- the layer hook ------------------------------------------------------------------------------------------
 
@@ -76,7 +78,7 @@ def _create_lora_manager(original):
         for wrapper in manager.punica_wrapper_mapping.values():
             wrapper.preft_state = state
         state.direft_supported = install_layers(manager.model, state)
-        state.fused_mlps = mlp_patch.install(manager.model, state.id, state.device)
+        state.fused_mlps = mlp.install(manager.model, state.id, state.device)
         return result
 
     return create_lora_manager
@@ -131,6 +133,6 @@ def install() -> None:
     for cls in (worker_base, worker_lru):
         wrap_method(cls, "create_lora_manager", _create_lora_manager)
     wrap_method(worker_base, "_load_adapter", _load_adapter)
-    manager = compat.lora_model_manager_module().LoRAModelManager
+    manager = compat.lora_model_manager_cls()
     wrap_method(manager, "activate_adapter", _activate_adapter)
     wrap_method(manager, "_create_merged_loras_inplace", _create_merged_loras_inplace)

@@ -1,21 +1,29 @@
-"""Per-worker PreFT state: what each adapter slot holds, and this step's adapted tokens grouped by slot.
+"""Per-worker PreFT state: what each adapter slot holds, this step's adapted tokens grouped by slot, and the LoRA
+kernels' plans.
 
 One instance per vLLM worker (attached to its LoRA managers and punica wrapper). It owns the DiReFT slot
-buffers (a slot's contents change when an adapter takes the slot) and a host-side record of every slot's
-kind, rank and DiReFT layers, so each step's groups are built from numpy arrays without touching the device.
+buffers (a slot's contents change when an adapter takes the slot), a host-side record of every slot's
+kind, rank and DiReFT layers, so each step's groups are built from numpy arrays without touching the device, and
+the kernels' ``PlanCache``. Every state in the process is in ``STATES`` (the torch ops name it by its id), which
+``using`` compiles the kernels it picks for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from preft.adapters import ModelShape
-from preft.vllm_plugin import lora_kernels
-from preft.vllm_plugin.groups import SlotGroups, empty_groups
+from preft.vllm_plugin import settings
+from preft.vllm_plugin.kernels import policy
+from preft.vllm_plugin.kernels.plans import PlanCache
+from preft.vllm_plugin.step.groups import SlotGroups, empty_groups
+from preft.vllm_plugin.step.warmup import compile_kernels
 
 _ids = itertools.count(1)
 STATES: dict[int, PreftSlotState] = {}
@@ -36,7 +44,7 @@ class StepGroups:
 
 
 class PreftSlotState:
-    """Slot bookkeeping, DiReFT buffers and the current step's groups for one worker."""
+    """Slot bookkeeping, DiReFT buffers, the current step's groups and the LoRA kernels' plans for one worker."""
 
     def __init__(
         self,
@@ -62,7 +70,16 @@ class PreftSlotState:
         self.slot_rank = np.zeros(max_slots + 1, dtype=np.int64)
         empty = empty_groups(self.device)
         self.step = StepGroups(empty, empty, tuple(empty for _ in range(layers)))
-        lora_kernels.warm_up(self.device, dtype, hidden, max_rank)
+        self.plans = PlanCache()
+        self.warmed_up: tuple[torch.device, torch.dtype, int, int] | None = None  # compile_kernels' arguments
+        self.warm_up(dtype, hidden, max_rank)
+
+    def warm_up(self, dtype: torch.dtype, width: int, max_rank: int) -> None:
+        """Compile, before serving, the kernels' variants serving uses (``warmup.compile_kernels``) where they
+        serve; remembered, so that ``using`` compiles what it picks for every state of the process."""
+        if policy.supported(torch.empty(0, device=self.device)):
+            self.warmed_up = (self.device, dtype, width, max_rank)
+            compile_kernels(*self.warmed_up, plans=self.plans)
 
     # --- slots -------------------------------------------------------------------------------------------
     def load_slot(self, slot: int, *, lora_rank: int | None, direft: dict | None) -> None:
@@ -116,3 +133,16 @@ class PreftSlotState:
             direft_by_layer=tuple(direft),
         )
         return lora_tokens, lora_sampled
+
+
+@contextlib.contextmanager
+def using(*kernels: str) -> Iterator[None]:
+    """Only these kernels (none: the torch path) for everything run in this process meanwhile (A/B runs).
+
+    Compiles them first for every state warmed up in this process, as its start would have.
+    """
+    with settings.override(lora_kernels=settings.parse_kernels(",".join(kernels))):
+        for state in list(STATES.values()):
+            if getattr(state, "warmed_up", None) is not None:
+                compile_kernels(*state.warmed_up, plans=state.plans)
+        yield

@@ -27,11 +27,10 @@ one with it off, then one with it on) still follows the new value.
 from __future__ import annotations
 
 import gc
-import os
 from typing import Any
 
-from preft.vllm_plugin import compat
-from preft.vllm_plugin.patching import wrap_method
+from preft.vllm_plugin import compat, settings
+from preft.vllm_plugin.patches.patching import wrap_method
 
 _loads = 0  # adapters read into host memory in this process
 _frozen_at = -1  # _loads at this process's last freeze (-1: never, so the first idle moment freezes the start-up heap)
@@ -39,7 +38,7 @@ _WAS_BUSY = "_preft_was_busy"  # set on each EngineCore: whether its last step l
 
 
 def enabled() -> bool:
-    return os.environ.get("PREFT_GC_FREEZE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.gc_freeze_enabled()
 
 
 def adapter_loaded() -> None:
@@ -74,6 +73,5 @@ def _step(original):
 
 
 def install() -> None:
-    engine_core = compat.engine_core_cls()
-    for name in ("step", "step_with_batch_queue"):
-        wrap_method(engine_core, name, _step)
+    for point in (compat.ENGINE_CORE_STEP, compat.ENGINE_CORE_STEP_WITH_BATCH_QUEUE):
+        wrap_method(point.owner(), point.attr, _step)

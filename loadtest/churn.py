@@ -620,7 +620,7 @@ def tokenize(info: StackInfo, key: str, texts: list[str]) -> list[list[int]]:
 
 def run(cfg: ChurnConfig, state_dir: Path) -> dict[str, Any]:
     """Start the stack, churn under load, stop it, check every answer; the results as the JSON written."""
-    ports = StackPorts(gateway=free_port(), registry=free_port(), redis=free_port(), s3=free_port(), serve=free_port())
+    ports = StackPorts(**{name: free_port() for name in asdict(StackPorts())})
     stack = LocalStack(state_dir / "stack", ports, cfg.profile())
     started = time.monotonic()
     info = stack.start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -31,7 +31,7 @@ class Stack:
 @pytest.fixture(scope="package")  # stopped once tests/e2e is done: its engine holds memory other tests need
 def stack(tmp_path_factory) -> Iterator[Stack]:
     state_dir = tmp_path_factory.mktemp("stack")
-    ports = StackPorts(gateway=free_port(), registry=free_port(), redis=free_port(), s3=free_port(), serve=free_port())
+    ports = StackPorts(**{name: free_port() for name in asdict(StackPorts())})
     info = control.start(state_dir, ports, timeout_s=400)
     try:
         demo = json.loads((state_dir / "demo.json").read_text())

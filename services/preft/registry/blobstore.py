@@ -3,6 +3,11 @@
 An upload becomes visible only complete and digest-checked: small blobs are buffered and put in one request,
 large ones go up as a multipart upload that is completed only when every byte arrived and the sha256 matches
 (and aborted otherwise), so a client killed mid-upload leaves nothing under `blobs/`.
+
+The parts loop is kept over boto3's transfer manager (`upload_fileobj`): the manager completes an upload once its
+stream ends, so the size and sha256 check would have to be an exception raised from inside its reads, and the abort
+that follows one is s3transfer's internal failure cleanup rather than anything its API promises. Here the check runs
+before `complete_multipart_upload`, and the abort is explicit.
 """
 
 from __future__ import annotations

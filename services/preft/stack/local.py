@@ -51,6 +51,7 @@ class StackPorts:
     redis: int = 6390
     s3: int = 8333
     serve: int = 8000
+    registry_metrics: int = 9102
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,7 @@ class LocalStack:
         env = {
             "PREFT_REGISTRY__ENVIRONMENT": "prod",
             "PREFT_REGISTRY__LISTEN_ADDRESS": f"{LOOPBACK}:{self.ports.registry}",
+            "PREFT_REGISTRY__METRICS_ADDRESS": f"{LOOPBACK}:{self.ports.registry_metrics}",
             "PREFT_REGISTRY__ADMIN_TOKEN": self.admin_token,
             "PREFT_REGISTRY__GATEWAY_TOKEN": self.gateway_registry_token,
             "PREFT_REGISTRY__READER_TOKEN": self.reader_token,

@@ -59,7 +59,7 @@ def test_redis_down_is_503_within_a_second_and_recovers_by_itself(tmp_path, s3_b
             assert time.monotonic() - start < 1.0
             assert answer.status_code == 503
             error = error_of(answer)
-            assert error["type"] == "service_unavailable_error" and "Redis" in error["message"]
+            assert error["type"] == "server_error" and "Redis" in error["message"]
             assert answer.headers["retry-after"] == "1"
         ready = http.get("/readyz")
         assert ready.status_code == 503 and ready.json()["checks"]["redis"].startswith("unavailable")
@@ -237,7 +237,7 @@ def test_unexpected_error_is_a_generic_500_logged_once(registry, redis_url, toke
         assert answer.status_code == 500
         assert error_of(answer) == {
             "message": "internal gateway error",
-            "type": "internal_error",
+            "type": "server_error",
             "code": "internal_error",
             "param": None,
         }

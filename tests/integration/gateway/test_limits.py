@@ -28,7 +28,7 @@ def test_requests_per_minute(gateway, registry):
     assert refused.status_code == 429
     assert 1 <= int(refused.headers["retry-after"]) <= 20  # one request refills in 60/3 = 20 s
     error = error_of(refused)
-    assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
     assert "requests per minute" in error["message"]
     # other tenants have their own buckets
     assert gateway.http(other).post("/v1/completions", json=body).status_code == 200
@@ -47,6 +47,7 @@ def test_tokens_per_minute_count_prompt_and_max_tokens(gateway, registry, stub):
     assert ok.status_code == 200 and int(ok.headers["x-ratelimit-remaining-tokens"]) <= 6
     refused = http.post("/v1/completions", json={"model": BASE, "prompt": prompt, "max_tokens": 20})
     assert refused.status_code == 429 and "tokens per minute" in error_of(refused)["message"]
+    assert error_of(refused)["type"] == "tokens"  # (OpenAI's type names the bucket that ran out)
     assert 17 <= int(refused.headers["retry-after"]) <= 18  # 4 + 20 needed, 6 left: 18 missing at 1 token/s
 
     # a request needing more than the whole budget can never pass: 429 without Retry-After

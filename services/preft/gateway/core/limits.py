@@ -366,6 +366,7 @@ class RateLimiter:
             return RateLimited(
                 f"Rate limit reached for {res[2]} per minute (tenant {tenant!r}); retry in {wait_s:.1f} s.",
                 retry_after_s=wait_s,
+                bucket="tokens" if res[2] == "tokens" else "requests",
             )
         if res[0] == "quota":
             return _quota_refusal(tenant, tokens, int(res[1]), int(res[2]), int(res[3]))
@@ -374,6 +375,7 @@ class RateLimiter:
                 f"This request needs {tokens} tokens (prompt + max_tokens), more than the tenant's limit of "
                 f"{res[1]} tokens per minute; lower max_tokens or shorten the prompt.",
                 retry_after_s=None,
+                bucket="tokens",
             )
         return InvalidApiKey(f"tenant {tenant!r} no longer exists")
 

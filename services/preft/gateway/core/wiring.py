@@ -109,7 +109,7 @@ async def start(
         resolver=AdapterResolver(
             reg,
             usage,
-            base_model_name=settings.served_model_name,
+            is_base_model=settings.is_base_model,
             ttl_s=settings.resolve_cache_ttl_s,
             max_entries=settings.resolve_cache_max_entries,
             allow_mode_override=settings.allow_mode_override,

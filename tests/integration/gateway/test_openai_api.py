@@ -595,8 +595,9 @@ def test_metrics_and_probes(gateway, registry):
     http = gateway.http(key)
     assert http.post("/v1/completions", json={"model": BASE, "prompt": "hi", "max_tokens": 2}).status_code == 200
     assert http.get("/healthz").json() == {"status": "ok"}
-    ready = http.get("/readyz")
-    assert ready.status_code == 200 and ready.json()["checks"] == {"redis": "ok", "registry": "ok"}
+    assert http.get("/readyz").json() == {"status": "ready"}
+    deps = http.get("/healthz/deps")
+    assert deps.status_code == 200 and deps.json()["checks"] == {"redis": "ok", "registry": "ok", "engine": "ok"}
     metrics = http.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
     text = metrics.text

@@ -36,7 +36,7 @@ def test_revoked_key_is_refused_within_the_cache_ttl(make_gateway, registry):
     waited = _wait_for_status(http, 401, timeout_s=3.0)
     assert waited <= 2.5
     error = error_of(http.post("/v1/completions", json=BODY))
-    assert error["code"] == "invalid_api_key" and error["type"] == "authentication_error"
+    assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
     assert gateway.http(other).post("/v1/completions", json=BODY).status_code == 200  # its other key still works
     with pytest.raises(openai.AuthenticationError):
         gateway.openai(secret).models.list()
@@ -51,7 +51,7 @@ def test_disabled_tenant_is_refused_and_can_come_back(make_gateway, registry):
     registry.client.call("SetTenantDisabled", pb.SetTenantDisabledRequest(id="acme", disabled=True))
     _wait_for_status(http, 403, timeout_s=2.0)
     error = error_of(http.post("/v1/completions", json=BODY))
-    assert error["type"] == "permission_error" and "disabled" in error["message"]
+    assert error["type"] == "invalid_request_error" and "disabled" in error["message"]
     with pytest.raises(openai.PermissionDeniedError):
         gateway.openai(key).models.list()
 

@@ -153,7 +153,7 @@ def test_a_chat_batch_is_answered_as_live_requests_and_refusals_go_to_the_error_
         error = line["response"]["body"]["error"]
         assert error["code"] == code and says in error["message"], error
     message = "The model 'beta/secret' does not exist or you do not have access to it."  # (as a live request's)
-    not_found = {"message": message, "type": "not_found_error", "code": "model_not_found", "param": None}
+    not_found = {"message": message, "type": "invalid_request_error", "code": "model_not_found", "param": None}
     assert errors["hidden-adapter"]["response"]["body"] == {"error": not_found}
 
     usage = _today_usage(gateway.http(key), 3)  # (metered as live requests are: by model)

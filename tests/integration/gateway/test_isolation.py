@@ -57,7 +57,7 @@ def test_hidden_adapter_is_indistinguishable_from_a_missing_one(route, make_gate
 
 def _expected_404(model: str) -> dict:
     message = f"The model {model!r} does not exist or you do not have access to it."
-    return {"error": {"message": message, "type": "not_found_error", "code": "model_not_found", "param": None}}
+    return {"error": {"message": message, "type": "invalid_request_error", "code": "model_not_found", "param": None}}
 
 
 def test_models_list_and_openai_errors_respect_tenants(make_gateway, registry, tiny_models):

@@ -12,6 +12,7 @@ import redis
 
 from preft.api.v1 import registry_pb2 as pb
 from preft.common import metering
+from preft.gateway.core.limits import reset_duration
 
 from .conftest import BASE, error_of
 
@@ -23,12 +24,15 @@ def test_requests_per_minute(gateway, registry):
     answers = [http.post("/v1/completions", json=body) for _ in range(3)]
     assert [a.status_code for a in answers] == [200, 200, 200]
     assert [a.headers["x-ratelimit-remaining-requests"] for a in answers] == ["2", "1", "0"]
+    assert {a.headers["x-ratelimit-limit-requests"] for a in answers} == {"3"}
+    # until the bucket is full again: one request refills in 20 s (OpenAI's duration format)
+    assert [a.headers["x-ratelimit-reset-requests"] for a in answers] == ["20s", "40s", "1m0s"]
 
     refused = http.post("/v1/completions", json=body)
     assert refused.status_code == 429
     assert 1 <= int(refused.headers["retry-after"]) <= 20  # one request refills in 60/3 = 20 s
     error = error_of(refused)
-    assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
     assert "requests per minute" in error["message"]
     # other tenants have their own buckets
     assert gateway.http(other).post("/v1/completions", json=body).status_code == 200
@@ -45,8 +49,12 @@ def test_tokens_per_minute_count_prompt_and_max_tokens(gateway, registry, stub):
     # 4 + 50 reserved; the stub generates all 50: 6 left
     ok = http.post("/v1/completions", json={"model": BASE, "prompt": prompt, "max_tokens": 50})
     assert ok.status_code == 200 and int(ok.headers["x-ratelimit-remaining-tokens"]) <= 6
+    assert ok.headers["x-ratelimit-limit-tokens"] == "60"
+    left = int(ok.headers["x-ratelimit-remaining-tokens"])
+    assert ok.headers["x-ratelimit-reset-tokens"] == f"{60 - left}s"  # (one token a second)
     refused = http.post("/v1/completions", json={"model": BASE, "prompt": prompt, "max_tokens": 20})
     assert refused.status_code == 429 and "tokens per minute" in error_of(refused)["message"]
+    assert error_of(refused)["type"] == "tokens"  # (OpenAI's type names the bucket that ran out)
     assert 17 <= int(refused.headers["retry-after"]) <= 18  # 4 + 20 needed, 6 left: 18 missing at 1 token/s
 
     # a request needing more than the whole budget can never pass: 429 without Retry-After
@@ -134,3 +142,9 @@ def test_a_monthly_token_quota_refuses_once_the_month_has_used_it(make_gateway, 
     store.set(month, 10**9)
     assert http.post("/v1/completions", json=body).status_code == 200
     store.close()
+
+
+def test_reset_durations_are_written_as_openai_writes_them():
+    assert [reset_duration(60, left) for left in (60, 59, 30, 0)] == ["0ms", "1s", "30s", "1m0s"]
+    assert reset_duration(600, 599) == "100ms" and reset_duration(7, 0) == "1m0s" and reset_duration(40, 39) == "1.5s"
+    assert reset_duration(0, 0) == "0ms"  # (offline work takes from no bucket)

@@ -537,6 +537,18 @@ def test_models_lists_the_tenants_adapters_and_the_base_model(gateway, registry,
     assert gateway.openai(acme).models.retrieve(BASE).owned_by == "preft"
 
 
+def test_the_base_model_is_listed_by_its_served_name_and_base_is_an_alias(gateway, registry, stub):
+    """The gateway serves the base model as PREFT_GATEWAY__SERVED_MODEL_NAME (the local stack's `tiny-llama`), not as
+    `base`; `base`, what it was listed as before, still names it in requests."""
+    acme = registry.tenant("acme")
+    client = gateway.openai(acme)
+    assert BASE != "base" and [m.id for m in client.models.list().data] == [BASE]
+    assert client.models.retrieve("base").id == BASE
+    answer = client.completions.create(model="base", prompt="hi", max_tokens=1)
+    assert stub.received[-1][0] == BASE_MODEL_ID and answer.choices[0].text  # (no adapter)
+    assert gateway.http(acme).post("/tokenize", json={"model": "base", "prompt": "hi"}).status_code == 200
+
+
 def test_continue_final_message_prefills_the_answer(gateway, registry, stub, tokenizer):
     """continue_final_message: the prompt ends inside the last (assistant) message, which the answer continues."""
     client = gateway.openai(registry.tenant("acme"))
@@ -583,8 +595,9 @@ def test_metrics_and_probes(gateway, registry):
     http = gateway.http(key)
     assert http.post("/v1/completions", json={"model": BASE, "prompt": "hi", "max_tokens": 2}).status_code == 200
     assert http.get("/healthz").json() == {"status": "ok"}
-    ready = http.get("/readyz")
-    assert ready.status_code == 200 and ready.json()["checks"] == {"redis": "ok", "registry": "ok"}
+    assert http.get("/readyz").json() == {"status": "ready"}
+    deps = http.get("/healthz/deps")
+    assert deps.status_code == 200 and deps.json()["checks"] == {"redis": "ok", "registry": "ok", "engine": "ok"}
     metrics = http.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
     text = metrics.text

@@ -48,3 +48,19 @@ def test_the_file_sweep_period(monkeypatch):
 def test_openapi_schema_lists_the_routes(gateway):
     paths = gateway.http().get("/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz", "/readyz", "/metrics"} <= set(paths)
+
+
+def test_openapi_declares_the_bearer_scheme_on_every_authenticated_operation(gateway):
+    schema = gateway.http().get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["TenantApiKey"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "A tenant's API key, sent as `Authorization: Bearer <key>`",
+    }
+    secured = {
+        (path, method): op.get("security") for path, ops in schema["paths"].items() for method, op in ops.items()
+    }
+    probes = {"/healthz", "/readyz", "/healthz/deps", "/metrics"}
+    assert all(security is None for (path, _), security in secured.items() if path in probes)
+    others = {key: security for key, security in secured.items() if key[0] not in probes}
+    assert len(others) > 30 and all(security == [{"TenantApiKey": []}] for security in others.values())

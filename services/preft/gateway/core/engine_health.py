@@ -60,6 +60,10 @@ class EngineHealth:
             self._probe = asyncio.create_task(self._check(timeout_s), name="preft-engine-probe")
         return self._probe
 
+    async def check(self, timeout_s: float) -> bool:
+        """Whether the engine answers its health check within `timeout_s` (the one probe in flight, shared)."""
+        return await asyncio.shield(self._probing(timeout_s))
+
     async def _check(self, timeout_s: float) -> bool:
         try:
             timeout = aiohttp.ClientTimeout(total=timeout_s)

@@ -32,19 +32,21 @@ from preft.common.metrics import GATEWAY_ERRORS
 
 log = logging.getLogger(__name__)
 
-# OpenAI's error `type` for each status we answer with.
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_error",
-    502: "internal_error",
-    503: "service_unavailable_error",
-}
+# OpenAI's error `type`s, as its API answers them: a client error of any status (a wrong key, an unknown model, a
+# missing file included) is an `invalid_request_error` (its `code` says which: invalid_api_key, model_not_found, ...);
+# a rate limit's type names the bucket that ran out (`requests` or `tokens`), a used-up quota's is
+# `insufficient_quota`; anything on our side is a `server_error`. Our own `code`s stay as they are.
+CLIENT_ERROR_TYPE = "invalid_request_error"
+RATE_LIMIT_TYPE = "requests"
+SERVER_ERROR_TYPE = "server_error"
+OPENAI_ERROR_TYPES = frozenset({CLIENT_ERROR_TYPE, SERVER_ERROR_TYPE, RATE_LIMIT_TYPE, "tokens", "insufficient_quota"})
+
+
+def error_type_of(status: int) -> str:
+    """OpenAI's `type` for an error answered with `status` (where the error itself names none)."""
+    if status == 429:
+        return RATE_LIMIT_TYPE
+    return SERVER_ERROR_TYPE if status >= 500 else CLIENT_ERROR_TYPE
 
 
 # -- the gateway's members of the error tree ---------------------------------------------------------------------
@@ -82,16 +84,17 @@ class RateLimited(ResourceExhausted):
 
     code: ClassVar[str] = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, retry_after_s: float | None) -> None:
+    def __init__(self, message: str, *, retry_after_s: float | None, bucket: str = RATE_LIMIT_TYPE) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.error_type = bucket  # OpenAI's type for it: the bucket that ran out, "requests" or "tokens"
 
 
 class QuotaExceeded(ResourceExhausted):
     """A tenant has used its monthly token quota: waiting for the next minute does not help (no Retry-After)."""
 
     code: ClassVar[str] = "insufficient_quota"
-    error_type: ClassVar[str] = "insufficient_quota"  # (OpenAI's type for it; other 429s are rate_limit_error)
+    error_type: ClassVar[str] = "insufficient_quota"  # (OpenAI's type for it; a rate limit's is its bucket)
 
 
 def error_code(exc: PreftError) -> str:
@@ -101,7 +104,7 @@ def error_code(exc: PreftError) -> str:
 
 
 def error_body(status: int, message: str, code: str, error_type: str | None = None) -> dict[str, Any]:
-    kind = error_type or ERROR_TYPES.get(status, "api_error")
+    kind = error_type or error_type_of(status)
     return {"error": {"message": message, "type": kind, "code": code, "param": None}}
 
 

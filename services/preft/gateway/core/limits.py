@@ -51,6 +51,7 @@ monthly quota (reserved as for any request), and the tenant's existence and stat
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -285,12 +286,27 @@ class Admission:
     reservation: Reservation | None = None
 
     def headers(self) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers: each bucket's size per minute, what is left in it after this request, and
+        how long until it is full again (it refills continuously, limit/60 per second)."""
         return {
             "x-ratelimit-limit-requests": str(self.requests_limit),
             "x-ratelimit-remaining-requests": str(self.requests_remaining),
+            "x-ratelimit-reset-requests": reset_duration(self.requests_limit, self.requests_remaining),
             "x-ratelimit-limit-tokens": str(self.tokens_limit),
             "x-ratelimit-remaining-tokens": str(self.tokens_remaining),
+            "x-ratelimit-reset-tokens": reset_duration(self.tokens_limit, self.tokens_remaining),
         }
+
+
+def reset_duration(per_min: int, remaining: int) -> str:
+    """How long a bucket of `per_min` with `remaining` left takes to refill, as OpenAI writes it (`20ms`, `1.5s`,
+    `6m0s`)."""
+    ms = math.ceil(max(per_min - remaining, 0) * 60_000 / per_min) if per_min > 0 else 0
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, rest_ms = divmod(ms, 60_000)
+    seconds = f"{rest_ms / 1000:.3f}".rstrip("0").rstrip(".")
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
 
 
 class RateLimiter:
@@ -366,6 +382,7 @@ class RateLimiter:
             return RateLimited(
                 f"Rate limit reached for {res[2]} per minute (tenant {tenant!r}); retry in {wait_s:.1f} s.",
                 retry_after_s=wait_s,
+                bucket="tokens" if res[2] == "tokens" else "requests",
             )
         if res[0] == "quota":
             return _quota_refusal(tenant, tokens, int(res[1]), int(res[2]), int(res[3]))
@@ -374,6 +391,7 @@ class RateLimiter:
                 f"This request needs {tokens} tokens (prompt + max_tokens), more than the tenant's limit of "
                 f"{res[1]} tokens per minute; lower max_tokens or shorten the prompt.",
                 retry_after_s=None,
+                bucket="tokens",
             )
         return InvalidApiKey(f"tenant {tenant!r} no longer exists")
 

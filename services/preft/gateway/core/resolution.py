@@ -10,6 +10,7 @@ Anything a tenant may not use answers exactly like a model that does not exist (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from preft.api.v1 import adapter_pb2 as apb
@@ -65,14 +66,14 @@ class AdapterResolver:
         registry: AsyncRegistry,
         usage: UsageRecorder,
         *,
-        base_model_name: str,
+        is_base_model: Callable[[str], bool],
         ttl_s: float,
         max_entries: int,
         allow_mode_override: bool,
     ) -> None:
         self._registry = registry
         self._usage = usage
-        self.base_model_name = base_model_name
+        self.is_base_model = is_base_model
         self._allow_mode_override = allow_mode_override
         self._cache: TTLCache[tuple[str, str], AdapterVersion] = TTLCache(ttl_s, max_entries)
 
@@ -80,7 +81,7 @@ class AdapterResolver:
         """The adapter and mode for `model` as `tenant` sees it; counts the use (batched, never failing)."""
         if requested_mode is not None and not self._allow_mode_override:
             raise InvalidArgument("preft_mode cannot be chosen per request on this deployment (operator setting)")
-        if model == self.base_model_name:
+        if self.is_base_model(model):
             return Resolution(None, PositionMode.PREFILL)  # no adapter: the mode changes nothing
         version = await self.find(tenant, model)
         self._usage.record(version.owner, version.name, version.version)

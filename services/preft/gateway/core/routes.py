@@ -1,16 +1,23 @@
-"""GET /healthz (the process answers), GET /readyz (Redis and the registry answer too) and GET /metrics (the
-process's Prometheus metrics, declared in preft.common.metrics, in the text exposition format)."""
+"""GET /healthz (the process answers), GET /readyz (the process is up and wired: it depends on nothing outside it),
+GET /healthz/deps (Redis, the registry and the engine answer) and GET /metrics (the process's Prometheus metrics,
+declared in preft.common.metrics, in the text exposition format).
+
+/readyz leaves dependencies out on purpose: every gateway pod shares them, so a Redis or registry blip would take all
+pods out of their Service at once (no pod left to answer even the requests that need neither, as the base model's
+without a quota); the requests that need one answer 503 with Retry-After while it is down. Dependency health is for
+dashboards and operators, on /healthz/deps."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.responses import JSONResponse, Response
 
-from preft.common.errors import PreftError
-from preft.gateway.core.deps import RedisDep, RegistryDep, SettingsDep
+from preft.common.errors import PreftError, Unavailable
+from preft.gateway.core.deps import CoreDep, RedisDep, RegistryDep, SettingsDep
 from preft.gateway.core.redis_client import guarded
 
 router = APIRouter(tags=["health"])
@@ -22,9 +29,26 @@ async def healthz() -> JSONResponse:
 
 
 @router.get("/readyz")
-async def readyz(redis: RedisDep, registry: RegistryDep, settings: SettingsDep) -> JSONResponse:
-    """200 when Redis and the registry both answer; 503 naming the ones that do not (a probe, not an API error)."""
-    checks = {"redis": guarded(redis.ping(), settings.redis_timeout_s), "registry": registry.check()}
+async def readyz(core: CoreDep) -> JSONResponse:
+    """200 once the process is wired (its collaborators made: resolving them is the check), whatever its
+    dependencies' state (see the module's docstring)."""
+    return JSONResponse({"status": "ready"})
+
+
+async def _engine_check(core: Any, timeout_s: float) -> None:
+    health = getattr(core.engine, "health", None)  # (a test's fake engine may have none)
+    if health is not None and not await health.check(timeout_s):
+        raise Unavailable(f"no answer to its health check within {timeout_s:g} s")
+
+
+@router.get("/healthz/deps")
+async def healthz_deps(core: CoreDep, redis: RedisDep, registry: RegistryDep, settings: SettingsDep) -> JSONResponse:
+    """200 when Redis, the registry and the engine all answer; 503 naming the ones that do not (not an API error)."""
+    checks = {
+        "redis": guarded(redis.ping(), settings.redis_timeout_s),
+        "registry": registry.check(),
+        "engine": _engine_check(core, settings.engine_unresponsive_s),
+    }
     results = await asyncio.gather(*checks.values(), return_exceptions=True)
     report = {}
     for name, result in zip(checks, results, strict=True):

@@ -11,6 +11,9 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from preft.common.settings import DEV_ENGINE_TOKEN, DEV_TOKEN, RedisSettings, refuse_placeholder, unauthenticated_redis
 
+# The `model` value that means the base model whatever its served name (what it was listed as before it had one).
+BASE_ALIAS = "base"
+
 
 class CoreSettings(BaseModel):
     """The core: where it listens, its collaborators (Redis, registry, engine), the model, caches and limits."""
@@ -53,7 +56,12 @@ class CoreSettings(BaseModel):
 
     model_dir: Path | None = Field(None, description="Base model directory; its tokenizer is used unless tokenizer_dir")
     tokenizer_dir: Path | None = Field(None, description="Tokenizer directory (Hugging Face format, chat template)")
-    served_model_name: str = Field("base", min_length=1, description="The `model` value that means the base model")
+    served_model_name: str = Field(
+        BASE_ALIAS,
+        min_length=1,
+        description=f"The base model's name: the `model` value /v1/models lists for it (`{BASE_ALIAS}` is accepted "
+        "for it too)",
+    )
     max_model_len: int = Field(8192, ge=2, description="Prompt + generated tokens the engine can hold per request")
     max_prompt_tokens: int = Field(8191, ge=1, description="Longest prompt accepted, in tokens (longer: 413)")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request sets none (capped by length)")
@@ -147,6 +155,10 @@ class CoreSettings(BaseModel):
     def max_prompt_bytes(self) -> int:
         """Longest prompt text accepted, in UTF-8 bytes (longer: 413 before tokenizing)."""
         return self.max_prompt_tokens * self.prompt_max_bytes_per_token
+
+    def is_base_model(self, model: str) -> bool:
+        """Whether the `model` of a request means the base model: its served name, or the alias `base`."""
+        return model in (self.served_model_name, BASE_ALIAS)
 
     @property
     def tokenizer_path(self) -> Path | None:

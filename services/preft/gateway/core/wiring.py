@@ -23,6 +23,7 @@ from preft.gateway.core.errors import install_error_handlers
 from preft.gateway.core.limits import RateLimiter
 from preft.gateway.core.metering import TokenMeter
 from preft.gateway.core.observability import RequestMetricsMiddleware, install_access_log_redaction
+from preft.gateway.core.openapi import install_openapi
 from preft.gateway.core.prompt_guard import PromptGuard
 from preft.gateway.core.registry import AsyncRegistry
 from preft.gateway.core.resolution import AdapterResolver
@@ -39,6 +40,7 @@ def wire(app: FastAPI) -> None:
     app.add_middleware(RequestMetricsMiddleware)
     install_access_log_redaction()
     app.include_router(routes.router)
+    install_openapi(app)
 
 
 async def start(
@@ -109,7 +111,7 @@ async def start(
         resolver=AdapterResolver(
             reg,
             usage,
-            base_model_name=settings.served_model_name,
+            is_base_model=settings.is_base_model,
             ttl_s=settings.resolve_cache_ttl_s,
             max_entries=settings.resolve_cache_max_entries,
             allow_mode_override=settings.allow_mode_override,

@@ -27,14 +27,14 @@ async def list_models(caller: CallerDep, registry: RegistryDep, settings: Settin
     data = [model_entry(base, "preft")]
     for a in await registry.list_adapters(caller.tenant):
         # A bare name equal to the base model's would mean the base model: qualify it.
-        own = a.tenant == caller.tenant and a.name != base
+        own = a.tenant == caller.tenant and not settings.is_base_model(a.name)
         data.append(model_entry(a.name if own else f"{a.tenant}/{a.name}", a.tenant, a.latest.created_unix_ms))
     return JSONResponse({"object": "list", "data": data})
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, caller: CallerDep, resolver: ResolverDep, settings: SettingsDep) -> JSONResponse:
-    if model == settings.served_model_name:
-        return JSONResponse(model_entry(model, "preft"))
+    if settings.is_base_model(model):
+        return JSONResponse(model_entry(settings.served_model_name, "preft"))
     version = await resolver.find(caller.tenant, model)
     return JSONResponse(model_entry(model, version.owner, version.created_unix_ms))

@@ -59,7 +59,7 @@ class DetokenizeBody(BaseModel):
 
 async def _check_model(model: str, tenant: str, resolver: AdapterResolver, settings: CoreSettings) -> None:
     """404 where the caller may not use `model` (the base model or one of its adapters)."""
-    if model != settings.served_model_name:
+    if not settings.is_base_model(model):
         await resolver.find(tenant, model)
 
 

@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 CLIENT_ERROR_TYPE = "invalid_request_error"
 RATE_LIMIT_TYPE = "requests"
 SERVER_ERROR_TYPE = "server_error"
-OPENAI_ERROR_TYPES = frozenset({CLIENT_ERROR_TYPE, SERVER_ERROR_TYPE, RATE_LIMIT_TYPE, "tokens", "insufficient_quota"})
 
 
 def error_type_of(status: int) -> str:

@@ -115,7 +115,7 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
         ("preft-s3", "secret-key"): secrets.token_hex(16),
         **{
             ("preft-redis-acl", user): secrets.token_urlsafe(24)
-            for user in ("default", "gateway", "registry", "engine")
+            for user in ("default", "gateway", "registry", "engine", "ray")
         },
     }
 

@@ -130,7 +130,7 @@ class EngineSettings(BaseSettings):
         None,
         description="PREFT_LORA_TILES of the replica processes: the LoRA kernels' launch shapes, as "
         "loadtest/engine/bench_lora_tiles prints them for a GPU ('shrink=64x64 w4 s4,expand=64x128 w8 s3'); None = "
-        "the plugin's defaults (the fastest on the H200)",
+        "the plugin's defaults (tiles.DEFAULT_TILES)",
     )
     gc_freeze: bool = Field(
         True,

@@ -69,8 +69,8 @@ class Tiles:
         return cls(int(rows), int(cols), int(warps or 4), int(stages or 3), cols_first is not None)
 
 
-# The fastest over a layer of Qwen2.5-0.5B's and Llama-3.1-8B's shapes on the H200, at ranks 8 and 16, summed
-# over all four (loadtest/engine/bench_lora_tiles sweeps them); PREFT_LORA_TILES overrides them
+# The fastest over a layer of Qwen2.5-0.5B's and Llama-3.1-8B's shapes at ranks 8 and 16, summed over all four
+# (loadtest/engine/bench_lora_tiles sweeps them for the GPU it runs on); PREFT_LORA_TILES overrides them
 DEFAULT_TILES = {
     "shrink": Tiles(rows=64, cols=64, warps=4, stages=4),
     "expand": Tiles(rows=64, cols=128, warps=8),

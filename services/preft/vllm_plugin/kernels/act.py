@@ -12,23 +12,18 @@ Rows are taken in token order, in blocks of the ``act`` tiles' rows; a block may
 (where one request's tokens end and the next one's begin) or none: per step, the host lists each block's
 distinct slots (``row_block_tables``) and the kernel adds one product per slot, each masked to that slot's rows.
 Δ is added in float32 and rounded once to y's dtype, as the expand's add into y is, before the activation.
-``act`` in ``PREFT_LORA_KERNELS`` picks the kernel on CUDA, and ``fold`` beside it and ``shrink`` (all three in
-the default) the LoRA inside it; ``gluon`` beside ``fold`` (the default too) folds on Hopper GPUs with
-``fold_gluon``'s kernel instead (``gluon_folds``, in ``GLUON_SHAPES``: 15–27% less device time on an H100),
-whose copies run tiles ahead of its products and whose products' layouts give gate, up and h in 16-byte
-vectors; steps without LoRA tokens keep this kernel's plain variant.
+``act`` in ``PREFT_LORA_KERNELS`` picks the kernel on CUDA, and ``fold`` beside it and ``shrink`` (all three in the
+default) the LoRA inside it; ``gluon`` beside ``fold`` (the default too) folds on Hopper GPUs with ``fold_gluon``'s
+kernel instead (``gluon_folds``, in ``GLUON_SHAPES``), whose copies run tiles ahead of its products and whose
+products' layouts give gate, up and h in 16-byte vectors; steps without LoRA tokens keep this kernel's plain variant.
 Without ``fold``, and on steps of a rank above ``policy.FOLD_MAX_RANK``, the LoRA is added into gate/up
 (``step.lora.lora_linear``) and the kernel runs without LoRA on the result, as on steps without LoRA tokens; off CUDA
 the LoRA is added and torch computes the activation.
 
-Measured on the H200 (``loadtest/engine/bench_lora_act``), Qwen2.5-0.5B's full step (16,384 × 4,864), the shrink
-and this kernel against the shrink, the expand of gate/up and this kernel without LoRA (0.115 ms, 4.1 TB/s, against
-vLLM's activation's 0.200): 0.221 ms against 0.302 at rank 8 (Llama-3.1-8B 0.610 against 0.876), 0.226 against 0.303
-at rank 16, and in 32-wide rank chunks (``RANK_CHUNK``) 0.250 against 0.313 at rank 32 and 0.317 against 0.343 at
-rank 64 (Llama 0.842 against 0.992). In 16-wide chunks rank 64 lost (0.361; Llama 0.998), and with the rank chunks'
-loop the outer one it lost more (0.415). Reading the block's first slot before gate and up, with gate's and up's
-products in one loop, took the shrink and this kernel from 0.309 to 0.267 ms at rank 64 and from 0.220 to 0.199 at
-rank 8 (Llama 0.825 to 0.777 and 0.596 to 0.555; this kernel without LoRA 0.116 and 0.331 there).
+Against the shrink, the expand of gate/up and this kernel without LoRA, the shrink and this kernel are faster at
+every rank up to 64 in 32-wide rank chunks (``RANK_CHUNK``; 16-wide chunks, or the rank chunks' loop the outer one,
+lost at rank 64); reading the block's first slot before gate and up helped at every rank (``loadtest/engine/
+bench_lora_act``; the numbers in docs/kernels.md).
 
 What makes the kernel fast: holding four float32 tiles a program (gate, up, and each one's Δ) across the LoRA
 branch compiled to 122 registers a thread at rank 8 (the variant without LoRA too): too few programs per SM to keep
@@ -40,8 +35,8 @@ each other: the block's entries, then its slot, then z's and B's; asked for afte
 wait would come after theirs. Spreading a program over several column tiles, so that z came from L1 after the
 first, was slower in every shape.
 
-What it costs at rank 64 (Nsight Compute, ``loadtest/engine/ncu_lora_step``: in the engine 244 µs a call on Qwen's
-step against 110 without LoRA): shared memory's traffic, not DRAM's. The products run on wgmma, whose accumulator layout
+What it costs at rank 64 (Nsight Compute, ``loadtest/engine/ncu_lora_step``): shared memory's traffic, not
+DRAM's. The products run on wgmma, whose accumulator layout
 is not the one gate and up load in, so gate and up go through shared memory into it and the output back out, beside the
 staging of z's and B's chunks.
 """
@@ -89,8 +84,8 @@ class GluonShape:
 
 # The Gluon fold's launch (``gluon``) by the rank's tile (the rank in one product a slot): 64 rows (one warpgroup)
 # by 256 columns a program, 512 at rank tile 64 (its z copied once for more tiles), 3 stages (4 at tile 64 leave one
-# program an SM); the fastest on an H100 over Qwen2.5-0.5B and Llama-3.1-8B at ranks 8-64 (within 3% of the
-# fastest in every cell; loadtest/engine/bench_fold_gluon)
+# program an SM); the fastest shapes over Qwen2.5-0.5B's and Llama-3.1-8B's steps at ranks 8-64
+# (loadtest/engine/bench_fold_gluon; docs/kernels.md)
 GLUON_SHAPES = {16: GluonShape(64, 256, 3), 32: GluonShape(64, 256, 3), 64: GluonShape(64, 512, 3)}
 _GLUON_ARCHS: dict[int, bool] = {}  # device index -> a Hopper GPU (wgmma), as the Gluon fold needs
 # The fold with down's shrink (``lora_silu_and_mul``'s down): whole rows a program, so one program a row block; its
@@ -123,8 +118,7 @@ if triton is not None:
         """acc + z[t] · B[slot(t)] over the block's slots (its entries first..last of block_slots), each product
         over its slot's rows only, summed in float32 into acc (tl.dot's accumulator), BLOCK_K rank columns at a
         time (z_rows: each row's z, b_cols: each column's offset in a slot's B). The slots' loop is the outer
-        one: each slot's rows read only their own z, chunk by chunk (7–9% faster at ranks 16 and 32 than the chunks'
-        loop outside)."""
+        one: each slot's rows read only their own z, chunk by chunk (faster than the chunks' loop outside)."""
         kk = tl.arange(0, BLOCK_K)
         for e in range(first, last):
             slot = tl.load(block_slots_ptr + e)
@@ -227,8 +221,8 @@ if triton is not None:
             block = tl.minimum(pid_m, n_blocks)  # (the table has one more entry: rows past its blocks have none)
             first = tl.load(block_offs_ptr + block)
             last = tl.load(block_offs_ptr + block + 1)
-            # the block's first slot and the rows' slots, asked for before gate and up (6–14% faster than
-            # after them, each slot's products then gate's and up's apart)
+            # the block's first slot and the rows' slots, asked for before gate and up: their loads' waits then
+            # overlap gate's and up's instead of following them
             slot = tl.load(block_slots_ptr + first, mask=first < last, other=-2)
             slot_t = tl.load(token_slot_ptr + t, mask=t < n_tokens, other=-1)
         ptrs = gu_ptr + t64[:, None] * stride_gu + n[None, :]

@@ -1,11 +1,10 @@
 """The expand kernel: y[rows] += z·B[slot]ᵀ over a step's groups, for all of a module's slices in one launch.
 
 It reads B where its slots keep it and adds straight into y's token rows, writing nothing else (the torch path
-gathers B, materializes each slice's delta and adds it into a strided slice of y: in a LoRA pass's profile on the
-H200 that add alone took 14 ms of 66). An ``ExpandPlan`` holds a module's tables (kept in the worker's
-``PlanCache``). Where the padded rank, z's strides and B's are multiples of 8 (in the engine, always), its
-RANK_ALIGNED variant loads z's and B's rank columns in 16-byte vectors (on the H200 a Qwen layer's four LoRA linears
-at rank 64 in 0.395 ms against 0.574 an element at a time, with the shrink's).
+gathers B, materializes each slice's delta and adds it into a strided slice of y: a large share of a LoRA pass's
+device time). An ``ExpandPlan`` holds a module's tables (kept in the worker's ``PlanCache``). Where the padded rank,
+z's strides and B's are multiples of 8 (in the engine, always), its RANK_ALIGNED variant loads z's and B's rank
+columns in 16-byte vectors, fewer and wider loads (docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -18,18 +18,16 @@ picks every layout and the order of its copies itself (Gluon: ``triton.experimen
 What it computes is the Triton kernel's: out[t, n] = silu(gate + Δg) · (up + Δu), Δ summed in float32 over the
 block's slots, gate + Δ rounded once to gate_up's dtype; its outputs are as close to the LoRA added in float32 as
 the Triton kernel's (the same largest difference in every measured cell, within two units of the last place of
-them in tests/unit/test_lora_fold_gluon.py). Device time a call on an H100 (a step of 16,384 tokens, in
-``act.GLUON_SHAPES``; ``loadtest/engine/bench_fold_gluon``, loadtest/results/gpu-fold-gluon.json) against the
-Triton fold: Qwen2.5-0.5B 208 against 283 µs at rank 64, 178 against 226 at rank 8; Llama-3.1-8B 591 against 792 and
-519 against 620. The copies ahead are what pays: the same kernel with gate and up loaded into registers and B
-staged at each tile took 241, 185, 687 and 535. Steps without LoRA tokens keep the Triton kernel's plain variant.
+them in tests/unit/test_lora_fold_gluon.py). It takes less device time than the Triton fold at every rank measured,
+and the copies ahead are what pays: the same kernel loading gate and up into registers and staging B at each tile
+is slower (``loadtest/engine/bench_fold_gluon``; docs/kernels.md). Steps without LoRA tokens keep the Triton
+kernel's plain variant.
 
 With DOWN it also computes the down projection's shrink of its output (zd = h · A_downᵀ at each adapted row),
 which the shrink kernel would otherwise compute by reading h back from memory, 16,384 × 4,864 on Qwen's step: each
 program takes whole rows, copies each tile's A_down tile into the ring with the tile's others, and takes the tile's
-h through shared memory into one more product. On an H100 (the step above, the gate/up shrink included;
-loadtest/results/gpu-fold-gluon-down.json): Qwen r64 225 µs against 271 for the fold then down's shrink, r16 208
-against 237; Llama r64 652 against 756, r16 612 against 685.
+h through shared memory into one more product: less device time than the fold then down's shrink at the ranks
+measured (docs/kernels.md).
 """
 
 from __future__ import annotations

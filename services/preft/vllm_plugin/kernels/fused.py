@@ -1,9 +1,9 @@
 """The fused kernel: a whole LoRA linear, y[rows, slice i] += (scale · x·A_i[slot]ᵀ)·B_i[slot]ᵀ, in one launch.
 
-Fewest launches: each program recomputes its rows' z. It serves where picked alone, or beside the shrink and
-expand pair from ``policy.FUSED_FROM_RANK`` on (``policy.fuses``). Its plans (``LinearPlan``) are kept in the
-worker's ``PlanCache``. It loads z's and B's rank columns an element at a time (a RANK_ALIGNED variant was slower
-on the H200).
+Fewest launches: each program recomputes its rows' z. It serves where picked alone, or beside the shrink and expand
+pair from ``policy.FUSED_FROM_RANK`` on (``policy.fuses``). Its plans (``LinearPlan``) are kept in the worker's
+``PlanCache``. It loads z's and B's rank columns an element at a time (its RANK_ALIGNED variant was slower: each
+program recomputes z, so the loads it would widen are not the ones that cost).
 """
 
 from __future__ import annotations

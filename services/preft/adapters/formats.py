@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from preft.adapters.errors import AdapterError
+from preft.common.digests import file_sha256
 
 LORA_CONFIG = "adapter_config.json"
 DIREFT_CONFIG = "preft_config.json"
@@ -297,15 +298,6 @@ def _inspect_direft(d: Path, shape: ModelShape, max_rank: int) -> tuple[int, tup
         if tensor not in header:
             raise AdapterError("is missing", file=WEIGHTS, tensor=tensor)
     return rank, tuple(sorted(layers))
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def content_digest(file_digests: Mapping[str, str]) -> str:

@@ -38,6 +38,7 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from preft.common.digests import file_sha256
 from preft.common.errors import InvalidArgument, NotFound, Unavailable
 from preft.common.settings import S3Settings
 
@@ -56,7 +57,6 @@ TOKENIZER_FILES = (
     "chat_template*",
     "*.jinja",
 )
-_CHUNK_BYTES = 8 << 20
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
@@ -128,7 +128,7 @@ def push(model_dir: Path, target: str, *, s3: S3Settings | None = None) -> dict[
     with s3_errors():
         for path in files:
             rel = path.relative_to(model_dir).as_posix()
-            manifest["files"][rel] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            manifest["files"][rel] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
             client.upload_file(str(path), parsed.location, f"{parsed.name}/{rel}")
         body = json.dumps(manifest, indent=1, sort_keys=True).encode()
         client.put_object(Bucket=parsed.location, Key=f"{parsed.name}/{MANIFEST}", Body=body)
@@ -167,7 +167,7 @@ def _fetch_s3(source: ModelSource, cache_dir: Path, settings: S3Settings, tokeni
             target.parent.mkdir(parents=True, exist_ok=True)
             with s3_errors():
                 client.download_file(source.location, f"{source.name}/{rel}", str(target))
-            if target.stat().st_size != expected["bytes"] or _sha256(target) != expected["sha256"]:
+            if target.stat().st_size != expected["bytes"] or file_sha256(target) != expected["sha256"]:
                 raise Unavailable(f"model file {rel} does not match its manifest's digest (changed while fetched?)")
         (into / MANIFEST).write_bytes(raw)
 
@@ -220,14 +220,6 @@ def _locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _slug(name: str) -> str:

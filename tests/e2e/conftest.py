@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pytest
@@ -12,6 +12,7 @@ import pytest
 from preft.common.loopback import free_port
 from preft.stack import control
 from preft.stack.local import LocalStack, StackInfo, StackPorts
+from preft.stack.servers import LocalServer
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class Stack:
     state_dir: Path
     info: StackInfo
     demo_key: str
+    # servers a fault test started in place of the stack's own (killed) ones: they serve the rest of the package's
+    # tests and are stopped with the stack
+    replacements: list[LocalServer] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
@@ -33,8 +37,11 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     state_dir = tmp_path_factory.mktemp("stack")
     ports = StackPorts(**{name: free_port() for name in asdict(StackPorts())})
     info = control.start(state_dir, ports, timeout_s=400)
+    replacements: list[LocalServer] = []
     try:
         demo = json.loads((state_dir / "demo.json").read_text())
-        yield Stack(state_dir, info, demo["api_key"])
+        yield Stack(state_dir, info, demo["api_key"], replacements)
     finally:
         control.stop(state_dir)
+        for server in replacements:
+            server.stop()

@@ -1,4 +1,5 @@
-"""Outages of the stack's Redis and S3 (runs after test_stack.py: it kills and replaces those servers)."""
+"""Outages of the stack's Redis and S3 (runs after test_stack.py: it kills those servers and starts replacements
+that serve the package's later tests)."""
 
 from __future__ import annotations
 
@@ -55,11 +56,10 @@ def test_s3_down_cold_adapters_503_resident_keep_serving(stack, tmp_path):
             stack.info.ports.s3,
             access_key="preft-local",
             secret_key=json.loads((stack.state_dir / "secrets.json").read_text())["s3_secret_key"],
-        ).start(timeout_s=60)
-    try:  # the failure was not cached: once S3 is back, the cold adapter loads
-        assert _until_ok(lambda: demo.completions.create(model="cold", prompt=PROMPT, max_tokens=2)).choices
-    finally:
-        s3.stop()
+        )
+        stack.replacements.append(s3.start(timeout_s=60))
+    # the failure was not cached: once S3 is back, the cold adapter loads
+    assert _until_ok(lambda: demo.completions.create(model="cold", prompt=PROMPT, max_tokens=2)).choices
 
 
 def test_redis_down_503_within_a_second_then_recovers(stack):
@@ -74,10 +74,8 @@ def test_redis_down_503_within_a_second_then_recovers(stack):
     finally:
         redis = RedisServer(
             stack.state_dir / "redis", stack.info.ports.redis, persist=True, passwords=stack.local().redis_passwords
-        ).start()
-    try:
-        assert _until_ok(lambda: demo.completions.create(model="demo-direft", prompt=PROMPT, max_tokens=2)).choices
-        with stack.local().registry_client() as c:  # the data survived (append-only file)
-            assert c.call("ListAdapters", pb.ListAdaptersRequest(tenant="demo")).adapters
-    finally:
-        redis.stop()
+        )
+        stack.replacements.append(redis.start())
+    assert _until_ok(lambda: demo.completions.create(model="demo-direft", prompt=PROMPT, max_tokens=2)).choices
+    with stack.local().registry_client() as c:  # the data survived (append-only file)
+        assert c.call("ListAdapters", pb.ListAdaptersRequest(tenant="demo")).adapters

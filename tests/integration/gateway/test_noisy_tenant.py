@@ -23,6 +23,10 @@ PROMPT_BYTES = 2_000_000
 # Each attacker's pause between its prompts: 8 × 2 MB every ~0.1 s, ~1 Gbit/s of prompts (what one client's link
 # carries). Unpaced, loopback let them send ~800 MB/s, which starves this 2-core machine (Redis included) by itself.
 ATTACK_PAUSE_S = 0.1
+# The victim's p99 bound. One of these prompts tokenized on the event loop holds every request for ~2.3 s (the tiny
+# tokenizer, this machine), so a stall fails it many times over; what stays under it is the 2-core machine shared
+# with the flood's JSON (the loop parses each 2 MB body) and, on CI, with whatever else runs.
+VICTIM_P99_S = 0.5
 
 
 def _prose(size: int, seed: int = 0) -> str:
@@ -102,8 +106,8 @@ def test_huge_prompts_of_one_tenant_leave_the_others_fast(path, tokenized, make_
     with Flood(gateway.url, attacker, path, BODIES[path](_prose(PROMPT_BYTES))) as flood:
         measured = asyncio.wait_for(_latencies(gateway.url, victim, 200), timeout=120)
         models, completions, statuses = asyncio.run(measured)
-    assert _p99(models) < 0.1, sorted(models)[-5:]
-    assert _p99(completions) < 0.1, sorted(completions)[-5:]
+    assert _p99(models) < VICTIM_P99_S, sorted(models)[-5:]
+    assert _p99(completions) < VICTIM_P99_S, sorted(completions)[-5:]
     assert statuses == {200}
     assert flood.statuses, "the flood sent nothing"
     if path == "/tokenize" and tokenized:

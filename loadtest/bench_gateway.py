@@ -78,7 +78,7 @@ def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
 def run(args: argparse.Namespace, levels: list[int], tmp: Path, redis: RedisServer, s3_url: str) -> dict[str, Any]:
     model = build_model(tmp / "model", TinyModelSpec(arch="llama", seed=1))
     lora = build_lora(tmp / "lora", model, rank=8, seed=2)
-    registry_port, stub_port, gateway_port = free_port(), free_port(), free_port()
+    registry_port, stub_port, gateway_port, metrics_port = free_port(), free_port(), free_port(), free_port()
     procs = {
         "registry": spawn(
             [sys.executable, "-m", "preft.registry.server"],
@@ -127,6 +127,7 @@ def run(args: argparse.Namespace, levels: list[int], tmp: Path, redis: RedisServ
             [sys.executable, "-m", "preft.gateway"],
             {
                 "PREFT_GATEWAY__PORT": str(gateway_port),
+                "PREFT_GATEWAY__METRICS_ADDRESS": f"127.0.0.1:{metrics_port}",
                 "PREFT_GATEWAY__ACCESS_LOG": "false",
                 "PREFT_GATEWAY__REDIS__URL": redis.url_for("gateway"),  # (its own ACL user)
                 "PREFT_GATEWAY__REGISTRY_ADDRESS": f"127.0.0.1:{registry_port}",
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace, levels: list[int], tmp: Path, redis: RedisServ
         )
         variants = make_variants(gateway_url, stub_url, key, prompt_ids, adapter)
         load_before = os.getloadavg()[0]
-        report = asyncio.run(measure(args, levels, variants, procs, f"{gateway_url}/metrics"))
+        report = asyncio.run(measure(args, levels, variants, procs, f"http://127.0.0.1:{metrics_port}/metrics"))
         report["setup"] = {
             "machine": f"{os.cpu_count()} cores shared by the client, gateway, stub, Redis, registry, SeaweedFS",
             # other work on the machine skews req/s and tails; CPU ms per request is the steadier number

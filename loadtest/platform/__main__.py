@@ -40,8 +40,8 @@ class Ports:
 
     @classmethod
     def from_base(cls, base: int) -> Ports:
-        """Eight ports from `base` on; 0: eight free ones."""
-        port = iter(range(base, base + 8)) if base else iter(free_port() for _ in range(8))
+        """Nine ports from `base` on; 0: nine free ones."""
+        port = iter(range(base, base + 9)) if base else iter(free_port() for _ in range(9))
         stack = StackPorts(
             gateway=next(port),
             serve=next(port),
@@ -49,6 +49,7 @@ class Ports:
             redis=next(port),
             s3=next(port),
             registry_metrics=next(port),
+            gateway_metrics=next(port),
         )
         return cls(stack, next(port), next(port))
 
@@ -177,7 +178,7 @@ def prometheus(state: Path, ports: Ports):
         state / "prometheus",
         ports.prometheus,
         {
-            "gateway": [f"{LOOPBACK}:{ports.stack.gateway}"],
+            "gateway": [f"{LOOPBACK}:{ports.stack.gateway_metrics}"],
             "engine": [f"{LOOPBACK}:{ports.stack.serve}"],
             "vllm": [f"{LOOPBACK}:{ports.peer}"],
         },
@@ -361,7 +362,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="1024x128,256x256,64x16")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     ap.add_argument("--no-cold-start", dest="cold_start", action="store_false")
-    ap.add_argument("--port-base", type=int, default=18080, help="Eight loopback ports from here on (0: free ones)")
+    ap.add_argument("--port-base", type=int, default=18080, help="Nine loopback ports from here on (0: free ones)")
     ap.add_argument("--window-s", type=float, default=None, help="Measured window of each run (default: preset's)")
     ap.add_argument("--warmup-s", type=float, default=None, help="Warm-up of each run (default: preset's)")
     args = ap.parse_args()

@@ -91,7 +91,8 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
         redis_port,
         registry_port,
         gateway_port,
-    ) = _free_ports(11)
+        gateway_metrics_port,
+    ) = _free_ports(12)
 
     # The gateway's init container: its command, writing the tiny model where the gateway will read it. It imports
     # torch (seconds), so it runs while the stores start.
@@ -258,6 +259,9 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
     assert genv["PREFT_GATEWAY__REGISTRY_ADDRESS"] == "preft-registry:50051"
     genv["PREFT_GATEWAY__REGISTRY_ADDRESS"] = f"127.0.0.1:{registry_port}"
     genv["PREFT_GATEWAY__HOST"], genv["PREFT_GATEWAY__PORT"] = "127.0.0.1", str(gateway_port)
+    metrics_port = int(genv["PREFT_GATEWAY__METRICS_ADDRESS"].rpartition(":")[2])
+    assert {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"} in gw["ports"]
+    genv["PREFT_GATEWAY__METRICS_ADDRESS"] = f"127.0.0.1:{gateway_metrics_port}"
     genv["HOME"], genv["HF_HOME"] = str(tmp_path), str(tmp_path / "hf")
     genv["PYTHONPATH"] = env["PYTHONPATH"]
     gw_proc = _spawn(procs, [sys.executable, "-m", *gw["args"]], genv, tmp_path / "gateway.log", tmp_path)
@@ -270,8 +274,10 @@ def test_dev_registry_and_gateway_come_up_from_the_dev_overlay(kustomize_outputs
 
     _wait("gateway liveness", lambda: probe_ok("livenessProbe"), gw_proc, tmp_path / "gateway.log", timeout_s=60)
     _wait("gateway readiness", lambda: probe_ok("readinessProbe"), gw_proc, tmp_path / "gateway.log")
-    scraped = httpx.get(f"http://127.0.0.1:{gateway_port}/metrics", timeout=2)  # what the ServiceMonitor scrapes
+    # what the PodMonitor scrapes, on the metrics port alone (the API's port, which the Service exposes, has none)
+    scraped = httpx.get(f"http://{genv['PREFT_GATEWAY__METRICS_ADDRESS']}/metrics", timeout=2)
     assert scraped.status_code == 200 and "preft_gateway_requests_total" in scraped.text
+    assert httpx.get(f"http://127.0.0.1:{gateway_port}/metrics", timeout=2).status_code == 404
 
     # Files go to the dev SeaweedFS with the credentials and bucket the manifests give the gateway.
     from preft.api.v1 import registry_pb2 as pb

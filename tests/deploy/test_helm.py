@@ -122,7 +122,7 @@ def test_everything_enabled(helm_outputs):
         "PrometheusRule",
     } <= kinds
     assert "replicas" not in m.one(docs, "Deployment", "preft-gateway")["spec"], "the HPA owns replicas"
-    assert m.one(docs, "ServiceMonitor", "preft-gateway")["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert m.one(docs, "PodMonitor", "preft-gateway")["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     # the Redis URL given in values goes to a chart Secret, never to a ConfigMap
     secret = m.one(docs, "Secret", "preft-redis")
     assert base64.b64decode(secret["data"]["url"]).decode() == "rediss://:pw@redis.internal:6380/0"

@@ -158,6 +158,26 @@ def test_engine_podmonitor_gives_the_replicas_samples_back_their_names(kustomize
 
 
 @pytest.mark.parametrize("source", ["kustomize:gpu", "helm:all-enabled-url"])
+def test_gateway_podmonitor_scrapes_the_metrics_address_the_gateway_binds_which_no_service_carries(all_outputs, source):
+    """Prometheus scrapes the gateway's pods on their `metrics` port, the one PREFT_GATEWAY__METRICS_ADDRESS binds; the
+    gateway's Service (what an Ingress or a LoadBalancer exposes) carries the API's port alone."""
+    docs = all_outputs[source]
+    (monitor,) = [d for d in m.by_kind(docs, "PodMonitor") if d["metadata"]["name"].endswith("gateway")]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (deployment,) = [d for d in m.by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("gateway")]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"][
+        "labels"
+    ].items()
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (container_port,) = [p for p in container["ports"] if p["name"] == endpoint["port"]]
+    config = next(d for d in m.by_kind(docs, "ConfigMap") if "PREFT_GATEWAY__PORT" in d.get("data", {}))
+    assert config["data"]["PREFT_GATEWAY__METRICS_ADDRESS"] == f"0.0.0.0:{container_port['containerPort']}"
+    assert container_port["containerPort"] != int(config["data"]["PREFT_GATEWAY__PORT"])
+    (service,) = [d for d in m.by_kind(docs, "Service") if d["metadata"]["name"].endswith("gateway")]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+
+
+@pytest.mark.parametrize("source", ["kustomize:gpu", "helm:all-enabled-url"])
 def test_registry_servicemonitor_reaches_the_metrics_address_the_registry_binds(all_outputs, source):
     """Prometheus scrapes the registry through its Service's `metrics` port, which leads to the container port the
     registry's PREFT_REGISTRY__METRICS_ADDRESS binds on all of the pod's interfaces."""

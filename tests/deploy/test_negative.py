@@ -22,7 +22,8 @@ def test_good_objects_pass(dev):
     for kind, name in (
         ("Deployment", "preft-gateway"),
         ("RayService", "preft-engine"),
-        ("ServiceMonitor", "preft-gateway"),
+        ("ServiceMonitor", "preft-registry"),
+        ("PodMonitor", "preft-gateway"),
         ("PrometheusRule", "preft"),
     ):
         assert m.schema_errors(_get(dev, kind, name)) == []
@@ -91,11 +92,11 @@ def test_good_objects_pass(dev):
         ),
         (
             "ServiceMonitor",
-            "preft-gateway",
+            "preft-registry",
             lambda o: o["spec"]["endpoints"][0].update(interval="15 seconds"),
             "endpoints/0/interval",
         ),
-        ("ServiceMonitor", "preft-gateway", lambda o: o["spec"].pop("endpoints"), "'endpoints' is a required property"),
+        ("ServiceMonitor", "preft-registry", lambda o: o["spec"].pop("endpoints"), "'endpoints' is a required"),
         ("PodMonitor", "preft-engine", lambda o: o["spec"]["podMetricsEndpoints"][0].update(prot="metrics"), "prot"),
         (
             "PrometheusRule",

@@ -39,7 +39,7 @@ NEEDED = [
     (pod("engine"), pod("engine"), 6379),  # Ray GCS
     (pod("engine"), pod("engine"), 12345),  # Ray workers' ports
     (KUBERAY, pod("engine"), 8265),
-    (PROMETHEUS, pod("gateway"), 8080),
+    (PROMETHEUS, pod("gateway"), 9101),  # the gateway's /metrics
     (PROMETHEUS, pod("engine"), 8080),
     (PROMETHEUS, pod("registry"), 9102),  # the registry's /metrics
     (pod("gateway"), DNS, 53),
@@ -87,6 +87,10 @@ FORBIDDEN = [
     (STRANGER, pod("registry"), 9102),
     (INGRESS, pod("registry"), 9102),
     (pod("gateway"), pod("registry"), 9102),
+    # the gateway's metrics port: Prometheus' alone (and Prometheus reaches no other port of the gateway)
+    (STRANGER, pod("gateway"), 9101),
+    (INGRESS, pod("gateway"), 9101),
+    (PROMETHEUS, pod("gateway"), 8080),
 ]
 
 

@@ -1,4 +1,5 @@
-"""`guarded`: a cancel that came with a Redis reply is raised, not dropped; an earlier, caught cancel is not."""
+"""`guarded`: a cancel that came with a Redis reply is raised, not dropped; an earlier, caught cancel is not; outages
+are 503s, counted."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import contextlib
 
 import pytest
+from prometheus_client import REGISTRY
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from preft.common.errors import Unavailable
@@ -61,15 +63,22 @@ def test_a_task_that_caught_an_earlier_cancel_still_gets_its_replies():
     assert asyncio.run(main()) == "written"
 
 
-def test_outages_and_missed_deadlines_are_unavailable():
+def _redis_errors() -> float:
+    return REGISTRY.get_sample_value("preft_store_errors_total", {"store": "redis"}) or 0.0
+
+
+def test_outages_and_missed_deadlines_are_unavailable_and_counted():
     async def refused() -> None:
         raise RedisConnectionError("refused")
 
     async def main() -> None:
+        before = _redis_errors()
         with pytest.raises(Unavailable):
             await guarded(refused(), 5)
         with pytest.raises(Unavailable):
             await guarded(asyncio.sleep(10), 0.05)
+        assert _redis_errors() == before + 2  # (the alert on Redis errors reads this counter)
         assert await guarded(asyncio.sleep(0, result=7), 5) == 7
+        assert _redis_errors() == before + 2
 
     asyncio.run(main())

@@ -44,7 +44,7 @@ def create_app(
         version="0.1.0",
         lifespan=_lifespan(settings, collaborators),
     )
-    core.wire(app)  # errors, request metrics, /healthz, /readyz, /metrics
+    core.wire(app)  # errors, request metrics, /healthz, /readyz, /healthz/deps (/metrics: its own port)
     openai.wire(app)  # /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /v1/models
     responses.wire(app)  # /v1/responses, /v1/conversations
     files.wire(app)  # /v1/files

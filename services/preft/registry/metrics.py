@@ -15,10 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from preft.common import metrics
 from preft.common.errors import PreftError
+from preft.common.metrics_http import MetricsListener
+from preft.common.metrics_http import serve_metrics as serve_process_metrics
 from preft.registry.index import RedisIndex
 
 log = logging.getLogger(__name__)
@@ -103,10 +105,8 @@ class IndexEntries:
 
 def serve_metrics(
     address: str, index: RedisIndex, *, registry: CollectorRegistry = REGISTRY, index_max_age_s: float = 1.0
-) -> tuple[Any, int]:
+) -> MetricsListener:
     """Serve the process's metrics (the index's size read from `index`, at most every `index_max_age_s`) at
-    http://`address`/metrics ("host:port"; port 0 = any free one) from a daemon thread; returns (server, port)."""
-    host, _, port = address.rpartition(":")
+    http://`address`/metrics ("host:port"; port 0 = any free one) from a daemon thread."""
     IndexEntries(index, max_age_s=index_max_age_s).install()
-    server, _thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0", registry=registry)
-    return server, server.server_port
+    return serve_process_metrics(address, registry=registry)

@@ -58,8 +58,8 @@ def main() -> None:
     server, port = build_server(settings, service)
     log.info("registry listening on %s (port %d)", settings.listen_address, port)
     if settings.metrics_address:
-        _, metrics_port = serve_metrics(settings.metrics_address, service.index)
-        log.info("registry metrics on %s (port %d)", settings.metrics_address, metrics_port)
+        listener = serve_metrics(settings.metrics_address, service.index)
+        log.info("registry metrics on %s (port %d)", settings.metrics_address, listener.port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -52,6 +52,7 @@ class StackPorts:
     s3: int = 8333
     serve: int = 8000
     registry_metrics: int = 9102
+    gateway_metrics: int = 9101
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,8 @@ class StackInfo:
 
     @property
     def metrics_urls(self) -> list[str]:
-        """Prometheus endpoints of the gateway and the engine replica(s)."""
-        return [f"{self.gateway_url}/metrics", f"{self.engine_url}/metrics"]
+        """Prometheus endpoints of the gateway (its metrics port) and the engine replica(s)."""
+        return [f"http://{LOOPBACK}:{self.ports.gateway_metrics}/metrics", f"{self.engine_url}/metrics"]
 
     @classmethod
     def read(cls, state_dir: Path) -> StackInfo | None:
@@ -381,12 +382,14 @@ class LocalStack:
             what="engine",
         )
 
-    def gateway_env(self, port: int) -> dict[str, str]:
-        """A gateway's settings on this stack, listening on `port` (the stack's own, or another beside it)."""
+    def gateway_env(self, port: int, metrics_port: int = 0) -> dict[str, str]:
+        """A gateway's settings on this stack, listening on `port` and serving /metrics on `metrics_port` (the
+        stack's own, or others beside them; metrics port 0: any free one)."""
         return {
             "PREFT_GATEWAY__ENVIRONMENT": "prod",
             "PREFT_GATEWAY__HOST": LOOPBACK,
             "PREFT_GATEWAY__PORT": str(port),
+            "PREFT_GATEWAY__METRICS_ADDRESS": f"{LOOPBACK}:{metrics_port}",
             **self._redis_env("PREFT_GATEWAY__", "gateway"),
             "PREFT_GATEWAY__REGISTRY_ADDRESS": f"{LOOPBACK}:{self.ports.registry}",
             "PREFT_GATEWAY__REGISTRY_TOKEN": self.gateway_registry_token,
@@ -402,7 +405,7 @@ class LocalStack:
         }
 
     def _start_gateway(self) -> None:
-        env = self.gateway_env(self.ports.gateway)
+        env = self.gateway_env(self.ports.gateway, self.ports.gateway_metrics)
         self.gateway.spawn([sys.executable, "-m", "preft.gateway"], cwd=self.state_dir, env=env)
         wait_until(
             lambda: httpx.get(f"http://{LOOPBACK}:{self.ports.gateway}/healthz", timeout=2).status_code == 200,

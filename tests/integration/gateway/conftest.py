@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import redis
+from fastapi import FastAPI
 from pydantic import SecretStr
 
 from preft.api.v1 import adapter_pb2 as apb
@@ -115,11 +116,17 @@ class Gateway:
 
     server: ThreadedServer
     settings: GatewaySettings
+    app: FastAPI
     clients: list[Any] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return self.server.url
+
+    @property
+    def metrics_url(self) -> str:
+        """Its /metrics, on the listener of its own (apart from the API's port)."""
+        return f"http://127.0.0.1:{self.app.state.core.metrics_port}/metrics"
 
     def openai(self, api_key: str, **kw: Any) -> openai.OpenAI:
         client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=30, **kw)
@@ -161,11 +168,12 @@ def start_gateway(
         "default_max_tokens": 8,
         "usage_flush_interval_s": 0.1,
         "engine_connect_timeout_s": 0.5,
+        "metrics_address": "127.0.0.1:0",
         **overrides,
     }
     settings = GatewaySettings(**values)
     app = create_app(settings, tokenizer=tokenizer, engine_client=engine_client)
-    return Gateway(ThreadedServer(app).start(), settings)
+    return Gateway(ThreadedServer(app).start(), settings, app)
 
 
 def stop_gateway(gateway: Gateway) -> None:

@@ -11,6 +11,7 @@ from collections import Counter
 from functools import partial
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import redis
@@ -264,7 +265,7 @@ def test_cancel_on_any_replica_stops_the_batch_and_keeps_what_was_answered(make_
         time.sleep(0.6)
         assert len(stub.received) == sent  # (nothing more reaches the engine)
         assert client.batches.cancel(created.id).status == "cancelled"  # (an ended one: as it ended)
-    metrics = one.http().get("/metrics").text
+    metrics = httpx.get(one.metrics_url, timeout=10).text
     assert 'preft_gateway_batches_ended_total{status="cancelled"}' in metrics
 
 

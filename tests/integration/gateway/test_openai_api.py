@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -598,7 +599,8 @@ def test_metrics_and_probes(gateway, registry):
     assert http.get("/readyz").json() == {"status": "ready"}
     deps = http.get("/healthz/deps")
     assert deps.status_code == 200 and deps.json()["checks"] == {"redis": "ok", "registry": "ok", "engine": "ok"}
-    metrics = http.get("/metrics")
+    assert http.get("/metrics").status_code == 404  # (never on the API's port: an Ingress would expose it)
+    metrics = httpx.get(gateway.metrics_url, timeout=10)
     assert metrics.headers["content-type"].startswith("text/plain")
     text = metrics.text
     assert 'preft_gateway_requests_total{route="/v1/completions",status_class="2xx"}' in text

@@ -8,6 +8,7 @@ import json
 import time
 from functools import partial
 
+import httpx
 import openai
 import pytest
 import redis
@@ -362,7 +363,7 @@ def test_background_responses_cancel_on_any_replica(make_gateway, registry, stub
     plain = client.responses.create(model=BASE, input="go")
     with pytest.raises(openai.BadRequestError, match="only a background response"):
         client.responses.cancel(plain.id)
-    metrics = one.http().get("/metrics").text  # (how runs ended, and none left running)
+    metrics = httpx.get(one.metrics_url, timeout=10).text  # (how runs ended, and none left running)
     assert 'preft_gateway_background_responses_ended_total{status="cancelled"}' in metrics
     assert 'preft_gateway_background_responses_ended_total{status="completed"}' in metrics
     assert "\npreft_gateway_background_responses 0.0" in metrics

@@ -23,9 +23,9 @@ from preft.stack import free_port
 
 @pytest.fixture
 def metrics_url(service) -> Iterator[str]:
-    server, port = serve_metrics("127.0.0.1:0", service.index, index_max_age_s=0)  # (each scrape reads Redis)
-    yield f"http://127.0.0.1:{port}/metrics"
-    server.shutdown()
+    listener = serve_metrics("127.0.0.1:0", service.index, index_max_age_s=0)  # (each scrape reads Redis)
+    yield f"http://127.0.0.1:{listener.port}/metrics"
+    listener.close()
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -32,3 +32,4 @@ class Core:
     limiter: RateLimiter
     resolver: AdapterResolver
     meter: TokenMeter
+    metrics_port: int | None = None  # where /metrics is served (apart from the API's port); None: nowhere

@@ -1,5 +1,5 @@
 """The gateway's /openapi.json: FastAPI's, plus the Bearer scheme (a tenant's API key) on every operation that takes
-one, that is all but the probes and /metrics (the auth itself reads the Authorization header: see core.auth)."""
+one, that is all but the probes (the auth itself reads the Authorization header: see core.auth)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fastapi.openapi.utils import get_openapi
 
 BEARER = "TenantApiKey"
 # The operations that take no API key.
-UNAUTHENTICATED_PATHS = frozenset({"/healthz", "/readyz", "/healthz/deps", "/metrics"})
+UNAUTHENTICATED_PATHS = frozenset({"/healthz", "/readyz", "/healthz/deps"})
 
 
 def with_bearer_scheme(schema: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from preft.common.errors import Unavailable
+from preft.common.metrics import STORE_ERRORS
 from preft.common.settings import RedisSettings
 
 T = TypeVar("T")
@@ -49,7 +50,8 @@ def connect(settings: RedisSettings, timeout_s: float) -> aioredis.Redis:
 
 
 async def guarded(operation: Awaitable[T], timeout_s: float) -> T:
-    """Await a Redis operation; a connection error or a missed deadline becomes Unavailable (503).
+    """Await a Redis operation; a connection error or a missed deadline becomes Unavailable (503), counted in
+    preft_store_errors_total{store="redis"} (the alert on Redis errors reads it from the gateway as from the registry).
 
     A cancel that arrived during the operation is raised even where the operation returned: Python 3.11's
     `asyncio.wait_for`, which redis-py awaits, returns a reply that came with the cancel and drops the cancel, so a
@@ -61,6 +63,7 @@ async def guarded(operation: Awaitable[T], timeout_s: float) -> T:
         async with asyncio.timeout(timeout_s):
             result = await operation
     except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as e:
+        STORE_ERRORS.labels("redis").inc()
         raise Unavailable("the gateway's metadata store (Redis) is unavailable; retry later") from e
     if task is not None and task.cancelling() > cancels:
         raise asyncio.CancelledError

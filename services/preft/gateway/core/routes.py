@@ -1,6 +1,6 @@
 """GET /healthz (the process answers), GET /readyz (the process is up and wired: it depends on nothing outside it),
-GET /healthz/deps (Redis, the registry and the engine answer) and GET /metrics (the process's Prometheus metrics,
-declared in preft.common.metrics, in the text exposition format).
+and GET /healthz/deps (Redis, the registry and the engine answer). The Prometheus metrics are not here: they have a
+listener of their own (`CoreSettings.metrics_address`).
 
 /readyz leaves dependencies out on purpose: every gateway pod shares them, so a Redis or registry blip would take all
 pods out of their Service at once (no pod left to answer even the requests that need neither, as the base model's
@@ -13,8 +13,7 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 
 from preft.common.errors import PreftError, Unavailable
 from preft.gateway.core.deps import CoreDep, RedisDep, RegistryDep, SettingsDep
@@ -60,8 +59,3 @@ async def healthz_deps(core: CoreDep, redis: RedisDep, registry: RegistryDep, se
             report[name] = "ok"
     ready = all(v == "ok" for v in report.values())
     return JSONResponse({"status": "ready" if ready else "unavailable", "checks": report}, 200 if ready else 503)
-
-
-@router.get("/metrics", tags=["metrics"])
-async def metrics() -> Response:
-    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)

@@ -21,6 +21,12 @@ class CoreSettings(BaseModel):
     environment: Literal["dev", "prod"] = Field("prod", description="dev allows the placeholder registry token")
     host: str = Field("127.0.0.1", description="Address uvicorn binds")
     port: int = Field(8080, ge=0, le=65535, description="TCP port uvicorn binds")
+    metrics_address: str = Field(
+        "127.0.0.1:9101",
+        description="host:port serving Prometheus metrics at /metrics, apart from the API's port (which never serves "
+        "them: an Ingress in front of it cannot expose tenant labels); port 0 = any free one, empty = none. Loopback "
+        "by default: the chart and kustomize bind 0.0.0.0 for the ServiceMonitor",
+    )
     access_log: bool = Field(
         True, description="uvicorn access log (method, path, status; no query secrets; never headers or bodies)"
     )

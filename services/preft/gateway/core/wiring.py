@@ -1,5 +1,6 @@
 """The core's wiring: the collaborators every sub-package uses, built in the app's lifespan (`start`), and what the
-core adds to the app (`wire`: error handlers, request metrics, health and metrics routes).
+core adds to the app (`wire`: error handlers, request metrics, health routes); /metrics is served on a listener of
+its own (`metrics_address`), never on the API's port.
 
 Collaborators passed in (Redis client, registry client, engine client, tokenizer) are used as they are and left
 open (their owner closes them); those built here close with the lifespan's exit stack.
@@ -15,6 +16,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
+from preft.common.metrics_http import MetricsListener, serve_metrics
 from preft.gateway.core import redis_client, routes
 from preft.gateway.core.auth import KeyAuthenticator
 from preft.gateway.core.collaborators import Core
@@ -34,8 +36,8 @@ from preft.gateway.core.usage import UsageRecorder
 
 def wire(app: FastAPI) -> None:
     """Error handlers, request metrics (outermost: they also count the error middleware's 500s), secrets kept out
-    of the access log (here, not in the server's main: whatever server runs the app logs none), health and
-    metrics."""
+    of the access log (here, not in the server's main: whatever server runs the app logs none), the health probes
+    (the metrics have a listener of their own: `start`)."""
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware)
     install_access_log_redaction()
@@ -89,6 +91,7 @@ async def start(
     _run_in_background(stack, meter.run(), "preft-token-meter")
     guard = PromptGuard(tok, settings)
     stack.callback(guard.close)
+    metrics_listener = _serve_metrics(stack, settings.metrics_address)
     return Core(
         settings=settings,
         redis=r,
@@ -117,7 +120,17 @@ async def start(
             allow_mode_override=settings.allow_mode_override,
         ),
         meter=meter,
+        metrics_port=metrics_listener.port if metrics_listener else None,
     )
+
+
+def _serve_metrics(stack: contextlib.AsyncExitStack, address: str) -> MetricsListener | None:
+    """The /metrics listener at `address` (none where it is empty), closed with the lifespan."""
+    if not address:
+        return None
+    listener = serve_metrics(address)
+    stack.callback(listener.close)
+    return listener
 
 
 def _load_tokenizer(settings: CoreSettings) -> PromptTokenizer:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
+import orjson
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from preft.common.errors import InvalidArgument
 from preft.gateway.core.deps import (
@@ -72,7 +73,7 @@ async def tokenize(
     guard: GuardDep,
     limiter: LimiterDep,
     body: Annotated[TokenizeBody, Depends(json_body(TokenizeBody))],
-) -> JSONResponse:
+) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidArgument("give either prompt or messages")
     if body.prompt is not None:
@@ -87,7 +88,8 @@ async def tokenize(
     admission = await limiter.admit(caller.tenant, 0)
     tokens = await guard.encode(caller.tenant, text, add_special_tokens=special)
     answer = {"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens}
-    return JSONResponse(answer, headers=admission.headers())
+    # (orjson: a tenant's 1M-token prompt took the stdlib encoder ~0.3-1.2 s, on the loop every tenant shares)
+    return Response(orjson.dumps(answer), media_type="application/json", headers=admission.headers())
 
 
 @router.post("/detokenize")

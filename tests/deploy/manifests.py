@@ -36,7 +36,7 @@ DEPLOY = REPO / "deploy"
 CHART = REPO / "helm" / "preft"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 K8S_VERSION = "1.31.0"  # the oldest minor preft supports that kubernetes-validate 1.37 bundles with gRPC probes etc.
-OVERLAYS = ("dev", "gpu")
+OVERLAYS = ("dev", "gpu", "gpu-s3")
 CRD_SCHEMAS = {
     ("ray.io/v1", "RayService"): "rayservice.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json",
@@ -45,7 +45,14 @@ CRD_SCHEMAS = {
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute.json",
 }
 # Secrets the manifests read but never create (deploy/secrets.example.env documents them).
-EXTERNAL_SECRETS = {"preft-registry-token", "preft-engine-token", "preft-s3", "preft-redis", "preft-redis-acl"}
+EXTERNAL_SECRETS = {
+    "preft-registry-token",
+    "preft-engine-token",
+    "preft-s3",
+    "preft-redis",
+    "preft-redis-acl",
+    "preft-hf-token",
+}
 
 Obj = dict[str, Any]
 
@@ -379,6 +386,107 @@ def rayservice_problems(o: Obj) -> list[str]:
     http = cfg.get("http_options") or {}
     if http.get("port", 8000) != 8000 or http.get("host") != "0.0.0.0":
         problems.append(f"{where}: Serve must listen on 0.0.0.0:8000 (the serve Service and the gateway use it)")
+    return problems
+
+
+# -- the model: fetched by an init container into each pod that reads it ------------------------------------------
+
+FETCH_INIT = "fetch-model"
+
+
+def model_dirs_read(docs: list[Obj], o: Obj, spec: Obj) -> dict[str, str]:
+    """The model directories a pod's services read, by setting: the engine's serveConfigV2 `model_dir` (RayService),
+    `PREFT_*__MODEL_DIR` in its containers' env or the ConfigMaps they take whole."""
+    if o["kind"] == "RayService":
+        return {"serveConfigV2 model_dir": engine_args([o]).get("model_dir", "")}
+    configmaps = {c["metadata"]["name"]: c.get("data") or {} for c in by_kind(docs, "ConfigMap")}
+    found: dict[str, str] = {}
+    for c in spec.get("containers") or []:
+        for ef in c.get("envFrom") or []:
+            data = configmaps.get((ef.get("configMapRef") or {}).get("name"), {})
+            found |= {k: v for k, v in data.items() if k.endswith("__MODEL_DIR")}
+        found |= {
+            e["name"]: e["value"] for e in c.get("env") or [] if e["name"].endswith("__MODEL_DIR") and "value" in e
+        }
+    return found
+
+
+def _arg(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command[:-1] else None
+
+
+def model_fetch_problems(docs: list[Obj]) -> list[str]:
+    """Where some pod fetches the model (a fetch-model init container), every pod that reads it does, the same model:
+    into a `models` emptyDir with a size limit, mounted by its containers read-only at the init container's path (the
+    link it makes is absolute), linked at the directory the pod's service reads; the gateway (a MODEL_DIR setting)
+    fetches the tokenizer only, the engine the whole model; keys and tokens come from Secrets, never literals."""
+    problems: list[str] = []
+    fetching: list[tuple[str, Obj, Obj, Obj]] = []
+    readers: list[str] = []
+    for o in docs:
+        for where, tpl in pod_templates(o):
+            spec = tpl["spec"]
+            volumes = {v["name"]: v for v in spec.get("volumes") or []}
+            if "models" not in volumes:
+                continue
+            readers.append(where)
+            inits = [c for c in spec.get("initContainers") or [] if c["name"] == FETCH_INIT]
+            if inits:
+                fetching.append((where, o, spec, inits[0]))
+    if not fetching:
+        return []
+    fetched = {where for where, *_ in fetching}
+    problems += [
+        f"{where}: reads the model but has no {FETCH_INIT} init container" for where in readers if where not in fetched
+    ]
+    sources = set()
+    for where, o, spec, init in fetching:
+        w = f"{where}/init:{FETCH_INIT}"
+        volume = {v["name"]: v for v in spec["volumes"]}["models"]
+        if "emptyDir" not in volume or len(volume) != 2:
+            problems.append(f"{where}: the models volume is not an emptyDir alone: {volume}")
+        elif not (volume["emptyDir"] or {}).get("sizeLimit"):
+            problems.append(f"{where}: the models emptyDir has no sizeLimit")
+        mounts = [m for m in init.get("volumeMounts") or [] if m["name"] == "models"]
+        if len(mounts) != 1 or mounts[0].get("readOnly"):
+            problems.append(f"{w}: does not mount models writable once: {mounts}")
+            continue
+        root = mounts[0]["mountPath"].rstrip("/")
+        for c in spec.get("containers") or []:
+            for mnt in c.get("volumeMounts") or []:
+                if mnt["name"] != "models":
+                    continue
+                if mnt["mountPath"].rstrip("/") != root or mnt.get("readOnly") is not True:
+                    problems.append(
+                        f"{where}/{c['name']}: mounts models at {mnt['mountPath']}, not read-only at {root}"
+                    )
+        command = init.get("command") or []
+        if command[:4] != ["python", "-m", "preft.common.model_source", "fetch"]:
+            problems.append(f"{w}: command {command} is not `python -m preft.common.model_source fetch`")
+        link, cache = _arg(command, "--link"), _arg(command, "--cache-dir")
+        for flag, value in (("--link", link), ("--cache-dir", cache)):
+            if value is None or not value.startswith(root + "/"):
+                problems.append(f"{w}: {flag} {value} is not inside the models volume ({root})")
+        for setting, path in model_dirs_read(docs, o, spec).items():
+            if path != link:
+                problems.append(f"{where}: {setting} is {path}, the init container links {link}")
+        env = {e["name"]: e for e in init.get("env") or []}
+        source = (env.get("PREFT_MODEL__SOURCE") or {}).get("value")
+        if not source:
+            problems.append(f"{w}: no PREFT_MODEL__SOURCE value")
+        sources.add(source)
+        tokenizer_only = (env.get("PREFT_MODEL__TOKENIZER_ONLY") or {}).get("value", "false")
+        wants = "false" if o["kind"] == "RayService" else "true"
+        if tokenizer_only != wants:
+            problems.append(f"{w}: PREFT_MODEL__TOKENIZER_ONLY is {tokenizer_only}, the {o['kind']} needs {wants}")
+        for name, e in env.items():
+            if re.search(r"ACCESS_KEY$|SECRET_KEY$|TOKEN$", name) and "secretKeyRef" not in (e.get("valueFrom") or {}):
+                problems.append(f"{w}: {name} is not read from a Secret")
+        images = {c.get("image") for c in spec.get("containers") or []}
+        if init.get("image") not in images:
+            problems.append(f"{w}: image {init.get('image')} is none of the pod's ({sorted(images)})")
+    if len(sources) > 1:
+        problems.append(f"the pods fetch different models: {sorted(map(str, sources))}")
     return problems
 
 

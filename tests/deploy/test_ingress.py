@@ -106,15 +106,19 @@ def test_the_ingress_namespace_is_a_value():
     assert not m.flow_allowed(policies, m.Peer({}, namespace="ingress-nginx"), pod("gateway"), 8080)
 
 
+# gpu-s3 is the gpu overlay with the model fetched: it takes gpu's patch point.
+PATCH_POINT_OVERLAY = {"gpu-s3": "gpu"}
+
+
 @pytest.mark.parametrize("overlay", m.OVERLAYS)
 def test_the_overlays_patch_point_sets_the_ingress_namespace(overlay, tmp_path):
-    """Each overlay's patches/ingress-namespace.yaml is where the controller's namespace is set: changing it there
-    changes whom the gateway admits."""
+    """Each overlay's patches/ingress-namespace.yaml (or that of the overlay it builds on) is where the controller's
+    namespace is set: changing it there changes whom the gateway admits."""
     import shutil
 
     root = tmp_path / "deploy"
     shutil.copytree(m.DEPLOY, root, ignore=shutil.ignore_patterns("docker"))
-    patch = root / "overlays" / overlay / "patches" / "ingress-namespace.yaml"
+    patch = root / "overlays" / PATCH_POINT_OVERLAY.get(overlay, overlay) / "patches" / "ingress-namespace.yaml"
     text = patch.read_text()
     head, tail = text.rsplit("value: ingress-nginx", 1)
     patch.write_text(head + "value: traefik" + tail)

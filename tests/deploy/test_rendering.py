@@ -151,7 +151,9 @@ def _comparable(docs):
     return out
 
 
-@pytest.mark.parametrize(("overlay", "scenario"), [("gpu", "values-gpu"), ("dev", "values-cpu")])
+@pytest.mark.parametrize(
+    ("overlay", "scenario"), [("gpu", "values-gpu"), ("gpu-s3", "values-gpu"), ("dev", "values-cpu")]
+)
 def test_chart_renders_the_same_objects_as_the_overlay(kustomize_outputs, helm_outputs, overlay, scenario):
     kust, chart = _comparable(kustomize_outputs[overlay]), _comparable(helm_outputs[scenario])
     if scenario == "values-cpu":  # the CPU preset leaves monitoring and the HPA off (no CRDs assumed on dev clusters)

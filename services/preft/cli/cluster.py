@@ -183,7 +183,8 @@ def status(
 def apply(
     ctx: typer.Context,
     overlay: Annotated[
-        str | None, typer.Option(help="Overlay name under DEPLOY_DIR/overlays (dev, gpu) or a kustomization directory.")
+        str | None,
+        typer.Option(help="Overlay name under DEPLOY_DIR/overlays (dev, gpu, gpu-s3) or a kustomization directory."),
     ] = None,
     file: Annotated[
         Path | None,

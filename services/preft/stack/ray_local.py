@@ -43,7 +43,10 @@ def start_local_ray(**init_kwargs: Any) -> None:
 
     import ray
 
-    ray.init(_node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)
+    # address="local": a new cluster always. Without an address, ray.init joins the cluster named in
+    # /tmp/ray/ray_current_cluster, which every `ray start` writes (a testbed's head, a user's own cluster) and
+    # which outlives it.
+    ray.init(address="local", _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **init_kwargs)
     node_ip = ray.util.get_node_ip_address()
     if not is_loopback(node_ip):
         ray.shutdown()

@@ -21,7 +21,7 @@ import asyncio
 import hashlib
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import UploadFile
 from starlette.responses import JSONResponse
@@ -41,6 +41,7 @@ MODES = {"prefill": apb.POSITION_MODE_PREFILL, "all": apb.POSITION_MODE_ALL}
 MODE_NAMES = {v: k for k, v in MODES.items()}
 MAX_FILES = 16
 HASH_CHUNK = 1024 * 1024
+MAX_VERSION = 2**31 - 1  # (an int32 in the registry's messages: a larger one could not even be sent)
 UPLOAD_FORM = multipart_body(
     {
         "name": {"type": "string", "description": "The adapter's name (a new version of it where it exists)"},
@@ -178,7 +179,7 @@ async def get_adapter(name: str, caller: CallerDep, registry: RegistryDep) -> JS
 class AliasBody(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{"version": 1}]})
 
-    version: int = Field(ge=1, description="The version the alias points at")
+    version: int = Field(ge=1, le=MAX_VERSION, description="The version the alias points at")
 
 
 @router.put("/v1/adapters/{name}/aliases/{alias}", response_model=Adapter, responses=errors(*REGISTRY_ERRORS))
@@ -202,9 +203,9 @@ async def remove_alias(name: str, alias: str, caller: CallerDep, registry: Regis
 @router.delete(
     "/v1/adapters/{name}/versions/{version}", response_model=AdapterDeleted, responses=errors(*REGISTRY_ERRORS)
 )
-async def delete_version(name: str, version: int, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
-    if version < 1:
-        raise InvalidArgument("version: a version number (1 or more)")
+async def delete_version(
+    name: str, version: Annotated[int, Path(ge=1, le=MAX_VERSION)], caller: CallerDep, registry: RegistryDep
+) -> JSONResponse:
     return await _delete(caller.tenant, name, version, registry)
 
 

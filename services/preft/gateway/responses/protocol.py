@@ -281,6 +281,8 @@ def conversation(
         raise InvalidArgument(f"{field}: the input is empty")
     for i, item in enumerate(input):
         where, kind = f"{field}.{i}", item.get("type", "message")
+        if not isinstance(item.get("id", ""), str | None):  # (items are listed by their ids: strings, as ours)
+            raise InvalidArgument(f"{where}: id must be a string")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):

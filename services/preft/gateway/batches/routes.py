@@ -25,7 +25,9 @@ from starlette.responses import JSONResponse
 from preft.common.errors import InvalidArgument
 from preft.common.metrics import BATCHES_CREATED
 from preft.gateway.batches.deps import BatchesDep, BatchRunnerDep, BatchStoreDep
+from preft.gateway.batches.response_models import Batch, BatchList
 from preft.gateway.core.deps import CallerDep, json_body
+from preft.gateway.core.openapi import errors
 from preft.gateway.core.pages import Metadata, item_list
 from preft.gateway.files.deps import FileStoreDep
 from preft.gateway.files.store import EXPIRES_AFTER_S
@@ -41,7 +43,14 @@ class ExpiresAfter(BaseModel):
 
 
 class NewBatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"input_file_id": "file-abc123", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+            ]
+        },
+    )
 
     input_file_id: str = Field(min_length=1, max_length=128, description="A file of purpose batch")
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
@@ -50,7 +59,8 @@ class NewBatch(BaseModel):
     output_expires_after: ExpiresAfter | None = None
 
 
-@router.post("/v1/batches")
+# Every Batch route answers 400 where the gateway has no bucket for files (as the Files routes).
+@router.post("/v1/batches", response_model=Batch, responses=errors(404, 429))
 async def create_batch(
     caller: CallerDep,
     body: Annotated[NewBatch, Depends(json_body(NewBatch))],
@@ -83,7 +93,7 @@ async def create_batch(
     return JSONResponse(batch.as_object())
 
 
-@router.get("/v1/batches")
+@router.get("/v1/batches", response_model=BatchList, responses=errors(400))
 async def list_batches(
     caller: CallerDep,
     store: BatchStoreDep,
@@ -94,12 +104,12 @@ async def list_batches(
     return JSONResponse(item_list([batch.as_object() for batch in page.batches], has_more=page.has_more))
 
 
-@router.get("/v1/batches/{batch_id}")
+@router.get("/v1/batches/{batch_id}", response_model=Batch, responses=errors(400, 404))
 async def retrieve_batch(batch_id: str, caller: CallerDep, store: BatchStoreDep) -> JSONResponse:
     return JSONResponse((await store.get(caller.tenant, batch_id)).as_object())
 
 
-@router.post("/v1/batches/{batch_id}/cancel")
+@router.post("/v1/batches/{batch_id}/cancel", response_model=Batch, responses=errors(400, 404))
 async def cancel_batch(batch_id: str, caller: CallerDep, store: BatchStoreDep, runner: BatchRunnerDep) -> JSONResponse:
     """Ask for the batch to stop (whichever replica runs it stops it within its poll); the batch as it then
     stands: cancelling (an ended one, as it ended)."""

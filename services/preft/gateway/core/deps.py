@@ -7,8 +7,7 @@ Every dependency is `async def`: FastAPI runs plain functions in a thread pool, 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Annotated, TypeVar
+from typing import Annotated, Generic, TypeVar
 
 import redis.asyncio as aioredis
 from fastapi import Depends, Request
@@ -67,10 +66,17 @@ async def get_caller(request: Request, core: CoreDep) -> Caller:
     return await core.authenticator.authenticate(request.headers.get("authorization"))
 
 
-def json_body(model: type[M]) -> Callable[..., Awaitable[M]]:
-    """A dependency reading the body (at most `max_request_bytes`, else 413) and validating it (else 400)."""
+class JsonBody(Generic[M]):
+    """A dependency reading the body (at most `max_request_bytes`, else 413) and validating it as `model` (else 400).
 
-    async def read(request: Request, core: CoreDep) -> M:
+    It reads the body itself, so FastAPI does not see a body parameter: ``core.openapi`` finds these dependencies
+    and documents `model` as the operation's request body.
+    """
+
+    def __init__(self, model: type[M]) -> None:
+        self.model = model
+
+    async def __call__(self, request: Request, core: CoreDep) -> M:
         limit = core.settings.max_request_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -83,9 +89,12 @@ def json_body(model: type[M]) -> Callable[..., Awaitable[M]]:
             parts.append(part)
         if not size:
             raise InvalidArgument("the request has no body; send a JSON object")
-        return parsed_body(model, b"".join(parts))
+        return parsed_body(self.model, b"".join(parts))
 
-    return read
+
+def json_body(model: type[M]) -> JsonBody[M]:
+    """The dependency that reads a route's JSON body as `model` (``JsonBody``)."""
+    return JsonBody(model)
 
 
 def check_multipart_upload(request: Request, *, max_bytes: int, too_large: str, not_multipart: str) -> None:

@@ -18,16 +18,17 @@ from starlette.responses import JSONResponse
 from preft.common.errors import PreftError, Unavailable
 from preft.gateway.core.deps import CoreDep, RedisDep, RegistryDep, SettingsDep
 from preft.gateway.core.redis_client import guarded
+from preft.gateway.core.response_models import DependencyHealth, Liveness, Readiness
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", response_model=Liveness)
 async def healthz() -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/readyz")
+@router.get("/readyz", response_model=Readiness)
 async def readyz(core: CoreDep) -> JSONResponse:
     """200 once the process is wired (its collaborators made: resolving them is the check), whatever its
     dependencies' state (see the module's docstring)."""
@@ -40,7 +41,11 @@ async def _engine_check(core: Any, timeout_s: float) -> None:
         raise Unavailable(f"no answer to its health check within {timeout_s:g} s")
 
 
-@router.get("/healthz/deps")
+@router.get(
+    "/healthz/deps",
+    response_model=DependencyHealth,
+    responses={503: {"model": DependencyHealth, "description": "Some dependency does not answer"}},
+)
 async def healthz_deps(core: CoreDep, redis: RedisDep, registry: RegistryDep, settings: SettingsDep) -> JSONResponse:
     """200 when Redis, the registry and the engine all answer; 503 naming the ones that do not (not an API error)."""
     checks = {

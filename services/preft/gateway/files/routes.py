@@ -28,9 +28,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from preft.common.errors import InvalidArgument
 from preft.gateway.core.deps import CallerDep, check_multipart_upload
 from preft.gateway.core.errors import PayloadTooLarge
+from preft.gateway.core.openapi import errors, multipart_body
 from preft.gateway.core.pages import item_list
 from preft.gateway.files.batch_input import check_lines
 from preft.gateway.files.deps import FilesDep, FileStoreDep
+from preft.gateway.files.response_models import FileDeleted, FileList, FileObject
 from preft.gateway.files.store import DEFAULT_EXPIRES_AFTER_S, EXPIRES_AFTER_S, UPLOAD_PURPOSES
 
 router = APIRouter(tags=["files"])
@@ -41,6 +43,21 @@ MAX_LIST = 10_000
 ANCHOR, SECONDS = "expires_after[anchor]", "expires_after[seconds]"
 FIELDS = ("file", "purpose", ANCHOR, SECONDS)
 DIGITS = re.compile(r"^[0-9]{1,9}$")
+UPLOAD_FORM = multipart_body(
+    {
+        "file": {"type": "string", "format": "binary", "description": "The file (a name of 1-255 characters)"},
+        "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)},
+        ANCHOR: {"type": "string", "enum": ["created_at"], "description": f"With {SECONDS}"},
+        SECONDS: {
+            "type": "integer",
+            "minimum": EXPIRES_AFTER_S[0],
+            "maximum": EXPIRES_AFTER_S[1],
+            "description": f"With {ANCHOR}: the file expires this long after its creation",
+        },
+    },
+    required=["file", "purpose"],
+)
+# Every Files route answers 400 where the gateway has no bucket for files (``files.deps``).
 
 
 def _file_part(form: Any) -> UploadFile:
@@ -88,7 +105,7 @@ def _expires_after_s(form: Any, purpose: str) -> int | None:
     return int(seconds)
 
 
-@router.post("/v1/files")
+@router.post("/v1/files", response_model=FileObject, responses=errors(400, 411, 413, 429), openapi_extra=UPLOAD_FORM)
 async def upload_file(request: Request, caller: CallerDep, api: FilesDep) -> JSONResponse:
     files, limit = api.store, api.settings.files_max_bytes
     check_multipart_upload(
@@ -126,7 +143,7 @@ async def upload_file(request: Request, caller: CallerDep, api: FilesDep) -> JSO
     return JSONResponse(created)
 
 
-@router.get("/v1/files")
+@router.get("/v1/files", response_model=FileList, responses=errors(400))
 async def list_files(
     caller: CallerDep,
     files: FileStoreDep,
@@ -139,19 +156,26 @@ async def list_files(
     return JSONResponse(item_list(page.files, has_more=page.has_more))
 
 
-@router.get("/v1/files/{file_id}")
+@router.get("/v1/files/{file_id}", response_model=FileObject, responses=errors(400, 404))
 async def retrieve_file(file_id: str, caller: CallerDep, files: FileStoreDep) -> JSONResponse:
     return JSONResponse(await files.get(caller.tenant, file_id))
 
 
-@router.get("/v1/files/{file_id}/content")
+@router.get(
+    "/v1/files/{file_id}/content",
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+        **errors(400, 404),
+    },
+)
 async def file_content(file_id: str, caller: CallerDep, files: FileStoreDep) -> Response:
     obj, chunks = await files.content(caller.tenant, file_id)
     headers = {"content-length": str(obj["bytes"])}
     return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
 
 
-@router.delete("/v1/files/{file_id}")
+@router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=errors(400, 404))
 async def delete_file(file_id: str, caller: CallerDep, files: FileStoreDep) -> JSONResponse:
     await files.delete(caller.tenant, file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})

@@ -21,8 +21,8 @@ import asyncio
 import hashlib
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, Depends, Path, Request
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import UploadFile
 from starlette.responses import JSONResponse
 
@@ -30,7 +30,9 @@ from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
 from preft.common.errors import InvalidArgument
 from preft.gateway.core.deps import CallerDep, LimiterDep, RegistryDep, SettingsDep, check_multipart_upload, json_body
+from preft.gateway.core.openapi import REGISTRY_ERRORS, errors, multipart_body
 from preft.gateway.core.registry import AsyncRegistry, BlobUpload
+from preft.gateway.manage.response_models import Adapter, AdapterDeleted, AdapterDetail, AdapterList, AdapterUpload
 
 router = APIRouter(tags=["adapters"])
 
@@ -39,6 +41,21 @@ MODES = {"prefill": apb.POSITION_MODE_PREFILL, "all": apb.POSITION_MODE_ALL}
 MODE_NAMES = {v: k for k, v in MODES.items()}
 MAX_FILES = 16
 HASH_CHUNK = 1024 * 1024
+MAX_VERSION = 2**31 - 1  # (an int32 in the registry's messages: a larger one could not even be sent)
+UPLOAD_FORM = multipart_body(
+    {
+        "name": {"type": "string", "description": "The adapter's name (a new version of it where it exists)"},
+        "files": {
+            "type": "array",
+            "items": {"type": "string", "format": "binary"},
+            "maxItems": MAX_FILES,
+            "description": "The adapter directory's files (adapter_config.json and its weights), by plain name",
+        },
+        "mode": {"type": "string", "enum": list(MODES), "default": "prefill"},
+        "alias": {"type": "string", "description": "An alias to point at the new version"},
+    },
+    required=["name", "files"],
+)
 
 
 def version_entry(m: apb.AdapterManifest, *, own: bool = True) -> dict[str, Any]:
@@ -103,7 +120,13 @@ def _field(form: Any, name: str) -> str:
     return value
 
 
-@router.post("/v1/adapters")
+@router.post(
+    "/v1/adapters",
+    status_code=201,
+    response_model=AdapterUpload,
+    responses={200: {"model": AdapterUpload, "description": "Not new"}, **errors(*REGISTRY_ERRORS, 411, 413)},
+    openapi_extra=UPLOAD_FORM,
+)
 async def upload_adapter(
     request: Request, caller: CallerDep, registry: RegistryDep, settings: SettingsDep, limiter: LimiterDep
 ) -> JSONResponse:
@@ -139,13 +162,13 @@ async def upload_adapter(
     return JSONResponse(body, status_code=201 if published.created else 200, headers=admission.headers())
 
 
-@router.get("/v1/adapters")
+@router.get("/v1/adapters", response_model=AdapterList)
 async def list_adapters(caller: CallerDep, registry: RegistryDep) -> JSONResponse:
     adapters = await registry.list_adapters(caller.tenant)
     return JSONResponse({"object": "list", "data": [adapter_entry(a, caller.tenant) for a in adapters]})
 
 
-@router.get("/v1/adapters/{name}")
+@router.get("/v1/adapters/{name}", response_model=AdapterDetail, responses=errors(*REGISTRY_ERRORS))
 async def get_adapter(name: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
     adapter = await registry.manage("GetAdapter", pb.GetAdapterRequest(tenant=caller.tenant, name=name))
     versions = await registry.manage("ListVersions", pb.ListVersionsRequest(tenant=caller.tenant, name=name))
@@ -154,10 +177,12 @@ async def get_adapter(name: str, caller: CallerDep, registry: RegistryDep) -> JS
 
 
 class AliasBody(BaseModel):
-    version: int = Field(ge=1, description="The version the alias points at")
+    model_config = ConfigDict(json_schema_extra={"examples": [{"version": 1}]})
+
+    version: int = Field(ge=1, le=MAX_VERSION, description="The version the alias points at")
 
 
-@router.put("/v1/adapters/{name}/aliases/{alias}")
+@router.put("/v1/adapters/{name}/aliases/{alias}", response_model=Adapter, responses=errors(*REGISTRY_ERRORS))
 async def set_alias(
     name: str,
     alias: str,
@@ -169,20 +194,22 @@ async def set_alias(
     return JSONResponse(adapter_entry(await registry.manage("SetAlias", request_pb), caller.tenant))
 
 
-@router.delete("/v1/adapters/{name}/aliases/{alias}")
+@router.delete("/v1/adapters/{name}/aliases/{alias}", response_model=Adapter, responses=errors(*REGISTRY_ERRORS))
 async def remove_alias(name: str, alias: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
     request_pb = pb.SetAliasRequest(tenant=caller.tenant, name=name, alias=alias, version=0)
     return JSONResponse(adapter_entry(await registry.manage("SetAlias", request_pb), caller.tenant))
 
 
-@router.delete("/v1/adapters/{name}/versions/{version}")
-async def delete_version(name: str, version: int, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
-    if version < 1:
-        raise InvalidArgument("version: a version number (1 or more)")
+@router.delete(
+    "/v1/adapters/{name}/versions/{version}", response_model=AdapterDeleted, responses=errors(*REGISTRY_ERRORS)
+)
+async def delete_version(
+    name: str, version: Annotated[int, Path(ge=1, le=MAX_VERSION)], caller: CallerDep, registry: RegistryDep
+) -> JSONResponse:
     return await _delete(caller.tenant, name, version, registry)
 
 
-@router.delete("/v1/adapters/{name}")
+@router.delete("/v1/adapters/{name}", response_model=AdapterDeleted, responses=errors(*REGISTRY_ERRORS))
 async def delete_adapter(name: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
     return await _delete(caller.tenant, name, 0, registry)
 

@@ -23,7 +23,9 @@ from starlette.responses import JSONResponse
 
 from preft.api.v1 import registry_pb2 as pb
 from preft.gateway.core.deps import CallerDep, RegistryDep
+from preft.gateway.core.openapi import REGISTRY_ERRORS, errors
 from preft.gateway.manage.adapters import adapter_entry, version_entry
+from preft.gateway.manage.response_models import Adapter, ShareOffer, ShareOfferDeleted, ShareOfferList
 
 router = APIRouter(tags=["adapters"])
 
@@ -41,32 +43,43 @@ def offer_entry(o: pb.ShareOffer) -> dict[str, Any]:
     }
 
 
-@router.put("/v1/adapters/{name}/shares/{tenant}")
+@router.put(
+    "/v1/adapters/{name}/shares/{tenant}",
+    status_code=202,
+    response_model=Adapter,
+    responses=errors(*REGISTRY_ERRORS),
+)
 async def offer(name: str, tenant: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
     request_pb = pb.ShareRequest(tenant=caller.tenant, name=name, add=[tenant], offer=True)
     return JSONResponse(adapter_entry(await registry.manage("Share", request_pb), caller.tenant), status_code=202)
 
 
-@router.delete("/v1/adapters/{name}/shares/{tenant}")
+@router.delete("/v1/adapters/{name}/shares/{tenant}", response_model=Adapter, responses=errors(*REGISTRY_ERRORS))
 async def withdraw(name: str, tenant: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
     # (offer=True: the registry looks the tenant up neither way, so this answers alike for an unknown one)
     request_pb = pb.ShareRequest(tenant=caller.tenant, name=name, remove=[tenant], offer=True)
     return JSONResponse(adapter_entry(await registry.manage("Share", request_pb), caller.tenant))
 
 
-@router.get("/v1/adapters/shares/offers")
+@router.get("/v1/adapters/shares/offers", response_model=ShareOfferList, responses=errors(*REGISTRY_ERRORS))
 async def list_offers(caller: CallerDep, registry: RegistryDep) -> JSONResponse:
     listed = await registry.manage("ListShareOffers", pb.ListShareOffersRequest(tenant=caller.tenant))
     return JSONResponse({"object": "list", "data": [offer_entry(o) for o in listed.offers]})
 
 
-@router.post("/v1/adapters/shares/offers/{owner}/{name}/accept")
+@router.post(
+    "/v1/adapters/shares/offers/{owner}/{name}/accept", response_model=ShareOffer, responses=errors(*REGISTRY_ERRORS)
+)
 async def accept(owner: str, name: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
     request_pb = pb.AnswerShareOfferRequest(tenant=caller.tenant, owner=owner, name=name, accept=True)
     return JSONResponse(offer_entry(await registry.manage("AnswerShareOffer", request_pb)))
 
 
-@router.delete("/v1/adapters/shares/offers/{owner}/{name}")
+@router.delete(
+    "/v1/adapters/shares/offers/{owner}/{name}",
+    response_model=ShareOfferDeleted,
+    responses=errors(*REGISTRY_ERRORS),
+)
 async def decline(owner: str, name: str, caller: CallerDep, registry: RegistryDep) -> JSONResponse:
     request_pb = pb.AnswerShareOfferRequest(tenant=caller.tenant, owner=owner, name=name, accept=False)
     await registry.manage("AnswerShareOffer", request_pb)

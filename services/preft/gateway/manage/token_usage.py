@@ -25,7 +25,9 @@ from starlette.responses import JSONResponse
 from preft.common import metering
 from preft.common.errors import InvalidArgument
 from preft.gateway.core.deps import CallerDep, RedisDep, SettingsDep
+from preft.gateway.core.openapi import errors
 from preft.gateway.core.redis_client import guarded
+from preft.gateway.manage.response_models import UsagePage
 
 router = APIRouter(tags=["usage"])
 
@@ -100,7 +102,7 @@ def _result(usage: metering.ModelUsage, grouped: bool) -> dict[str, Any]:
     }
 
 
-@router.get("/v1/organization/usage/completions")
+@router.get("/v1/organization/usage/completions", response_model=UsagePage, responses=errors(400))
 async def completions_usage(
     request: Request,
     caller: CallerDep,

@@ -48,6 +48,7 @@ from preft.gateway.openai.tools import (
 )
 
 MAX_STOP_SEQUENCES = 4
+EXAMPLE_MODEL = "my-adapter"  # the `model` of the request bodies' examples in /openapi.json
 MAX_CHOICES = 8  # n (and best_of) at most: each sample is an engine request of its own
 MAX_SAMPLES = 256  # engine requests one request may make (a batch of prompts × their samples)
 # vLLM's request fields that change what is generated and that this server does not implement, with vLLM's default:
@@ -299,6 +300,10 @@ class GenerationBody(BaseModel):
 class CompletionBody(GenerationBody):
     """POST /v1/completions."""
 
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"model": EXAMPLE_MODEL, "prompt": "Once upon a time", "max_tokens": 16}]}
+    )
+
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="Text or token ids, or a list of such prompts (a batch: each prompt's choices in turn)"
     )
@@ -448,6 +453,12 @@ TemplateKwargs = Annotated[
 
 class ChatBody(GenerationBody):
     """POST /v1/chat/completions."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"model": EXAMPLE_MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 16}]
+        }
+    )
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="Newer name of max_tokens")

@@ -26,6 +26,7 @@ from preft.gateway.core.pages import Metadata
 from preft.gateway.openai.logprobs import chat_logprobs
 from preft.gateway.openai.reasoning import Thinking
 from preft.gateway.openai.schemas import (
+    EXAMPLE_MODEL,
     VLLM_FIELDS_NOT_SUPPORTED,
     GenerationBody,
     ReasoningEffort,
@@ -133,7 +134,10 @@ class TextConfig(BaseModel):
 class ResponsesBody(BaseModel):
     """POST /v1/responses (text in and out, function tools; extensions as on chat, through `extra_body`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={"examples": [{"model": EXAMPLE_MODEL, "input": "Hi!", "max_output_tokens": 16}]},
+    )
 
     model: str = Field(min_length=1, max_length=256, description="Base model name or adapter reference")
     input: str | list[dict[str, Any]] = Field(description="A user message, or a list of messages and call items")
@@ -277,6 +281,8 @@ def conversation(
         raise InvalidArgument(f"{field}: the input is empty")
     for i, item in enumerate(input):
         where, kind = f"{field}.{i}", item.get("type", "message")
+        if not isinstance(item.get("id", ""), str | None):  # (items are listed by their ids: strings, as ours)
+            raise InvalidArgument(f"{where}: id must be a string")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):

@@ -13,6 +13,8 @@ from fastapi import APIRouter
 from starlette.responses import JSONResponse
 
 from preft.gateway.core.deps import CallerDep, RegistryDep, ResolverDep, SettingsDep
+from preft.gateway.core.openapi import errors
+from preft.gateway.openai.response_models import Model, ModelList
 
 router = APIRouter(tags=["models"])
 
@@ -21,7 +23,7 @@ def model_entry(model_id: str, owner: str, created_unix_ms: int = 0) -> dict[str
     return {"id": model_id, "object": "model", "created": created_unix_ms // 1000, "owned_by": owner}
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=ModelList)
 async def list_models(caller: CallerDep, registry: RegistryDep, settings: SettingsDep) -> JSONResponse:
     base = settings.served_model_name
     data = [model_entry(base, "preft")]
@@ -32,7 +34,7 @@ async def list_models(caller: CallerDep, registry: RegistryDep, settings: Settin
     return JSONResponse({"object": "list", "data": data})
 
 
-@router.get("/v1/models/{model:path}")
+@router.get("/v1/models/{model:path}", response_model=Model, responses=errors(404))
 async def retrieve_model(model: str, caller: CallerDep, resolver: ResolverDep, settings: SettingsDep) -> JSONResponse:
     if settings.is_base_model(model):
         return JSONResponse(model_entry(settings.served_model_name, "preft"))

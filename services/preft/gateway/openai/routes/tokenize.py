@@ -30,9 +30,11 @@ from preft.gateway.core.deps import (
     json_body,
 )
 from preft.gateway.core.errors import PayloadTooLarge
+from preft.gateway.core.openapi import errors
 from preft.gateway.core.resolution import AdapterResolver
 from preft.gateway.core.settings import CoreSettings
-from preft.gateway.openai.schemas import ChatMessage, TemplateKwargs
+from preft.gateway.openai.response_models import Detokenized, Tokens
+from preft.gateway.openai.schemas import EXAMPLE_MODEL, ChatMessage, TemplateKwargs
 from preft.gateway.openai.tools import MAX_TOOLS, ToolSpec
 
 router = APIRouter(tags=["tokenize"])
@@ -41,7 +43,9 @@ router = APIRouter(tags=["tokenize"])
 class TokenizeBody(BaseModel):
     """A prompt, or a conversation (with the tools the model would be shown)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore", json_schema_extra={"examples": [{"model": EXAMPLE_MODEL, "prompt": "Once upon a time"}]}
+    )
 
     model: str = Field(min_length=1, max_length=256)
     prompt: str | None = None
@@ -52,7 +56,9 @@ class TokenizeBody(BaseModel):
 
 
 class DetokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore", json_schema_extra={"examples": [{"model": EXAMPLE_MODEL, "tokens": [1, 2, 3]}]}
+    )
 
     model: str = Field(min_length=1, max_length=256)
     tokens: list[int] = Field(max_length=1_000_000)
@@ -64,7 +70,7 @@ async def _check_model(model: str, tenant: str, resolver: AdapterResolver, setti
         await resolver.find(tenant, model)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", response_model=Tokens, responses=errors(404, 429))
 async def tokenize(
     caller: CallerDep,
     resolver: ResolverDep,
@@ -92,7 +98,7 @@ async def tokenize(
     return Response(orjson.dumps(answer), media_type="application/json", headers=admission.headers())
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", response_model=Detokenized, responses=errors(404, 429))
 async def detokenize(
     caller: CallerDep,
     resolver: ResolverDep,

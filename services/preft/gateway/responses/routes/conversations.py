@@ -25,30 +25,37 @@ from starlette.responses import JSONResponse
 
 from preft.common.errors import InvalidArgument
 from preft.gateway.core.deps import CallerDep, json_body
+from preft.gateway.core.openapi import errors
 from preft.gateway.core.pages import Metadata, item_list
 from preft.gateway.responses.deps import ConversationStoreDep, IncludeChecked, ItemPagingDep
 from preft.gateway.responses.protocol import conversation, input_items
+from preft.gateway.responses.response_models import Conversation, ConversationDeleted, Item, ItemPage
 
 router = APIRouter(tags=["conversations"])
 
 MAX_ITEMS_A_CALL = 20
 
 
+EXAMPLE_ITEM = {"type": "message", "role": "user", "content": "Hi!"}
+
+
 class NewConversation(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [{"items": [EXAMPLE_ITEM], "metadata": {"topic": "demo"}}]}
+    )
 
     items: list[dict[str, Any]] | None = Field(None, max_length=MAX_ITEMS_A_CALL, description="Its first items")
     metadata: Metadata | None = None
 
 
 class ConversationChange(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"metadata": {"topic": "demo"}}]})
 
     metadata: Metadata
 
 
 class NewItems(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"items": [EXAMPLE_ITEM]}]})
 
     items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_ITEMS_A_CALL)
 
@@ -59,7 +66,7 @@ def _checked_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return input_items(items, new_ids=True)
 
 
-@router.post("/v1/conversations")
+@router.post("/v1/conversations", response_model=Conversation, responses=errors(429))
 async def create_conversation(
     caller: CallerDep,
     conversations: ConversationStoreDep,
@@ -72,14 +79,14 @@ async def create_conversation(
     return JSONResponse(created.as_object())
 
 
-@router.get("/v1/conversations/{conversation_id}")
+@router.get("/v1/conversations/{conversation_id}", response_model=Conversation, responses=errors(404))
 async def retrieve_conversation(
     conversation_id: str, caller: CallerDep, conversations: ConversationStoreDep
 ) -> JSONResponse:
     return JSONResponse((await conversations.get(caller.tenant, conversation_id)).as_object())
 
 
-@router.post("/v1/conversations/{conversation_id}")
+@router.post("/v1/conversations/{conversation_id}", response_model=Conversation, responses=errors(404))
 async def update_conversation(
     conversation_id: str,
     caller: CallerDep,
@@ -89,7 +96,7 @@ async def update_conversation(
     return JSONResponse((await conversations.update(caller.tenant, conversation_id, body.metadata)).as_object())
 
 
-@router.delete("/v1/conversations/{conversation_id}")
+@router.delete("/v1/conversations/{conversation_id}", response_model=ConversationDeleted, responses=errors(404))
 async def delete_conversation(
     conversation_id: str, caller: CallerDep, conversations: ConversationStoreDep
 ) -> JSONResponse:
@@ -97,7 +104,7 @@ async def delete_conversation(
     return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
 
-@router.post("/v1/conversations/{conversation_id}/items")
+@router.post("/v1/conversations/{conversation_id}/items", response_model=ItemPage, responses=errors(404))
 async def add_items(
     conversation_id: str,
     caller: CallerDep,
@@ -110,7 +117,7 @@ async def add_items(
     return JSONResponse(item_list(items, has_more=False))
 
 
-@router.get("/v1/conversations/{conversation_id}/items")
+@router.get("/v1/conversations/{conversation_id}/items", response_model=ItemPage, responses=errors(400, 404))
 async def list_items(
     conversation_id: str,
     caller: CallerDep,
@@ -126,7 +133,7 @@ async def list_items(
     return JSONResponse(item_list(page.items, has_more=page.has_more))
 
 
-@router.get("/v1/conversations/{conversation_id}/items/{item_id}")
+@router.get("/v1/conversations/{conversation_id}/items/{item_id}", response_model=Item, responses=errors(400, 404))
 async def retrieve_item(
     conversation_id: str,
     item_id: str,
@@ -137,7 +144,9 @@ async def retrieve_item(
     return JSONResponse(await conversations.item(caller.tenant, conversation_id, item_id))
 
 
-@router.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+@router.delete(
+    "/v1/conversations/{conversation_id}/items/{item_id}", response_model=Conversation, responses=errors(404)
+)
 async def delete_item(
     conversation_id: str, item_id: str, caller: CallerDep, conversations: ConversationStoreDep
 ) -> JSONResponse:

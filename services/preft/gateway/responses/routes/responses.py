@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from preft.common.errors import InvalidArgument
 from preft.gateway.core.deps import CallerDep
 from preft.gateway.core.observability import started_s
+from preft.gateway.core.openapi import GENERATION_ERRORS, errors, event_stream
 from preft.gateway.core.pages import item_list
 from preft.gateway.openai.sse import EventStreamResponse, as_sse
 from preft.gateway.responses.background import IN_PROGRESS, BackgroundRuns, current, replay
@@ -26,12 +27,20 @@ from preft.gateway.responses.deps import (
     ResponsesDep,
     ResponseStoreDep,
 )
+from preft.gateway.responses.response_models import ItemPage, ResponseDeleted, ResponseObject
 from preft.gateway.responses.store import ResponseStore, StoredResponse
 
 router = APIRouter(tags=["responses"])
 
 
-@router.post("/v1/responses")
+@router.post(
+    "/v1/responses",
+    response_model=ResponseObject,
+    responses={
+        **event_stream("the Responses events, response.created to response.completed"),
+        **errors(*GENERATION_ERRORS),
+    },
+)
 async def create_response(
     request: Request, caller: CallerDep, body: ResponsesBodyDep, responses: ResponsesDep
 ) -> Response:
@@ -46,7 +55,11 @@ async def create_response(
     return JSONResponse(answer.body, headers=answer.headers)
 
 
-@router.get("/v1/responses/{response_id}")
+@router.get(
+    "/v1/responses/{response_id}",
+    response_model=ResponseObject,
+    responses={**event_stream("a background response's events again, from starting_after on"), **errors(400, 404)},
+)
 async def retrieve_response(
     response_id: str,
     caller: CallerDep,
@@ -71,7 +84,7 @@ def _events(events: AsyncGenerator[dict[str, Any], None], headers: dict[str, str
     return EventStreamResponse(as_sse(events, done=False), on_close=nothing_to_close, headers=headers)
 
 
-@router.post("/v1/responses/{response_id}/cancel")
+@router.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject, responses=errors(400, 404))
 async def cancel_response(
     response_id: str, caller: CallerDep, store: ResponseStoreDep, runs: BackgroundRunsDep
 ) -> JSONResponse:
@@ -95,7 +108,7 @@ async def _ended(store: ResponseStore, runs: BackgroundRuns, tenant: str, respon
         await asyncio.sleep(0.05)
 
 
-@router.get("/v1/responses/{response_id}/input_items")
+@router.get("/v1/responses/{response_id}/input_items", response_model=ItemPage, responses=errors(400, 404))
 async def list_input_items(
     response_id: str,
     caller: CallerDep,
@@ -116,7 +129,7 @@ async def list_input_items(
     return JSONResponse(item_list(items[start:end], has_more=end < len(items)))
 
 
-@router.delete("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=errors(404))
 async def delete_response(
     response_id: str, caller: CallerDep, store: ResponseStoreDep, runs: BackgroundRunsDep
 ) -> JSONResponse:

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny generated models (Llama and Qwen2 architectures) and adapters for them."""
+"""Shared fixtures: tiny generated models (Llama and Qwen2 architectures) and adapters for them, and one SeaweedFS S3
+server for the session."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import functools
 import importlib
 import os
 import random
+import secrets
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from preft.devtools.tiny import TinyModelSpec, build_direft, build_lora, build_model
+from preft.stack import SeaweedS3, free_port
 from preft.vllm_plugin import settings
 from preft.vllm_plugin.kernels import act, common, expand, fused, policy, shrink
 
@@ -81,6 +85,19 @@ def _reload_kernels() -> None:
     """The kernel modules again, the jit helpers first (the kernels take them from their module's globals)."""
     for module in (common, shrink, expand, fused, act):
         importlib.reload(module)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    server = SeaweedS3(
+        tmp_path_factory.mktemp("s3"),
+        free_port(),
+        access_key="preft-test",
+        secret_key=secrets.token_urlsafe(24),
+        volume_size_limit_mb=64,
+    )
+    with server:
+        yield server
 
 
 @pytest.fixture(scope="session")

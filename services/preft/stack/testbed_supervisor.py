@@ -352,25 +352,33 @@ class Supervisor:
     # -- start, keep running, stop ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Make the network, then start everything: Redis; then S3, the registry and its first contents beside the
-        Ray head and workers; then the engine's Serve app and the gateways; returns once all of them answer."""
+        """Make the network, then start everything: Redis (the GCS keeps its tables there); then the Ray head beside
+        S3, the registry and its first contents; then the engine's Serve config (Serve's controller starts and the
+        app is built while the workers join, whose CPUs the replicas wait for) and the gateways. Returns once every
+        service and both replicas answer."""
         started = time.monotonic()
         netns.sweep(self.layout.testbed_id)  # (what a killed supervisor of this id left)
         self.network.create()
         log.info("network %s: %s", self.layout.subnet, {h.name: h.address for h in self.network.hosts.values()})
-        ensure_model(self.profile.stack, self.model_dir)
         self._start(REDIS)
         if self.profile.gcs_fault_tolerance:
             self._drop_old_gcs_tables()
-        with ThreadPoolExecutor(len(self.layout.ray_hosts) + len(self.layout.gateway_services)) as pool:
-            ray = pool.submit(self._start_ray)
+        with ThreadPoolExecutor(2 + len(self.layout.gateway_services)) as pool:
+            model = pool.submit(ensure_model, self.profile.stack, self.model_dir)
+            head = pool.submit(self._start_with_retries, f"ray-{HEAD}", 3)
             self._start(S3)
             self._start(REGISTRY)
+            model.result()
             with self.bed.registry_client() as c:
                 bootstrap_registry(c, self.state_dir, self.model_dir, self.profile.stack)
             gateways = [pool.submit(self._start, name) for name in self.layout.gateway_services]
-            ray.result()
-            self.deploy_engine()
+            head.result()
+            log.info("deploying the engine's Serve config (%d replicas)", self.layout.workers)
+            self.submit_engine_config()
+            with ThreadPoolExecutor(len(self.layout.worker_hosts)) as workers:
+                for f in [workers.submit(self._start_with_retries, f"ray-{h}", 2) for h in self.layout.worker_hosts]:
+                    f.result()
+            self.wait_for_engine()
             for g in gateways:
                 g.result()
         log.info("ready in %.0f s: gateways %s", time.monotonic() - started, ", ".join(self.layout.gateway_urls))
@@ -385,23 +393,17 @@ class Supervisor:
             self.write_services()
         log.info("%s answers (%.1f s)", name, time.monotonic() - t)
 
-    def _start_ray(self, attempts: int = 3) -> None:
-        """The head, then the workers side by side; again for whichever is not running (on a loaded machine a Ray
-        process may give up waiting for another and take its node down with it)."""
+    def _start_with_retries(self, name: str, attempts: int) -> None:
+        """A Ray node's start, again if it fails: on a loaded machine a Ray process may give up waiting for another
+        and take its node down with it."""
         for attempt in range(1, attempts + 1):
             try:
-                if not self.services[f"ray-{HEAD}"].running:
-                    self._start(f"ray-{HEAD}")
-                down = [h for h in self.layout.worker_hosts if not self.services[f"ray-{h}"].running]
-                with ThreadPoolExecutor(max(1, len(down))) as pool:
-                    for f in [pool.submit(self._start, f"ray-{h}") for h in down]:
-                        f.result()
-                if all(self.services[f"ray-{h}"].running for h in self.layout.ray_hosts):
-                    return
+                self._start(name)
+                return
             except (ServerError, TimeoutError):
                 if attempt == attempts or self.stopping.is_set():
                     raise
-                log.exception("the Ray cluster did not start (attempt %d of %d); again", attempt, attempts)
+                log.exception("%s did not start (attempt %d of %d); again", name, attempt, attempts)
 
     def _drop_old_gcs_tables(self) -> None:
         """Earlier runs' GCS tables (RAY<namespace>@*): each run's namespace is new, so theirs only take room."""
@@ -420,10 +422,8 @@ class Supervisor:
         args = self.wiring.engine_args(self.state_dir / "adapter-cache", **p.engine, replica=replica)
         return serve_config(args, num_replicas=L.workers, http_host="0.0.0.0", http_port=L.ports.serve)
 
-    def deploy_engine(self) -> None:
-        """Submit the Serve config (PUT, idempotent) and wait until every replica runs and the head's proxy answers."""
-        log.info("deploying the engine's Serve config (%d replicas)", self.layout.workers)
-        self.submit_engine_config()
+    def wait_for_engine(self) -> None:
+        """Until every replica runs and the head's proxy answers for the engine."""
         t = time.monotonic()
         wait_until(
             self._engine_serves,

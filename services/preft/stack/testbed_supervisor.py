@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -155,11 +155,13 @@ class ProcessService(Service):
         network: netns.Network,
         stopping: threading.Event,
         owns_host: bool = False,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name, host)
         self.process, self.argv, self.env, self.cwd = process, argv, env, cwd
         self.is_ready, self.timeout_s = ready, timeout_s
         self.network, self.stopping, self.owns_host = network, stopping, owns_host
+        self.prepare = prepare  # runs before each start
 
     @property
     def pid(self) -> int | None:
@@ -171,6 +173,8 @@ class ProcessService(Service):
 
     def _start(self) -> None:
         self.stop()  # (what is left of an earlier run)
+        if self.prepare is not None:
+            self.prepare()
         self.process.spawn(self.argv, cwd=self.cwd, env=self.env)
         wait_until(self.is_ready, timeout_s=self.timeout_s, what=self.name, interval_s=0.5, abort=self._abort)
 
@@ -255,6 +259,9 @@ class Supervisor:
                     ready=(self._head_answers if host == HEAD else lambda h=host: self._node_alive(h)),
                     timeout_s=p.ray_start_timeout_s,
                     owns_host=True,
+                    # the address of the node's last `ray start`: with it, a head started again refuses to while
+                    # the workers' processes (the process table is the machine's) still name that address
+                    prepare=lambda h=host: (L.ray_temp_root / h / "ray_current_cluster").unlink(missing_ok=True),
                 )
             )
         for name in L.gateway_services:
@@ -283,10 +290,22 @@ class Supervisor:
         ready: Callable[[], bool],
         timeout_s: float,
         owns_host: bool = False,
+        prepare: Callable[[], None] | None = None,
     ) -> ProcessService:
         process = ManagedProcess(name, self.state_dir / "logs" / f"{name}.log", launcher=self._launcher(host))
         return ProcessService(
-            name, host, process, argv, env, self.state_dir, ready, timeout_s, self.network, self.stopping, owns_host
+            name,
+            host,
+            process,
+            argv,
+            env,
+            self.state_dir,
+            ready,
+            timeout_s,
+            self.network,
+            self.stopping,
+            owns_host,
+            prepare,
         )
 
     def _ray_argv(self, host: str) -> list[str]:
@@ -467,26 +486,38 @@ class Supervisor:
         return (self.state_dir / HELD_DIR / host).exists()
 
     def keep_running(self, stop: threading.Event, interval_s: float = 0.5) -> None:
-        """Until `stop`: start again each service whose process exited (not on a held host), the head's Serve config
-        with the head (KubeRay re-submits it to a new head too; with the GCS's tables in Redis it is already there)."""
+        """Until `stop`: start again each service whose process exited (not on a held host), each in a thread of its
+        own (a worker waiting for its head must not hold the head's restart up); with the head, its Serve config
+        (KubeRay re-submits it to a new head too; with the GCS's tables in Redis it is already there)."""
         backoff: dict[str, float] = {}
-        while not stop.wait(interval_s):
-            for name, service in self.services.items():
-                if service.running or self.held(service.host) or stop.is_set():
-                    continue
-                if time.monotonic() < backoff.get(name, 0.0):
-                    continue
-                log.warning("%s on %s exited; starting it again", name, service.host)
-                try:
-                    self._start(name)
-                    if name == f"ray-{HEAD}":
-                        self.submit_engine_config()
+        restarting: dict[str, Future[None]] = {}
+        with ThreadPoolExecutor(len(self.services)) as pool:
+            while not stop.wait(interval_s):
+                for name, service in self.services.items():
+                    if name in restarting:
+                        if not restarting[name].done():
+                            continue
+                        if restarting.pop(name).exception() is not None:
+                            log.error("%s did not start again; retrying in 5 s", name)
+                            backoff[name] = time.monotonic() + 5.0
+                    if service.running or self.held(service.host) or stop.is_set():
+                        continue
+                    if time.monotonic() < backoff.get(name, 0.0):
+                        continue
                     backoff.pop(name, None)
-                except Exception:
-                    log.exception("%s did not start again; retrying in 5 s", name)
-                    backoff[name] = time.monotonic() + 5.0
+                    log.warning("%s on %s exited; starting it again", name, service.host)
+                    restarting[name] = pool.submit(self._restart, name)
                 self.write_services()
-            self.write_services()
+            self.stopping.set()  # (restarts under way give up before the pool waits for them)
+
+    def _restart(self, name: str) -> None:
+        try:
+            self._start(name)
+            if name == f"ray-{HEAD}":
+                self.submit_engine_config()
+        except Exception:
+            log.exception("%s did not start again", name)
+            raise
 
     def stop(self) -> None:
         """Stop every service newest first, remove the network and the Ray nodes' directories; one step failing does

@@ -25,7 +25,11 @@ from preft.vllm_plugin.kernels import act, common, expand, fused, policy, shrink
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 ARCHS = ("llama", "qwen2")
-MARKER_BY_DIRECTORY = {"integration": "integration", "e2e": "e2e"}  # tests/<dir>/... get the marker
+MARKER_BY_DIRECTORY = {
+    "integration": "integration",
+    "e2e": "e2e",
+    "testbed": "testbed",
+}  # tests/<dir>/... get the marker
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,11 +1,13 @@
 """Ray's GCS on the platform's Redis as the `ray` ACL user (`common.redis_acl`), as the RayService's
-gcsFaultToleranceOptions runs it: the GCS starts and writes its tables (RAY<namespace>@*) with no command or key
-refused, and KubeRay's cleanup of a removed cluster's keys works as that user too."""
+gcsFaultToleranceOptions runs it: the GCS starts, takes a driver (its job counter), and writes its tables
+(RAY<namespace>@*) with no command or key refused, and KubeRay's cleanup of a removed cluster's keys works as that user
+too."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -35,6 +37,9 @@ def test_the_gcs_runs_and_cleans_up_as_the_ray_user(redis_server: RedisServer, r
         **os.environ,
         "RAY_REDIS_ADDRESS": f"{ray_url.hostname}:{ray_url.port}",
         "RAY_external_storage_namespace": NAMESPACE,  # KubeRay sets it to the RayCluster's uid
+        # the cluster's own token, which the driver below needs too (not this machine's ~/.ray/auth_token)
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
     }
     ray_bin = str(Path(sys.executable).with_name("ray"))
     port = free_port()
@@ -56,7 +61,15 @@ def test_the_gcs_runs_and_cleans_up_as_the_ray_user(redis_server: RedisServer, r
             assert head.poll() is None, (tmp_path / "ray-start.log").read_text()[-2000:]
             time.sleep(0.5)
         assert admin.exists(f"RAY{NAMESPACE}@NODE"), "the GCS wrote no node table"
+        # a driver connects (as the dashboard does for the first Serve deploy): the GCS counts jobs in Redis
+        driver = "import ray, sys; ray.init(address=sys.argv[1]); ray.shutdown()"
+        ran = subprocess.run(
+            [sys.executable, "-c", driver, f"127.0.0.1:{port}"], env=env, timeout=120, capture_output=True, text=True
+        )
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        assert int(admin.get(f"RAY{NAMESPACE}@JobCounter") or 0) >= 1
         time.sleep(2)  # a few heartbeats' worth of writes
+        assert head.poll() is None, (tmp_path / "ray-start.log").read_text()[-2000:]
         assert admin.execute_command("ACL", "LOG") == [], "Redis refused a command or key of the GCS"
     finally:
         with contextlib.suppress(ProcessLookupError):

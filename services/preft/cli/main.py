@@ -1,5 +1,6 @@
-"""`preft`: run PreFT generation offline (`generate`), a self-contained demo (`demo`), and manage a tenant's adapters
-on a gateway (`adapters`)."""
+"""`preft`: run PreFT generation offline (`generate`), a self-contained demo (`demo`), manage a tenant's adapters
+on a gateway (`adapters`), and run the platform locally: on this host (`up`, `down`) or on a testbed of
+network-namespace hosts (`testbed`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from preft.cli.tenant import app as adapters_app
+from preft.cli.testbed import testbed_app
 from preft.common.modes import PositionMode
 from preft.engine.requests import REQUEST_KEYS, GenerationRequest, GenerationResult, RequestError, read_requests
 
@@ -28,6 +30,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(adapters_app, name="adapters")
+app.add_typer(testbed_app, name="testbed")
 err = Console(stderr=True, soft_wrap=True)
 
 ModelOpt = Annotated[Path, typer.Option("--model", help="Model directory (config.json, weights, tokenizer).")]

@@ -103,9 +103,11 @@ ACLS: dict[str, ServiceAcl] = {
     # Ray's GCS, with GCS fault tolerance (the RayService's gcsFaultToleranceOptions): its tables are hashes named
     # RAY<external storage namespace>@<table> (KubeRay's namespace: the RayCluster's uid, new with each cluster), plus
     # the key DUMMY it deletes at connect to detect a Redis cluster's MOVED. Commands as Ray 2.60's GCS sends them
-    # (INFO SENTINEL/CLUSTER at connect, hash reads and writes). SCAN, for KubeRay's cleanup Job that deletes a removed
-    # cluster's keys (`SCAN MATCH RAY<ns>@*`): it lists every key's name (not its value) — preft's key names hold ids
-    # and digests, no secrets — and without it each replaced cluster would leave its tables behind.
+    # (INFO SENTINEL/CLUSTER at connect, hash reads and writes, INCRBY of RAY<ns>@JobCounter for each driver that
+    # connects: the dashboard's first Serve deploy is one; refused, the GCS exits). SCAN, for KubeRay's cleanup Job
+    # that deletes a removed cluster's keys (`SCAN MATCH RAY<ns>@*`): it lists every key's name (not its value) —
+    # preft's key names hold ids and digests, no secrets — and without it each replaced cluster would leave its tables
+    # behind.
     "ray": ServiceAcl(
         writes=("RAY*", "DUMMY"),
         reads=(),
@@ -121,6 +123,7 @@ ACLS: dict[str, ServiceAcl] = {
             "+hexists",
             "+hkeys",
             "+hlen",
+            "+incrby",
             "+del",
             "+exists",
             "+scan",

@@ -37,6 +37,7 @@ from preft.engine.settings import EngineSettings
 logger = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "PreftEngine"
+IMPORT_PATH = "preft.engine.serve_app:app_builder"
 # The adapter of the request being routed, for the multiplexed loader (which Serve calls with the id alone). The
 # loader runs in the request's own task, so a context variable carries it without shared state between requests.
 _REQUEST_ADAPTER: contextvars.ContextVar[AdapterSpec | None] = contextvars.ContextVar("preft_adapter", default=None)
@@ -223,3 +224,32 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     if secrets:
         raise ValueError(f"secret settings belong in the pods' environment, not in the Serve config's args: {secrets}")
     return build_app(EngineSettings(**args))
+
+
+def serve_config(
+    args: dict[str, Any],
+    *,
+    num_replicas: int,
+    http_host: str = "0.0.0.0",
+    http_port: int = 8000,
+    app_name: str = "preft-engine",
+    route_prefix: str = "/",
+) -> dict[str, Any]:
+    """The Serve config that runs the engine app from `args` (a RayService's serveConfigV2, what Serve's REST API and
+    `serve deploy` take): a proxy on every node and one application built by `app_builder`, as deploy/ and helm/ write
+    it. `args` must hold no secret (the nodes' environment does)."""
+    found = secrets_in_args(args)
+    if found:
+        raise ValueError(f"secret settings belong in the nodes' environment, not in the Serve config's args: {found}")
+    app = {
+        "name": app_name,
+        "route_prefix": route_prefix,
+        "import_path": IMPORT_PATH,
+        "args": args,
+        "deployments": [{"name": DEPLOYMENT_NAME, "num_replicas": num_replicas}],
+    }
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": http_host, "port": http_port},
+        "applications": [app],
+    }

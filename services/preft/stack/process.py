@@ -16,12 +16,15 @@ from preft.common.loopback import ServerError
 class ManagedProcess:
     """Owns one child process started in its own process group, so stopping it also ends anything it spawned.
 
-    Output goes to `log_path`. The process is stopped at interpreter exit if the owner forgets.
+    Output goes to `log_path`. The process is stopped at interpreter exit if the owner forgets. `launcher` is an argv
+    prefix the command runs under, one that execs it in place (`ip netns exec NS`: a testbed host's network), so the
+    pid and process group stay the command's own.
     """
 
-    def __init__(self, name: str, log_path: Path) -> None:
+    def __init__(self, name: str, log_path: Path, *, launcher: Sequence[str] = ()) -> None:
         self.name = name
         self.log_path = log_path
+        self.launcher = tuple(launcher)
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -38,7 +41,7 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
-                list(argv),
+                [*self.launcher, *argv],
                 cwd=cwd,
                 env={**os.environ, **(env or {})},
                 stdin=subprocess.DEVNULL,

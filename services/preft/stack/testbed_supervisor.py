@@ -29,6 +29,7 @@ from preft.common.loopback import ServerError, wait_until
 from preft.engine.serve_app import serve_config
 from preft.stack import netns
 from preft.stack.process import ManagedProcess
+from preft.stack.ray_local import SINGLE_NODE_ENV
 from preft.stack.servers import LocalServer, RedisServer, SeaweedS3
 from preft.stack.testbed import (
     DATA,
@@ -343,6 +344,9 @@ class Supervisor:
             **self.wiring.engine_secret_env(),
             # vLLM's own sockets: its guess (a route out, which no host has) would fall back to 0.0.0.0
             "VLLM_HOST_IP": self.layout.address(host),
+            # a cluster of several nodes, whatever the launching process inherited: one that started a single-node
+            # Ray of its own (`start_local_ray`: "0") would make every worker's `ray start` refuse to join
+            **{name: "1" for name in SINGLE_NODE_ENV},
         }
         if host == HEAD:
             env |= {f"RAY_health_check_{k}": str(v) for k, v in self.profile.ray_health_check.items()}

@@ -14,40 +14,20 @@ from pathlib import Path
 
 from preft.common.loopback import ServerError
 from preft.stack.local import PIDS_FILE, STATE_FILE, StackInfo, StackPorts
-
-PID_FILE = "supervisor.pid"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def running_pid(state_dir: Path) -> int | None:
-    """The supervisor's pid if one is running for this state directory."""
-    path = state_dir / PID_FILE
-    if not path.is_file():
-        return None
-    pid = int(path.read_text().strip() or 0)
-    return pid if pid and _alive(pid) else None
+from preft.stack.process import SUPERVISOR_PID_FILE, pid_alive, supervisor_pid
 
 
 def running(state_dir: Path) -> StackInfo | None:
     """The stack serving from this state directory, if its supervisor is alive and it finished starting."""
     info = StackInfo.read(state_dir.resolve())
     # stack.json outlives a supervisor that was killed (it is removed only on a clean stop): check its pid
-    return info if info is not None and _alive(info.pid) else None
+    return info if info is not None and pid_alive(info.pid) else None
 
 
 def start(state_dir: Path, ports: StackPorts | None = None, *, timeout_s: float = 600.0) -> StackInfo:
     """Start the supervisor detached and wait until it reports ready; raise ServerError with its log if it dies."""
     state_dir = state_dir.resolve()
-    pid = running_pid(state_dir)
+    pid = supervisor_pid(state_dir)
     if pid is not None:
         info = StackInfo.read(state_dir)
         if info is not None:
@@ -66,7 +46,7 @@ def start(state_dir: Path, ports: StackPorts | None = None, *, timeout_s: float 
             stderr=subprocess.STDOUT,
             start_new_session=True,  # survives the CLI; its process group holds every server it starts
         )
-    (state_dir / PID_FILE).write_text(str(proc.pid))
+    (state_dir / SUPERVISOR_PID_FILE).write_text(str(proc.pid))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         info = StackInfo.read(state_dir)
@@ -83,21 +63,21 @@ def start(state_dir: Path, ports: StackPorts | None = None, *, timeout_s: float 
 def stop(state_dir: Path, *, timeout_s: float = 90.0) -> bool:
     """SIGTERM the supervisor (it stops every server in order), SIGKILL its group after the timeout."""
     state_dir = state_dir.resolve()
-    pid = running_pid(state_dir)
+    pid = supervisor_pid(state_dir)
     if pid is None:
-        (state_dir / PID_FILE).unlink(missing_ok=True)
+        (state_dir / SUPERVISOR_PID_FILE).unlink(missing_ok=True)
         return False
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
         time.sleep(0.2)
-    if _alive(pid):
+    if pid_alive(pid):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
     _stop_leftovers(state_dir)
-    (state_dir / PID_FILE).unlink(missing_ok=True)
+    (state_dir / SUPERVISOR_PID_FILE).unlink(missing_ok=True)
     (state_dir / STATE_FILE).unlink(missing_ok=True)
     return True
 
@@ -108,7 +88,7 @@ def _stop_leftovers(state_dir: Path) -> None:
     if not path.is_file():
         return
     for pid in json.loads(path.read_text()).values():
-        if _alive(pid):
+        if pid_alive(pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
     path.unlink(missing_ok=True)

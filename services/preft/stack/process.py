@@ -1,4 +1,5 @@
-"""One supervised child process group: how the local servers run."""
+"""One supervised child process group: how the local servers run; and the pid file of a detached supervisor (the
+local stack's and the testbed's), which `up`/`down` find it by."""
 
 from __future__ import annotations
 
@@ -11,6 +12,27 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from preft.common.loopback import ServerError
+
+SUPERVISOR_PID_FILE = "supervisor.pid"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def supervisor_pid(state_dir: Path) -> int | None:
+    """The pid in `state_dir`'s supervisor pid file, if that process is alive; None without a file or a readable pid."""
+    with contextlib.suppress(OSError, ValueError):
+        pid = int((state_dir / SUPERVISOR_PID_FILE).read_text().strip())
+        return pid if pid > 0 and pid_alive(pid) else None
+    return None
 
 
 class ManagedProcess:

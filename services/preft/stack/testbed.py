@@ -35,6 +35,7 @@ import httpx
 
 from preft.common.loopback import ServerError
 from preft.stack import netns
+from preft.stack.process import SUPERVISOR_PID_FILE, pid_alive, supervisor_pid
 from preft.stack.wiring import PlatformSecrets, stored_secret
 
 if TYPE_CHECKING:
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 STATE_FILE = "testbed.json"
 SERVICES_FILE = "services.json"
-PID_FILE = "supervisor.pid"
 HELD_DIR = "held"
 DATA, HEAD, GATEWAY = "data", "head", "gw"
 RAY_HEAD, REDIS, S3, REGISTRY = "ray-head", "redis", "s3", "registry"
@@ -321,7 +321,7 @@ class Testbed:
             pid = self.services()[service]["pid"]
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGTERM)
-            if not _wait(lambda: not _alive(pid), 10.0):
+            if not _wait(lambda: not pid_alive(pid), 10.0):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
         restarted = _wait(
@@ -340,25 +340,6 @@ def _wait(condition: Any, timeout_s: float, interval_s: float = 0.2) -> bool:
             return False
         time.sleep(interval_s)
     return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def supervisor_pid(state_dir: Path) -> int | None:
-    """The supervisor's pid if one is running for this state directory."""
-    path = state_dir / PID_FILE
-    with contextlib.suppress(OSError, ValueError):
-        pid = int(path.read_text().strip())
-        return pid if _alive(pid) else None
-    return None
 
 
 def running(state_dir: Path) -> Testbed | None:
@@ -406,7 +387,7 @@ def start(
             stderr=subprocess.STDOUT,
             start_new_session=True,  # survives the CLI that started it
         )
-    (state_dir / PID_FILE).write_text(str(proc.pid))
+    (state_dir / SUPERVISOR_PID_FILE).write_text(str(proc.pid))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         info = TestbedInfo.read(state_dir)
@@ -429,10 +410,10 @@ def stop(state_dir: Path, *, timeout_s: float = 60.0) -> bool:
     pid = supervisor_pid(state_dir)
     if pid is not None:
         os.kill(pid, signal.SIGTERM)
-        if not _wait(lambda: not _alive(pid) or _reap(pid), timeout_s):
+        if not _wait(lambda: not pid_alive(pid) or _reap(pid), timeout_s):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            _wait(lambda: not _alive(pid) or _reap(pid), 10.0)
+            _wait(lambda: not pid_alive(pid) or _reap(pid), 10.0)
     info = TestbedInfo.read(state_dir)
     removed = netns.sweep(info.layout.testbed_id) if info is not None else []
     if info is not None:
@@ -440,7 +421,7 @@ def stop(state_dir: Path, *, timeout_s: float = 60.0) -> bool:
         if info.ready:
             info.ready = False
             info.write(state_dir)
-    (state_dir / PID_FILE).unlink(missing_ok=True)
+    (state_dir / SUPERVISOR_PID_FILE).unlink(missing_ok=True)
     return pid is not None or bool(removed)
 
 

@@ -60,11 +60,15 @@ class RecordingHost:
     def __init__(self, model_dir: Path) -> None:
         self.shape = ModelShape.from_model_dir(model_dir)
         self.loaded: set[str] = set()
+        self.prepared: list[Path] = []  # (prepare_lora's calls: add_lora's reads ahead)
         self.calls: list[tuple[str, str]] = []
 
     @property
     def adds(self) -> int:
         return sum(1 for kind, _ in self.calls if kind == "add")
+
+    async def prepare_lora(self, adapter_dir: Path) -> None:
+        self.prepared.append(adapter_dir)
 
     async def add_lora(self, adapter_dir: Path) -> AdapterInfo:
         info = inspect_adapter(adapter_dir, self.shape, max_rank=16)

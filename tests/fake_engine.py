@@ -20,12 +20,16 @@ class ScriptedEngine:
         self.started = self.stopped = False
         self.dead = False
         self.loaded: set[str] = set()
+        self.prepared: list[Path] = []  # (prepare_lora's calls: add_lora's reads ahead)
         self.aborted: list[str] = []
         self.seen_adapters: list[Path | None] = []
         self.seen_tenants: list[str] = []  # (the tenant id is what the real engine labels its metrics with)
 
     async def start(self) -> None:
         self.started = True
+
+    async def prepare_lora(self, adapter_dir: Path) -> None:
+        self.prepared.append(adapter_dir)
 
     async def add_lora(self, adapter_dir: Path) -> AdapterInfo:
         info = inspect_adapter(adapter_dir, self.shape, max_rank=16)

@@ -26,6 +26,7 @@ from loadtest.platform.peers import EngineFlags, vllm_serve
 from preft.common.loopback import LOOPBACK, free_port
 from preft.stack.local import LocalStack, StackPorts, StackProfile
 from preft.stack.servers import PrometheusServer
+from preft.stack.wiring import S3_BUCKET
 
 log = logging.getLogger("loadtest.platform")
 
@@ -233,7 +234,10 @@ def run_platform(args, preset: Preset, results: Results, state: Path) -> None:
                     return
                 started = time.monotonic()
                 with stack.registry_client() as client:
-                    made.append(create(client, bench_model, profile.served_model_name, preset.fleet, state / "fleet"))
+                    made.append(
+                        create(client, stack.s3.client(), S3_BUCKET, bench_model, profile.served_model_name,
+                               preset.fleet, state / "fleet")
+                    )  # fmt: skip
                 made[0].save(fleet_path)
                 results.data["fleet_upload_s"] = round(time.monotonic() - started, 1)
 
@@ -257,6 +261,8 @@ def run_platform(args, preset: Preset, results: Results, state: Path) -> None:
                     output_tokens=workload[1], vocab=len(bench_model.words) + 3, concurrency=concurrency,
                     popularity=popularity, extra={"preft_mode": "all"} if mode == "lora_all" else None,
                     warmup_s=preset.warmup_s, window_s=preset.window_s,
+                    # (adapters whose blob is missing or corrupt, asked for while LoRAP saturates the engine)
+                    probes=tuple(asdict(t) for t in fleet.broken) if mode == "lorap" else (),
                 )  # fmt: skip
                 log.info("run: %s %s %s c=%d %s", workload, mode, popularity, concurrency, kind)
                 row = measure.run(load, prom, measure.platform_series(*PLATFORM_MODES[mode]), SCRAPE_S)

@@ -5,7 +5,9 @@ cost the run nothing to compute with but a lot to store (a rank-16 LoRA of Llama
 would be 344 GB), so the fleet's adapters share `distinct_weights` weight files per method and differ in their
 config (a `preft_bench_copy` number): each is its own content digest, so the registry, the gateway and the
 engine's tiers (S3 → disk → host → GPU slot) treat every one as a separate adapter, and the engine fetches each
-from S3 on its first use. The cold-start adapters have weights of their own.
+from S3 on its first use. The cold-start adapters have weights of their own, and so have the two broken ones:
+published like the others, then their weight blob deleted from S3 (`broken-missing`) or overwritten with other
+bytes (`broken-corrupt`), which the engine finds only when it first pages them in.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from loadtest.platform.model import BenchModel
 from preft.api.v1 import adapter_pb2 as apb
 from preft.api.v1 import registry_pb2 as pb
 from preft.common.errors import AlreadyExists
 from preft.devtools.tiny import build_direft, build_lora
+from preft.registry.blobstore import BlobStore
 from preft.registry.client import LocalFile, RegistryClient
 
 UPLOAD_THREADS = 8
@@ -37,6 +41,9 @@ class FleetSpec:
     direft_layers: int = 4
     distinct_weights: int = 16  # weight files per method the fleet's adapters share
     cold: int = 50  # LoRA adapters with weights of their own, for the cold-start measurement
+
+
+BROKEN = ("missing", "corrupt")  # how each broken adapter's weight blob is broken, in S3, after its upload
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class Fleet:
     direft: list[Target]
     cold: list[Target]
     lora_dirs: Path  # one directory per LoRA adapter, named as the model: `vllm serve`'s resolver reads it
+    broken: list[Target] = field(default_factory=list)  # published, their weight blob then missing or corrupt
 
     def save(self, path: Path) -> None:
         data = asdict(self)
@@ -69,7 +77,7 @@ class Fleet:
     @classmethod
     def load(cls, path: Path) -> Fleet:
         data = json.loads(path.read_text())
-        kinds = {k: [Target(**t) for t in data[k]] for k in ("lora", "direft", "cold")}
+        kinds = {k: [Target(**t) for t in data.get(k, [])] for k in ("lora", "direft", "cold", "broken")}
         return cls(data["base_model"], data["keys"], **kinds, lora_dirs=Path(data["lora_dirs"]))
 
 
@@ -133,11 +141,19 @@ def build_adapters(model: BenchModel, spec: FleetSpec, root: Path) -> dict[str, 
         "lora": copies("lora", spec.lora, "adapter_config.json", False),
         "direft": copies("direft", spec.direft, "preft_config.json", False),
         "cold": copies("cold", spec.cold, "adapter_config.json", True),
-    }
+        "broken": [
+            build_direft(root / "adapters" / f"broken-{how}", model.path, rank=spec.direft_rank, layers=layers,
+                         seed=3000 + i, dtype=model.dtype)
+            for i, how in enumerate(BROKEN)
+        ],
+    }  # fmt: skip
 
 
-def create(client: RegistryClient, model: BenchModel, base_model: str, spec: FleetSpec, root: Path) -> Fleet:
-    """Tenants (limits far above the load), one key each, and every adapter uploaded and published as `prefill`."""
+def create(
+    client: RegistryClient, s3: Any, bucket: str, model: BenchModel, base_model: str, spec: FleetSpec, root: Path
+) -> Fleet:
+    """Tenants (limits far above the load), one key each, and every adapter uploaded and published as `prefill`;
+    then the broken adapters' weight blobs deleted or overwritten through `s3` (a boto3 client of the stack's S3)."""
     dirs = build_adapters(model, spec, root)
     limits = pb.TenantLimits(requests_per_min=10_000_000, tokens_per_min=2_000_000_000)
     tenants = [f"bench-{t:02d}" for t in range(spec.tenants)]
@@ -164,7 +180,13 @@ def create(client: RegistryClient, model: BenchModel, base_model: str, spec: Fle
         for kind, paths in dirs.items():
             # the adapters with the shared weight files first (each its own file), so that no two threads send
             # one blob at once; the others then find every blob in the registry
-            first = len(paths) if kind == "cold" else spec.distinct_weights
+            first = len(paths) if kind in ("cold", "broken") else spec.distinct_weights
             targets[kind] = list(pool.map(upload, enumerate(paths[:first])))
             targets[kind] += list(pool.map(upload, enumerate(paths[first:], start=first)))
+    for how, d in zip(BROKEN, dirs["broken"], strict=True):
+        key = BlobStore.key(hashes.local_file(d / "adapter_model.safetensors").sha256)
+        if how == "missing":
+            s3.delete_object(Bucket=bucket, Key=key)
+        else:  # the same size, other bytes: only the digest check can tell
+            s3.put_object(Bucket=bucket, Key=key, Body=bytes((d / "adapter_model.safetensors").stat().st_size))
     return Fleet(base_model, keys, **targets, lora_dirs=root / "adapters")

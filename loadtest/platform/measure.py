@@ -10,8 +10,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from preft.stack.servers import PrometheusServer
 
@@ -28,6 +31,7 @@ class Series:
     ttft: str
     itl: str
     http_errors: str  # answers of the completion route that were not 2xx, as clients saw them
+    paging: bool = False  # the platform's engine: its paging counters are read too
 
 
 def platform_series(method: str, mode: str) -> Series:
@@ -41,6 +45,7 @@ def platform_series(method: str, mode: str) -> Series:
         ttft=f'preft_time_to_first_token_seconds_bucket{{mode="{mode}"}}',
         itl=f'preft_inter_token_latency_seconds_bucket{{mode="{mode}"}}',
         http_errors='preft_gateway_requests_total{route="/v1/completions",status_class=~"4xx|5xx"}',
+        paging=True,
     )
 
 
@@ -68,6 +73,7 @@ class Load:
     extra: dict | None = None
     warmup_s: float = 15.0
     window_s: float = 30.0
+    probes: tuple[dict, ...] = ()  # {"api_key", "model"} asked once each mid-warm-up (their answers kept, not counted)
 
 
 def _delta(aggregation: str, selector: str, t0: float, t1: float) -> str:
@@ -109,9 +115,50 @@ def read_window(prom: PrometheusServer, series: Series, t0: float, t1: float) ->
     }
 
 
+def probe(host: str, targets: tuple[dict, ...], timeout_s: float) -> list[dict]:
+    """One short completion for each target, all at once: [{model, status, seconds, error}] (error: the answer's
+    message, or the client's exception)."""
+
+    def ask(target: dict) -> dict:
+        body = {"model": target["model"], "prompt": "w3 w4 w5 w6", "max_tokens": 1, "temperature": 0}
+        started = time.monotonic()
+        try:
+            resp = httpx.post(
+                f"{host}/v1/completions", json=body, timeout=timeout_s,
+                headers={"Authorization": f"Bearer {target['api_key']}"},
+            )  # fmt: skip
+            status, error = resp.status_code, "" if resp.is_success else resp.text[:200]
+        except httpx.HTTPError as e:
+            status, error = 0, f"{type(e).__name__}: {e}"[:200]
+        return {"model": target["model"], "status": status, "seconds": round(time.monotonic() - started, 3),
+                "error": error, "answered_at": time.time()}  # fmt: skip
+
+    with ThreadPoolExecutor(max(1, len(targets))) as pool:
+        return list(pool.map(ask, targets))
+
+
+def read_paging(prom: PrometheusServer, t0: float, t1: float) -> dict:
+    """The engine's paging over the window: adapters loaded into host memory and fetched from S3, and how long a
+    load into host memory took (p50, p95: the fetch from S3 or the disk included)."""
+    return {
+        "host_loads": round(_value(prom, _delta("sum", 'preft_paging_misses_total{tier="host"}', t0, t1), t1)),
+        "s3_fetches": round(_value(prom, _delta("sum", 'preft_paging_hits_total{tier="s3"}', t0, t1), t1)),
+        "host_load_p50_s": _quantile(prom, 'preft_paging_load_seconds_bucket{tier="host"}', 0.5, t0, t1),
+        "host_load_p95_s": _quantile(prom, 'preft_paging_load_seconds_bucket{tier="host"}', 0.95, t0, t1),
+    }
+
+
+def _probe_later(load: Load) -> list[dict]:
+    """The probes, asked once the load has ramped up (a quarter of the users a second), half-way into the warm-up;
+    each may take until the window ends (behind a backlog of adapters being paged in)."""
+    time.sleep(load.warmup_s / 2)
+    return probe(load.host, load.probes, timeout_s=load.warmup_s / 2 + load.window_s)
+
+
 def run(load: Load, prom: PrometheusServer, series: Series, scrape_s: float) -> dict:
     """Hold the load for warm-up + window, read the window from Prometheus, and add Locust's totals of the whole run
-    (`locust_requests`, `locust_failures`, the first failure reasons)."""
+    (`locust_requests`, `locust_failures`, the first failure reasons). The probes are asked once the load has
+    ramped up, inside the warm-up, under the same load; their answers are not the load's."""
     with tempfile.TemporaryDirectory(prefix="preft-load-") as tmp:
         targets = Path(tmp) / "targets.json"
         targets.write_text(json.dumps(load.targets))
@@ -135,6 +182,8 @@ def run(load: Load, prom: PrometheusServer, series: Series, scrape_s: float) -> 
         started = time.time()
         t0 = started + load.warmup_s
         t1 = t0 + load.window_s
+        probing = ThreadPoolExecutor(1)
+        probed = probing.submit(_probe_later, load) if load.probes else None
         try:
             locust.wait(timeout=total_s + 120)
         except subprocess.TimeoutExpired:
@@ -142,7 +191,14 @@ def run(load: Load, prom: PrometheusServer, series: Series, scrape_s: float) -> 
             raise
         time.sleep(max(0.0, t1 + 2 * scrape_s - time.time()))  # the window's last scrape has landed
         row = read_window(prom, series, t0, t1)
+        if series.paging:
+            row["paging"] = read_paging(prom, t0, t1)
         row.update(_locust_totals(Path(tmp)))
+        if probed is not None:
+            row["probes"] = probed.result()
+            # a probe answered inside the window counts in the gateway's errors: not the load's
+            row["failed"] -= sum(1 for p in row["probes"] if p["status"] >= 400 and t0 <= p["answered_at"] <= t1)
+        probing.shutdown()
     return row
 
 

@@ -77,6 +77,24 @@ def markdown(data: dict) -> str:
     if data.get("cold_start"):
         lines += ["", "| cold start from | p50 (ms) | p95 (ms) | adapters |", "|---|---|---|---|"]
         lines += [f"| {c['tier']} | {_ms(c['p50_s'])} | {_ms(c['p95_s'])} | {c['n']} |" for c in data["cold_start"]]
+    paged = [r for r in data.get("runs", []) if r.get("paging")]
+    if paged:
+        lines += ["", "| paging in the window | workload | adapters loaded into host memory | of them from S3 "
+                  "| host load p50 / p95 (ms) |", "|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"| {r['mode']} {r['popularity']} | {r['prompt_tokens']}+{r['output_tokens']} | "
+            f"{r['paging']['host_loads']} | {r['paging']['s3_fetches']} | "
+            f"{_ms(r['paging']['host_load_p50_s'])} / {_ms(r['paging']['host_load_p95_s'])} |"
+            for r in paged
+        ]
+    probes = [(r, p) for r in data.get("runs", []) for p in r.get("probes", [])]
+    if probes:
+        lines += ["", "Adapters with a broken blob, asked for under the load (outside the measured window):", ""]
+        lines += [
+            f"- `{p['model']}` during {r['mode']} {r['popularity']} {r['prompt_tokens']}+{r['output_tokens']}: "
+            f"{p['status']} in {p['seconds']:.2f} s ({p['error'][:120]})"
+            for r, p in probes
+        ]
     if data.get("paging"):
         lines += ["", "Paging over the platform phase (engine counters):", ""]
         lines += [f"- `{name}`: {values}" for name, values in data["paging"].items()]

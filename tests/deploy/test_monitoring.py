@@ -165,9 +165,10 @@ def test_gateway_podmonitor_scrapes_the_metrics_address_the_gateway_binds_which_
     (monitor,) = [d for d in m.by_kind(docs, "PodMonitor") if d["metadata"]["name"].endswith("gateway")]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     (deployment,) = [d for d in m.by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("gateway")]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"][
-        "labels"
-    ].items()
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     (container_port,) = [p for p in container["ports"] if p["name"] == endpoint["port"]]
     config = next(d for d in m.by_kind(docs, "ConfigMap") if "PREFT_GATEWAY__PORT" in d.get("data", {}))

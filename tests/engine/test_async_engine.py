@@ -1,7 +1,7 @@
-"""The serving engine (vLLM AsyncLLM + plugin) streams the same greedy tokens as the offline engine, in one
-concurrent mixed batch, counts usage right, frees an aborted request, shares cached prompt blocks only among
-requests of one cache salt, admits a live request ahead of queued offline ones and preempts a running one for it
-(the priority scheduling policy, as the serving settings choose)."""
+"""The serving engine (vLLM AsyncLLM + plugin) streams the same greedy tokens as the offline engine, in one concurrent
+mixed batch of adapters read ahead of add_lora, counts usage right, frees an aborted request, shares cached prompt
+blocks only among requests of one cache salt, admits a live request ahead of queued offline ones and preempts a
+running one for it (the priority scheduling policy, as the serving settings choose)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,11 @@ def test_streamed_mixed_batch_equals_the_offline_engine(async_engine, engine_fac
             jobs.append((req, ads[name] if name else None))
 
     async def run_all():
-        for adapter_dir in {d for _, d in jobs if d is not None}:
+        # as the pager loads them: read ahead by the engine's workers (all at once), then added; the offline engine
+        # below reads its adapters inside add_lora, so the outputs also compare the two ways of loading
+        dirs = {d for _, d in jobs if d is not None}
+        await asyncio.gather(*(async_engine.prepare_lora(d) for d in dirs))
+        for adapter_dir in dirs:
             await async_engine.add_lora(adapter_dir)
         return await asyncio.gather(*(_collect(async_engine, req, d) for req, d in jobs))
 

@@ -32,6 +32,7 @@ from preft.engine.vllm_engine import (
     token_logprobs,
     use_v1_model_runner,
 )
+from preft.vllm_plugin.patches import load_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,13 @@ class AsyncPreftEngine:
             raise InvalidArgument(f"adapter: {e}") from e
         except OSError as e:
             raise Unavailable(f"adapter directory {adapter_dir} cannot be read: {e}") from e
+
+    async def prepare_lora(self, adapter_dir: Path) -> None:
+        """Have vLLM read the adapter ahead of `add_lora`, beside its steps (the plugin's `load_ahead`), so that
+        `add_lora` only inserts it and the running requests never wait on the read. A failed read is not raised
+        here: `add_lora` reads again and raises."""
+        entry = self._resolve(adapter_dir)
+        await self._running().engine_core.call_utility_async(load_ahead.PREPARE_METHOD, lora_request(entry))
 
     async def add_lora(self, adapter_dir: Path) -> AdapterInfo:
         entry = self._resolve(adapter_dir)

@@ -15,7 +15,12 @@ from preft.adapters import AdapterError, ModelShape
 from preft.common.engine_contract import SamplingOptions, TokenLogprob, TopLogprob
 from preft.common.modes import PositionMode, mode_extra_args
 from preft.engine.catalog import AdapterCatalog, CatalogEntry
+from preft.engine.paging.pager import ADDS_IN_FLIGHT
 from preft.engine.requests import GenerationRequest, GenerationResult
+
+# Adapters vLLM's host cache holds beyond the pager's tier: the adds and the removals the pager may have on their way
+# to the engine at once, so that vLLM never evicts an adapter on its own.
+CPU_CACHE_HEADROOM = 2 * ADDS_IN_FLIGHT
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ def engine_kwargs(options: EngineOptions) -> dict[str, Any]:
         kwargs.update(
             max_loras=o.max_loras,
             max_lora_rank=o.max_lora_rank,
-            max_cpu_loras=max(o.max_cpu_loras or 0, o.max_loras, 64),
+            max_cpu_loras=max(o.max_cpu_loras or 0, o.max_loras, 64) + CPU_CACHE_HEADROOM,
         )
     if o.tensor_parallel_size > 1:
         kwargs["tensor_parallel_size"] = o.tensor_parallel_size

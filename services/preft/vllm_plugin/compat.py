@@ -148,8 +148,8 @@ PUNICA_CPU_ADD_LORA_LINEAR = TouchPoint(
 )
 WORKER_LOAD_ADAPTER = TouchPoint(
     "vllm.lora.worker_manager:WorkerLoRAManager._load_adapter",
-    "wrapped: a DiReFT directory loads as a LoRA-less LoRAModel carrying its tensors; every load is "
-    "counted for gc_freeze",
+    "wrapped: an adapter read ahead (load_ahead) is taken from there; a DiReFT directory loads as a LoRA-less "
+    "LoRAModel carrying its tensors; every load is counted for gc_freeze",
     "patches.direft",
 )
 LRU_CREATE_LORA_MANAGER = TouchPoint(
@@ -233,6 +233,20 @@ ENGINE_CORE_STEP_WITH_BATCH_QUEUE = TouchPoint(
     "as EngineCore.step",
     "patches.gc_freeze",
 )
+ENGINE_CORE_UTILITY = TouchPoint(
+    "vllm.v1.engine.core:EngineCoreProc._invoke_utility_method",
+    "relied on: a utility method returning a concurrent Future has its answer deferred until the Future "
+    "completes, and its arguments arrive msgspec-encoded (a LoRARequest as an array, converted back); "
+    "EngineCore gains the utility method preft_prepare_adapter, which runs load_ahead.start_read in "
+    "each worker (model_executor.collective_rpc; worker.worker.model_runner.lora_manager, list_adapters, "
+    "_load_adapter in a thread)",
+    "patches.load_ahead",
+)
+CALL_UTILITY_ASYNC = TouchPoint(
+    "vllm.v1.engine.core_client:AsyncMPClient.call_utility_async",
+    "called by the serving engine (AsyncLLM.engine_core) with preft_prepare_adapter before add_lora",
+    "patches.load_ahead",
+)
 TOUCH_POINTS = (
     SET_ACTIVE_LORAS,
     LORA_MAPPING,
@@ -264,6 +278,8 @@ TOUCH_POINTS = (
     SILU_AND_MUL,
     ENGINE_CORE_STEP,
     ENGINE_CORE_STEP_WITH_BATCH_QUEUE,
+    ENGINE_CORE_UTILITY,
+    CALL_UTILITY_ASYNC,
     V2_MODEL_RUNNER,
 )
 DIREFT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")

@@ -3,13 +3,16 @@
 Tiers, fastest first:
 - GPU slots: vLLM's `max_loras`; vLLM (with the plugin) fills them per step. Not managed here.
 - host memory: vLLM's CPU LoRA cache. This pager's LRU of `host_max_adapters` is authoritative: it calls the engine's
-  `add_lora` / `remove_lora`, and vLLM's own cache is sized larger so it never evicts on its own.
+  `add_lora` / `remove_lora`, and vLLM's own cache is sized larger (by the adds and removals that may be on their
+  way at once) so it never evicts on its own.
 - local disk: `<disk_dir>/<digest>/`, bounded by bytes, LRU; an adapter is pinned there while it is in host memory
   (vLLM may re-read the path) or being loaded. Rebuilt from the directory at start, so it survives restarts.
 - S3: the blob store, one sha256-checked blob per file; the directory's content digest must equal the spec's.
 
 Concurrent requests for the same cold adapter share one load (one task per digest); a failed load reaches every
-waiter and is not remembered, so the next request tries again. When S3 is unreachable only cold adapters fail
+waiter and is not remembered, so the next request tries again. The engine reads an adapter (`prepare_lora`) before
+the pager takes its lock for `add_lora`: loads of several adapters overlap, and the engine's steps wait only for the
+insertion. When S3 is unreachable only cold adapters fail
 (Unavailable); resident ones keep serving.
 """
 
@@ -35,10 +38,16 @@ logger = logging.getLogger(__name__)
 
 Tier = Literal["host", "disk"]
 _MAX_ATTEMPTS = 3  # loads of one request's adapter before giving up (each can be evicted by others' loads)
+ADDS_IN_FLIGHT = 8  # add_lora calls out at once (vLLM's host cache has room for them: vllm_engine's headroom)
 
 
 class AdapterHost(Protocol):
     """What the pager needs of the engine: loading adapters into host memory and dropping them."""
+
+    async def prepare_lora(self, adapter_dir: Path) -> None:
+        """Read the adapter from disk ahead of `add_lora`, beside the engine's steps (best effort: a failed read
+        surfaces at `add_lora`)."""
+        ...
 
     async def add_lora(self, adapter_dir: Path) -> AdapterInfo:
         """Validate the adapter against the model (InvalidArgument) and load it into host memory."""
@@ -69,7 +78,11 @@ class Pager:
         self._disk: LruPolicy[str] = LruPolicy(max_bytes=disk_max_bytes)
         self._download_timeout_s = download_timeout_s
         self._loading: dict[str, asyncio.Task[None]] = {}
-        self._engine_lock = asyncio.Lock()  # engine add/remove calls in the order the policy decided them
+        self._removing: dict[str, asyncio.Task[None]] = {}  # removals sent to the engine, not yet answered
+        self._policy_lock = asyncio.Lock()  # a load's admission and the evictions it decides, as one step
+        # add_lora calls out at once: the engine core runs every call that arrived during a step before its next
+        # step, so calls sent together wait for one step, not one step each
+        self._adds = asyncio.Semaphore(ADDS_IN_FLIGHT)
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
@@ -91,10 +104,11 @@ class Pager:
         logger.info("disk tier: %d adapters, %d bytes in %s", len(self._disk), self._disk.total_bytes, self._store.root)
 
     async def close(self) -> None:
-        """Cancel loads in progress (their waiters get CancelledError)."""
+        """Cancel loads in progress (their waiters get CancelledError); let removals sent to the engine finish."""
         for task in list(self._loading.values()):
             task.cancel()
         await asyncio.gather(*self._loading.values(), return_exceptions=True)
+        await asyncio.gather(*self._removing.values(), return_exceptions=True)
 
     # -- serving ---------------------------------------------------------------------------------------------------
 
@@ -171,31 +185,49 @@ class Pager:
         started = time.perf_counter()
         path = await self._to_disk(spec)  # pinned on disk for the rest of the load
         try:
-            async with self._engine_lock:
-                try:
-                    victims = self._host.admit(spec.digest, self._disk.size_of(spec.digest))
+            # the read first: reads of several adapters overlap, and add_lora is left only the insertion, the one
+            # part the engine's steps wait for
+            try:
+                await self._engine.prepare_lora(path)
+            except PreftError as e:
+                logger.info("reading adapter %s ahead failed: %s", spec.ref, e.message)
+            async with self._policy_lock:
+                try:  # (pinned while it loads: another load's admission must not pick it)
+                    victims = self._host.admit(spec.digest, self._disk.size_of(spec.digest), pin=True)
                 except CapacityError as e:
                     raise Unavailable(f"adapter {spec.ref}: host memory is full of adapters in use ({e})") from e
                 for victim in victims:
-                    await self._evict_from_host(victim)
-                try:
+                    self._evict_from_host(victim)
+            try:
+                removal = self._removing.get(spec.digest)  # its own removal, from an earlier eviction, still on its way
+                if removal is not None:
+                    await asyncio.shield(removal)
+                async with self._adds:
                     info = await self._engine.add_lora(path)
-                    if info.method.value != spec.method:
-                        await self._engine.remove_lora(spec.digest)
-                        raise InvalidArgument(f"adapter {spec.ref} is a {info.method.value} adapter, not {spec.method}")
-                except BaseException:
-                    self._host.remove(spec.digest)
-                    raise
-                self._disk.pin(spec.digest)  # held while in host memory
+                if info.method.value != spec.method:
+                    await self._engine.remove_lora(spec.digest)
+                    raise InvalidArgument(f"adapter {spec.ref} is a {info.method.value} adapter, not {spec.method}")
+            except BaseException:
+                self._host.remove(spec.digest)
+                raise
+            self._host.unpin(spec.digest)
+            self._disk.pin(spec.digest)  # held while in host memory
         finally:
             self._disk.unpin(spec.digest)
             self._update_gauges()
         metrics.PAGING_LOAD_SECONDS.labels("host").observe(time.perf_counter() - started)
 
-    async def _evict_from_host(self, digest: str) -> None:
+    def _evict_from_host(self, digest: str) -> None:
+        """Count the eviction, release the adapter's disk pin and send its removal to the engine (not awaited: a
+        load of the same adapter waits for it, in `_load`)."""
         metrics.PAGING_EVICTIONS.labels("host").inc()
         if digest in self._disk:
             self._disk.unpin(digest)
+        task = asyncio.ensure_future(self._remove_from_engine(digest))
+        self._removing[digest] = task
+        task.add_done_callback(lambda t: self._removing.pop(digest) if self._removing.get(digest) is t else None)
+
+    async def _remove_from_engine(self, digest: str) -> None:
         try:
             await self._engine.remove_lora(digest)
         except Exception:

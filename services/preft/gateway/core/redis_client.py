@@ -40,13 +40,20 @@ end
 
 
 def connect(settings: RedisSettings, timeout_s: float) -> aioredis.Redis:
-    """A pooled client (connections open lazily) whose socket timeouts never exceed the operation deadline."""
+    """A pooled client (connections open lazily) whose socket timeouts never exceed the operation deadline.
+
+    The pool waits for a free connection (up to the deadline) when all are busy: redis-py's default pool raises
+    MaxConnectionsError at once instead, which turned a burst of a few hundred concurrent requests into 503s while
+    Redis itself was idle."""
     socket_timeout_s = min(settings.socket_timeout_s, timeout_s)
     options = settings.client_options() | {
         "socket_timeout": socket_timeout_s,
         "socket_connect_timeout": socket_timeout_s,
     }
-    return aioredis.Redis.from_url(settings.url, decode_responses=True, retry=Retry(NoBackoff(), 0), **options)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.url, timeout=timeout_s, decode_responses=True, retry=Retry(NoBackoff(), 0), **options
+    )
+    return aioredis.Redis.from_pool(pool)
 
 
 async def guarded(operation: Awaitable[T], timeout_s: float) -> T:

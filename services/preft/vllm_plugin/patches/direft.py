@@ -18,7 +18,7 @@ import torch
 from preft.adapters import AdapterMethod, ModelShape, load_direft_tensors
 from preft.adapters.formats import detect_method
 from preft.vllm_plugin import compat
-from preft.vllm_plugin.patches import gc_freeze, mlp
+from preft.vllm_plugin.patches import gc_freeze, load_ahead, mlp
 from preft.vllm_plugin.patches.patching import wrap_method
 from preft.vllm_plugin.step import ops  # noqa: F401  (ops registers torch.ops.preft.direft_apply)
 from preft.vllm_plugin.step.state import PreftSlotState
@@ -86,6 +86,9 @@ def _create_lora_manager(original):
 
 def _load_adapter(original):
     def load_adapter(self, lora_request, *args: Any, **kwargs: Any):
+        read = load_ahead.take(lora_request)
+        if read is not None:
+            return read
         gc_freeze.adapter_loaded()
         if detect_method(lora_request.lora_path) is not AdapterMethod.DIREFT:
             return original(self, lora_request, *args, **kwargs)

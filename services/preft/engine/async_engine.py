@@ -126,7 +126,11 @@ class AsyncPreftEngine:
         `add_lora` only inserts it and the running requests never wait on the read. A failed read is not raised
         here: `add_lora` reads again and raises."""
         entry = self._resolve(adapter_dir)
-        await self._running().engine_core.call_utility_async(load_ahead.PREPARE_METHOD, lora_request(entry))
+        llm = self._running()
+        try:
+            await llm.engine_core.call_utility_async(load_ahead.PREPARE_METHOD, lora_request(entry))
+        except Exception as e:  # (vLLM raises plain exceptions for a failed utility call)
+            raise Unavailable(f"reading adapter {entry.lora_name} ahead failed: {e}") from e
 
     async def add_lora(self, adapter_dir: Path) -> AdapterInfo:
         entry = self._resolve(adapter_dir)

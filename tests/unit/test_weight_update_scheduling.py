@@ -7,6 +7,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from types import SimpleNamespace
 
+from preft.engine.async_engine import UPDATE_UTILITY
 from preft.vllm_plugin.patches import prefix_cache, weight_updates
 from preft.vllm_plugin.patches.scheduler import _add_request, _schedule
 
@@ -145,3 +146,7 @@ def test_removing_an_updated_adapter_bumps_its_version():
     weight_updates.update_adapter_weights(core, X, "/tmp/w.safetensors")
     remove_lora(core, X)
     assert prefix_cache.adapter_version(core.scheduler, X) == 2 and removed == [Y, X]
+
+
+def test_the_engine_calls_the_utility_the_plugin_installs():
+    assert UPDATE_UTILITY == weight_updates.UTILITY

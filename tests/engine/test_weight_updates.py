@@ -167,9 +167,9 @@ def test_a_prompt_being_prefilled_finishes_on_the_weights_it_started_with(engine
 
     update, (long, _), (short, _) = loop.run_until_complete(scenario())
     print(f"the update waited {update.waited_steps} steps, {update.seconds * 1000:.0f} ms")
-    assert update.waited_for == 1 and update.waited_steps >= 1, f"the update did not wait for the prompt: {update}"
     assert long == expected_long[old], "the prompt in flight was not served entirely on the old weights"
     assert short == expected_short[new], "a request sent while the update waited was not served on the new weights"
+    assert update.waited_for == 1 and update.waited_steps >= 1, f"the update did not wait for the prompt: {update}"
 
 
 def test_bad_updates_are_refused_and_change_nothing(engine, model_dirs, pairs, loop):

@@ -88,7 +88,7 @@ def _update_lora(models: Any, lora_model: Any, slot: int | None, tensors: dict[s
     for dest, value in writes:
         dest.copy_(value)
     if slot is not None:
-        for owner in touched:
+        for owner in touched & models.modules.keys():  # (a pipeline stage holds its own layers' modules only)
             weights = models._get_lora_layer_weights(lora_model, owner)
             models.modules[owner].set_lora(slot, weights.lora_a, weights.lora_b)
 

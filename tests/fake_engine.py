@@ -8,7 +8,8 @@ from pathlib import Path
 
 from preft.adapters import AdapterInfo, ModelShape, inspect_adapter
 from preft.common.engine_contract import EngineChunk, EngineRequest, Usage
-from preft.common.errors import InvalidArgument, Unavailable
+from preft.common.errors import InvalidArgument, NotFound, Unavailable
+from preft.engine.updates import AdapterUpdate
 
 
 class ScriptedEngine:
@@ -24,6 +25,8 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.seen_adapters: list[Path | None] = []
         self.seen_tenants: list[str] = []  # (the tenant id is what the real engine labels its metrics with)
+        self.updates: list[tuple[str, list[str]]] = []  # (digest, tensor names) per in-place update
+        self.refuse_updates = False
 
     async def start(self) -> None:
         self.started = True
@@ -38,6 +41,15 @@ class ScriptedEngine:
 
     async def remove_lora(self, digest: str) -> None:
         self.loaded.discard(digest)
+
+    async def update_adapter_weights(self, digest: str, tensors) -> AdapterUpdate:
+        """Records the update (names only) and answers a new version; `refuse_updates` makes it InvalidArgument."""
+        if digest not in self.loaded:
+            raise NotFound(f"adapter {digest[:12]} is not loaded")
+        if self.refuse_updates:
+            raise InvalidArgument("adapter update: refused by the test engine")
+        self.updates.append((digest, sorted(tensors)))
+        return AdapterUpdate(version=len(self.updates), seconds=0.0, waited_for=0, waited_steps=0)
 
     async def generate(self, request: EngineRequest, adapter_dir: Path | None) -> AsyncIterator[EngineChunk]:
         if self.dead:

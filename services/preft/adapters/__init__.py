@@ -14,6 +14,7 @@ from preft.adapters.formats import (
     inspect_adapter,
     load_direft_tensors,
 )
+from preft.adapters.updates import TensorSpec, WeightUpdateError, check_weight_update, weight_manifest
 
 __all__ = [
     "ADAPTER_FILES",
@@ -22,10 +23,14 @@ __all__ = [
     "AdapterInfo",
     "AdapterMethod",
     "ModelShape",
+    "TensorSpec",
+    "WeightUpdateError",
     "adapter_digest",
     "check_adapter",
+    "check_weight_update",
     "content_digest",
     "file_sha256",
     "inspect_adapter",
     "load_direft_tensors",
+    "weight_manifest",
 ]

@@ -53,6 +53,19 @@ ADAPTER_LOAD_FAILURES = Counter(
     "store or the disk cache; invalid_argument: the adapter does not fit the model; internal: anything else)",
     ["reason"],
 )
+ADAPTER_WEIGHT_UPDATES = Counter(
+    "preft_adapter_weight_updates_total",
+    "In-place adapter weight updates (and restores) on a replica, by the outcome's gRPC status name in lower case "
+    "(ok; invalid_argument: weights that do not fit; not_found, permission_denied, failed_precondition, "
+    "resource_exhausted: refused; unavailable, internal)",
+    ["outcome"],
+)
+ADAPTER_WEIGHT_UPDATE_SECONDS = Histogram(
+    "preft_adapter_weight_update_seconds",
+    "From an update's call to its weights serving (waits for prompts of the adapter already running included)",
+    buckets=LATENCY_BUCKETS_S,
+)
+LIVE_ADAPTERS = Gauge("preft_live_adapters", "Adapters serving weights updated in place (pinned in host memory)")
 
 # -- stores (any service: the registry, the engines' downloads, the gateway's files) ---------------------------------
 STORE_ERRORS = Counter(

@@ -11,16 +11,24 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from preft.adapters import AdapterError, AdapterInfo, ModelShape
+from preft.adapters import (
+    AdapterError,
+    AdapterInfo,
+    ModelShape,
+    WeightUpdateError,
+    check_weight_update,
+    weight_manifest,
+)
 from preft.common import metrics
 from preft.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
-from preft.common.errors import InvalidArgument, PreftError, Unavailable
+from preft.common.errors import InvalidArgument, NotFound, PreftError, Unavailable
 from preft.engine.catalog import AdapterCatalog, CatalogEntry
 from preft.engine.throughput import ThroughputWindow
+from preft.engine.updates import AdapterUpdate, stage_tensors
 from preft.engine.vllm_engine import (
     EngineOptions,
     check_prompt,
@@ -69,6 +77,10 @@ VLLM_API = (
     "vllm.v1.engine.async_llm:AsyncLLM.remove_lora",
     "vllm.v1.engine.async_llm:AsyncLLM.list_loras",
     "vllm.v1.engine.async_llm:AsyncLLM.check_health",
+    # instance attribute AsyncLLM.engine_core: its call_utility_async(method, *args) runs an EngineCore method in the
+    # engine core's loop (0.26 core_client.py:1101, 0.28 :1128; the data-parallel client calls every engine); the
+    # plugin gives EngineCore preft_update_adapter_weights (preft.vllm_plugin.patches.weight_updates)
+    "vllm.v1.engine.core_client:AsyncMPClient.call_utility_async",
     "vllm.v1.engine.async_llm:AsyncLLM.errored",
     "vllm.v1.engine.async_llm:AsyncLLM.shutdown",  # + instance attribute model_config.max_model_len
     # internal: the only non-API read, for tests and ops (instance attribute AsyncLLM.output_processor)
@@ -80,6 +92,7 @@ VLLM_API = (
     # (RequestOutput.num_cached_tokens: the prompt tokens the scheduler found in the prefix cache)
 )
 
+UPDATE_UTILITY = "preft_update_adapter_weights"  # the engine core method the plugin installs (weight_updates.UTILITY)
 MODES = ("prefill", "all", "base")  # metric label values: a request without an adapter is "base"
 FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 THROUGHPUT = ThroughputWindow(window_s=10.0)  # one per process, like the metrics it feeds
@@ -144,6 +157,41 @@ class AsyncPreftEngine:
         entry = self._by_digest.pop(digest, None)
         if entry is not None:
             await self._running().remove_lora(entry.lora_int_id)
+
+    async def update_adapter_weights(self, digest: str, tensors: Mapping[str, Any]) -> AdapterUpdate:
+        """Replace tensors of a loaded adapter in place, in host memory and in its slot (see
+        preft.vllm_plugin.patches.weight_updates for when they take effect and who sees which weights).
+
+        `tensors` are named as in the adapter's safetensors file, with its shapes and dtypes; the others keep theirs.
+        NotFound if the adapter is not loaded, InvalidArgument for weights that do not fit (nothing changes). Once the
+        tensors are handed over, the update is applied even if the caller goes away.
+        """
+        entry = self._by_digest.get(digest)
+        if entry is None:
+            raise NotFound(f"adapter {digest[:12]} is not loaded in this engine")
+        llm = self._running()
+        try:  # (names, shapes, dtypes here; the values, which means reading them all, once, in the workers)
+            check_weight_update(weight_manifest(entry.info.path), tensors, finite=False)
+        except WeightUpdateError as e:
+            raise InvalidArgument(f"adapter update: {e}") from e
+        started = time.perf_counter()
+        path = await asyncio.to_thread(stage_tensors, tensors)
+        call = asyncio.ensure_future(llm.engine_core.call_utility_async(UPDATE_UTILITY, entry.lora_int_id, str(path)))
+        call.add_done_callback(lambda done: _discard_staged(done, path))
+        try:
+            result = await asyncio.shield(call)
+        except Exception as e:
+            if llm.errored:
+                raise Unavailable("the engine's processes died; this replica is being replaced") from e
+            raise PreftError(f"the engine failed to update adapter {digest[:12]}: {e}") from e
+        if "error" in result:
+            raise InvalidArgument(f"adapter update: {result['error']}")
+        return AdapterUpdate(
+            version=result["version"],
+            seconds=time.perf_counter() - started,
+            waited_for=result["waited_for"],
+            waited_steps=result["waited_steps"],
+        )
 
     async def loaded_lora_ids(self) -> set[int]:
         """The LoRA ids vLLM holds in host memory (what `add_lora` / `remove_lora` left there)."""
@@ -264,3 +312,11 @@ class AsyncPreftEngine:
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown)
+
+
+def _discard_staged(call: asyncio.Future, path: Path) -> None:
+    """Remove an update's staged file once the engine is done with it (retrieving the outcome: its caller may be
+    gone)."""
+    path.unlink(missing_ok=True)
+    if not call.cancelled():
+        call.exception()

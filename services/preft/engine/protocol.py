@@ -6,12 +6,13 @@ paging, draining and HTTP behaviour are tested without vLLM.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from preft.common.engine_contract import EngineChunk, EngineRequest
 from preft.engine.paging.pager import AdapterHost
+from preft.engine.updates import AdapterUpdate
 from preft.engine.vllm_engine import EngineOptions
 
 
@@ -28,6 +29,11 @@ class Engine(AdapterHost, Protocol):
         Errors (preft.common.errors): InvalidArgument for a bad prompt or adapter, Unavailable when the engine is dead.
         Closing the iterator early aborts the request in the engine.
         """
+        ...
+
+    async def update_adapter_weights(self, digest: str, tensors: Mapping[str, Any]) -> AdapterUpdate:
+        """Replace tensors (named as in the adapter's safetensors file) of a loaded adapter in place; NotFound if it is
+        not loaded, InvalidArgument for weights that do not fit (nothing changes)."""
         ...
 
     async def check_health(self) -> None:

@@ -103,6 +103,7 @@ class EngineDeployment:
             hot_source=hot_source,
             prefetch_adapters=settings.prefetch_adapters,
             tenant_label=settings.replica.metrics_tenant_label,
+            max_live_adapters=settings.max_live_adapters,
         )
         # Serve's multiplexing decorator takes its size when applied, so it is applied here, from the settings.
         # "+ 1": the "base" id is registered too (every replica serves base requests).

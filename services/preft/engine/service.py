@@ -10,15 +10,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
+from preft.adapters.formats import WEIGHTS
 from preft.common import metrics
-from preft.common.engine_contract import EngineChunk, EngineRequest, EngineResponse
-from preft.common.errors import Unavailable
+from preft.common.engine_contract import AdapterSpec, EngineChunk, EngineRequest, EngineResponse
+from preft.common.errors import InvalidArgument, NotFound, PreftError, Unavailable
+from preft.common.refs import AdapterRef
+from preft.engine.live import LiveAdapter, LiveAdapters
 from preft.engine.paging.hot import HotSource
 from preft.engine.paging.pager import Pager
 from preft.engine.protocol import Engine
 from preft.engine.residency import ResidencyPublisher
+from preft.engine.updates import AdapterUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +35,9 @@ class EngineService:
     A request is admitted unless the replica is draining or its engine died (Unavailable: the gateway retries on
     another replica); its adapter is held in host memory for the request's whole duration. Its tenant id reaches the
     engine (a label of its metrics) only with `tenant_label`.
+
+    Adapter weights can be updated in place for the adapter's owner (`update_adapter_weights`, `restore_adapter`):
+    a live adapter (`preft.engine.live`) is pinned in host memory until its published weights are restored.
     """
 
     def __init__(
@@ -40,8 +49,12 @@ class EngineService:
         hot_source: HotSource | None = None,
         prefetch_adapters: int = 0,
         tenant_label: bool = False,
+        max_live_adapters: int = 2,
     ) -> None:
         self.engine, self.pager, self._publisher = engine, pager, publisher
+        self.live = LiveAdapters(max_live=max_live_adapters)
+        self._users: Counter[tuple[str, str | None]] = Counter()  # requests in flight by (digest, adapter owner)
+        self._update_lock = asyncio.Lock()  # one update at a time: the engine applies them one by one anyway
         self._tenant_label = tenant_label
         self._hot_source, self._prefetch_adapters = hot_source, prefetch_adapters
         self._in_flight = 0
@@ -104,11 +117,14 @@ class EngineService:
 
     # -- requests --------------------------------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _check_serving(self) -> None:
         if self._draining:
             raise Unavailable("this replica is shutting down; retry on another")
         if self._dead is not None:
             raise Unavailable(f"this replica's engine failed ({self._dead}); retry on another")
+
+    def _admit(self) -> None:
+        self._check_serving()
         self._in_flight += 1
         self._idle.clear()
         metrics.QUEUE_DEPTH.labels("engine").inc()
@@ -131,13 +147,21 @@ class EngineService:
                     async for chunk in chunks:
                         yield chunk
                 return
+            user = (request.adapter.digest, _owner(request.adapter))
+            self.live.check_request(*user)
             was_resident = self.pager.holds(request.adapter.digest)
-            async with self.pager.use(request.adapter) as adapter_dir:
-                if not was_resident:
-                    self._residency_changed()
-                async with contextlib.aclosing(self.engine.generate(request, adapter_dir)) as chunks:
-                    async for chunk in chunks:
-                        yield chunk
+            self._users[user] += 1
+            try:
+                async with self.pager.use(request.adapter) as adapter_dir:
+                    if not was_resident:
+                        self._residency_changed()
+                    async with contextlib.aclosing(self.engine.generate(request, adapter_dir)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+            finally:
+                self._users[user] -= 1
+                if not self._users[user]:
+                    del self._users[user]
         finally:
             self._release()
 
@@ -175,6 +199,78 @@ class EngineService:
             finish_reason=last.finish_reason,
             usage=last.usage,
         )
+
+    # -- in-place adapter updates ------------------------------------------------------------------------------------
+
+    async def update_adapter_weights(self, digest: str, tensors: Mapping[str, Any], *, owner: str) -> LiveAdapter:
+        """Replace tensors of an adapter resident here, for its owner (a tenant id); see
+        `preft.engine.async_engine.AsyncPreftEngine.update_adapter_weights` for the tensors and when they serve.
+
+        NotFound if the adapter is not resident, PermissionDenied / FailedPrecondition / ResourceExhausted as
+        `LiveAdapters.check_update` decides, InvalidArgument for weights that do not fit: the served weights are then
+        unchanged. Once the engine has the tensors, the update completes even if the caller goes away.
+        """
+        return await asyncio.shield(self._locked(self._update, digest, tensors, owner))
+
+    async def restore_adapter(self, digest: str, *, owner: str) -> AdapterUpdate:
+        """Write an updated adapter's published weights (its blob, on disk) back in place, under a new version; it
+        is no longer live, and may be evicted again. NotFound if it is not live here, PermissionDenied if not the
+        owner's."""
+        return await asyncio.shield(self._locked(self._restore, digest, owner))
+
+    async def _locked(self, work: Any, *args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            async with self._update_lock:
+                self._check_serving()
+                result = await work(*args)
+        except BaseException as e:
+            outcome = e.grpc_code.lower() if isinstance(e, PreftError) else "internal"
+            metrics.ADAPTER_WEIGHT_UPDATES.labels(outcome).inc()
+            raise
+        metrics.ADAPTER_WEIGHT_UPDATES.labels("ok").inc()
+        metrics.ADAPTER_WEIGHT_UPDATE_SECONDS.observe(time.perf_counter() - started)
+        metrics.LIVE_ADAPTERS.set(len(self.live))
+        return result
+
+    async def _update(self, digest: str, tensors: Mapping[str, Any], owner: str) -> LiveAdapter:
+        if not self.pager.holds(digest):
+            raise NotFound(f"adapter {digest[:12]} is not resident on this replica")
+        others = sum(n for (d, o), n in self._users.items() if d == digest and o != owner)
+        self.live.check_update(digest, owner, other_users=others)
+        first = digest not in self.live
+        if first:
+            self.pager.pin(digest)  # (before the engine has live weights: never evicted with them)
+        try:
+            update = await self.engine.update_adapter_weights(digest, tensors)
+        except BaseException:
+            if first:
+                self.pager.unpin(digest)
+            raise
+        logger.info("adapter %s updated in place to version %d in %.3f s", digest[:12], update.version, update.seconds)
+        return self.live.record(digest, owner, update.version)
+
+    async def _restore(self, digest: str, owner: str) -> AdapterUpdate:
+        from safetensors.torch import load_file
+
+        self.live.check_restore(digest, owner)
+        try:
+            tensors = await asyncio.to_thread(load_file, str(self.pager.path(digest) / WEIGHTS))
+        except OSError as e:
+            raise Unavailable(f"adapter {digest[:12]}: its published weights cannot be read: {e}") from e
+        update = await self.engine.update_adapter_weights(digest, tensors)
+        self.live.forget(digest)
+        self.pager.unpin(digest)
+        logger.info("adapter %s restored to its published weights (version %d)", digest[:12], update.version)
+        return update
+
+
+def _owner(spec: AdapterSpec) -> str | None:
+    """The tenant whose adapter the spec is (its registry reference names it)."""
+    try:
+        return AdapterRef.parse(spec.ref).owner
+    except InvalidArgument:
+        return None
 
 
 async def _prepend(first: EngineChunk, rest: AsyncIterator[EngineChunk]) -> AsyncIterator[EngineChunk]:

@@ -85,6 +85,12 @@ class EngineSettings(BaseSettings):
         32, ge=1, description="Adapters kept loaded in host memory (the host tier; the pager's LRU decides which)"
     )
     max_lora_rank: int = Field(16, ge=1, description="Largest LoRA or DiReFT rank accepted")
+    max_live_adapters: int = Field(
+        2,
+        ge=0,
+        description="Adapters whose weights may be updated in place at once (each pinned in host memory until its "
+        "published weights are restored; 0 refuses updates); fewer than max_cpu_loras",
+    )
     max_num_seqs: int = Field(64, ge=1, description="Sequences per engine step")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens per engine step; None = vLLM's default")
     max_model_len: int | None = Field(None, ge=1, description="Context length in tokens; None = the model's")
@@ -195,6 +201,8 @@ class EngineSettings(BaseSettings):
         refuse_placeholder(self.environment, self.api_token, DEV_ENGINE_TOKEN, "PREFT_ENGINE__API_TOKEN")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras (every adapter in a slot is also in host memory)")
+        if self.max_live_adapters >= self.max_cpu_loras:
+            raise ValueError("max_live_adapters must be < max_cpu_loras (live adapters are pinned in host memory)")
         if self.residency_ttl_s <= self.residency_heartbeat_s:
             raise ValueError("residency_ttl_s must exceed residency_heartbeat_s, or the key expires between beats")
         gpus = self.replica.num_gpus_per_replica

@@ -87,13 +87,16 @@ CUDAGRAPH_LORA_CASES = TouchPoint(
 )
 SCHEDULER_ADD_REQUEST = TouchPoint(
     "vllm.v1.core.sched.scheduler:Scheduler.add_request",
-    "wrapped: each Request gets _preft_prefill_only (has a LoRA and prefill mode), decided once",
+    "wrapped: each Request gets _preft_prefill_only (has a LoRA and prefill mode), decided once, and, once an "
+    "adapter was updated, its adapter's version (block hashes redone when vLLM hashed it under another)",
     "patches.scheduler",
 )
 SCHEDULER_SCHEDULE = TouchPoint(
     "vllm.v1.core.sched.scheduler:Scheduler.schedule",
     "wrapped: running prefill-mode requests past their prompt hide lora_request, so they do not "
-    "count towards max_loras (reads running, waiting, skipped_waiting when present, lora_config)",
+    "count towards max_loras (reads running, waiting, skipped_waiting when present, lora_config); before it, "
+    "adapter weight updates no running prompt waits for are applied, and the waiting requests of those that wait "
+    "sit the step out",
     "patches.scheduler",
 )
 SCHEDULER_PREEMPT_REQUEST = TouchPoint(
@@ -108,8 +111,9 @@ SCHEDULER_PREEMPT_REQUEST = TouchPoint(
 )
 KV_CACHE_UTILS_EXTRA_KEYS = TouchPoint(
     "vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys",
-    "wrapped: blocks past a prefill-mode request's prompt get a boundary key, after vLLM's own keys (the LoRA "
-    "name, and the request's cache_salt on its first block: the per-tenant isolation, kept as is)",
+    "wrapped: blocks past a prefill-mode request's prompt get a boundary key, and blocks of a request of an updated "
+    "adapter its version, after vLLM's own keys (the LoRA name, and the request's cache_salt on its first block: the "
+    "per-tenant isolation, kept as is)",
     "patches.prefix_cache",
 )
 BLOCK_POOL_EXTRA_KEYS = TouchPoint(
@@ -149,7 +153,9 @@ PUNICA_CPU_ADD_LORA_LINEAR = TouchPoint(
 WORKER_LOAD_ADAPTER = TouchPoint(
     "vllm.lora.worker_manager:WorkerLoRAManager._load_adapter",
     "wrapped: an adapter read ahead (load_ahead) is taken from there; a DiReFT directory loads as a LoRA-less "
-    "LoRAModel carrying its tensors; every load is counted for gc_freeze",
+    "LoRAModel carrying its tensors; every load is counted for gc_freeze and given what an in-place update needs "
+    "(manifest, tensor names, scalings; reads LoRAModel.loras before _add_adapter packs them, "
+    "lora_request.lora_path)",
     "patches.direft",
 )
 LRU_CREATE_LORA_MANAGER = TouchPoint(
@@ -234,6 +240,68 @@ ENGINE_CORE_STEP_WITH_BATCH_QUEUE = TouchPoint(
     "patches.gc_freeze",
 )
 ENGINE_CORE_UTILITY = TouchPoint(
+    "vllm.v1.engine.core:EngineCoreProc._handle_client_request",
+    "read: a UTILITY request runs getattr(self, method_name)(*args) in the busy loop, between two steps, and a "
+    "returned concurrent.futures.Future defers the answer until it completes (_invoke_utility_method, alike in 0.26 "
+    "and 0.28); EngineCore is given the method preft_update_adapter_weights, which reads scheduler and "
+    "model_executor (as gc_freeze does)",
+    "patches.weight_updates",
+)
+ENGINE_CORE_REMOVE_LORA = TouchPoint(
+    "vllm.v1.engine.core:EngineCore.remove_lora",
+    "wrapped: removing an adapter whose weights were updated bumps its prefix-cache version first (reads scheduler)",
+    "patches.weight_updates",
+)
+EXECUTOR_COLLECTIVE_RPC = TouchPoint(
+    "vllm.v1.executor.abstract:Executor.collective_rpc",
+    "called with a function: every worker runs fn(worker, *args) (serial_utils.run_method; after the steps already "
+    "sent to it) and returns its result; the update reads worker.model_runner.lora_manager (LoRAModelRunnerMixin) "
+    "and its _adapter_manager: _registered_adapters, lora_index_to_id, packed_modules, modules, model, preft_state",
+    "patches.adapter_weights",
+)
+PARSE_LORA_NAME = TouchPoint(
+    "vllm.lora.utils:parse_fine_tuned_lora_name",
+    "called when an adapter loads, with the mapper WorkerLoRAManager._load_adapter passes it (the model's "
+    "hf_to_vllm_mapper, unstacked): each tensor's module name and whether it is A, as vLLM's loader keys it",
+    "patches.adapter_weights",
+)
+UNSTACKED_MAPPER = TouchPoint(
+    "vllm.model_executor.models.utils:WeightsMapper.get_unstacked_mapper",
+    "called, as WorkerLoRAManager._load_adapter calls it, on the model's hf_to_vllm_mapper where it has one",
+    "patches.adapter_weights",
+)
+LORA_OPTIMIZE = TouchPoint(
+    "vllm.lora.lora_weights:LoRALayerWeights.optimize",
+    "its arithmetic repeated on updated weights (lora_b *= scaling, in the LoRA dtype, after "
+    "LoRAModel.from_lora_tensors' tensor.to(dtype)); reads LoRALayerWeights.scaling before packing, lora_a/lora_b "
+    "(lists in a PackedLoRALayerWeights, sliced as LoRAModelManager.packed_modules lists them) after",
+    "patches.adapter_weights",
+)
+GET_LORA_LAYER_WEIGHTS = TouchPoint(
+    "vllm.lora.model_manager:LoRAModelManager._get_lora_layer_weights",
+    "called, as activate_adapter calls it, for the modules an update rewrites in the adapter's slot",
+    "patches.adapter_weights",
+)
+LORA_LAYER_SET_LORA = TouchPoint(
+    "vllm.lora.layers:BaseLayerWithLoRA.set_lora",
+    "called, as activate_adapter calls it (set_lora(index, lora_a, lora_b): reset_lora, then its tensor-parallel "
+    "slice copied into lora_a_stacked/lora_b_stacked in place), to rewrite an updated adapter's slot",
+    "patches.adapter_weights",
+)
+REQUEST_UPDATE_BLOCK_HASHES = TouchPoint(
+    "vllm.v1.request:Request.update_block_hashes",
+    "called after block_hashes.clear() on a request that has computed nothing, to hash its blocks again under its "
+    "adapter's new version (block_hasher reads len(block_hashes) to know where to start)",
+    "patches.prefix_cache",
+)
+REQUEST_QUEUE_REMOVE = TouchPoint(
+    "vllm.v1.core.sched.request_queue:RequestQueue.remove_requests",
+    "called, with add_request and iteration, on Scheduler.waiting and skipped_waiting: requests of an adapter whose "
+    "update waits sit out schedule() (also priority_preemption's victims); reads Request.lora_request, "
+    "num_computed_tokens, num_prompt_tokens, is_finished()",
+    "patches.weight_updates",
+)
+UTILITY_FUTURE_RESULT = TouchPoint(
     "vllm.v1.engine.core:EngineCoreProc._invoke_utility_method",
     "relied on: a utility method returning a concurrent Future has its answer deferred until the Future "
     "completes, and its arguments arrive msgspec-encoded (a LoRARequest as an array, converted back); "
@@ -244,7 +312,8 @@ ENGINE_CORE_UTILITY = TouchPoint(
 )
 CALL_UTILITY_ASYNC = TouchPoint(
     "vllm.v1.engine.core_client:AsyncMPClient.call_utility_async",
-    "called by the serving engine (AsyncLLM.engine_core) with preft_prepare_adapter before add_lora",
+    "called by the serving engine (AsyncLLM.engine_core) with preft_prepare_adapter before add_lora, and with "
+    "preft_update_adapter_weights",
     "patches.load_ahead",
 )
 TOUCH_POINTS = (
@@ -278,9 +347,19 @@ TOUCH_POINTS = (
     SILU_AND_MUL,
     ENGINE_CORE_STEP,
     ENGINE_CORE_STEP_WITH_BATCH_QUEUE,
-    ENGINE_CORE_UTILITY,
+    UTILITY_FUTURE_RESULT,
     CALL_UTILITY_ASYNC,
     V2_MODEL_RUNNER,
+    ENGINE_CORE_UTILITY,
+    ENGINE_CORE_REMOVE_LORA,
+    EXECUTOR_COLLECTIVE_RPC,
+    PARSE_LORA_NAME,
+    UNSTACKED_MAPPER,
+    LORA_OPTIMIZE,
+    GET_LORA_LAYER_WEIGHTS,
+    LORA_LAYER_SET_LORA,
+    REQUEST_UPDATE_BLOCK_HASHES,
+    REQUEST_QUEUE_REMOVE,
 )
 DIREFT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -377,6 +456,22 @@ def merged_lora_cls():
 
 def row_lora_cls():
     return ROW_PARALLEL_LORA.resolve()
+
+
+def worker_lora_manager(worker):
+    """A worker's LoRA manager (LRUCacheWorkerLoRAManager), as collective_rpc hands the worker to a function."""
+    return worker.model_runner.lora_manager
+
+
+def lora_weights_mapper(model):
+    """The weights mapper vLLM's adapter loading uses for this model (None where it has none)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    return mapper.get_unstacked_mapper() if mapper is not None else None
+
+
+def parse_lora_name(name: str, mapper) -> tuple[str, bool]:
+    """(vLLM module name, is A) of an adapter tensor's name, as vLLM's loader parses it."""
+    return PARSE_LORA_NAME.resolve()(name, mapper)
 
 
 def decoder_layers(model):

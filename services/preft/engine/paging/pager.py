@@ -9,6 +9,9 @@ Tiers, fastest first:
   (vLLM may re-read the path) or being loaded. Rebuilt from the directory at start, so it survives restarts.
 - S3: the blob store, one sha256-checked blob per file; the directory's content digest must equal the spec's.
 
+An adapter whose weights were updated in place (``EngineService.update_adapter_weights``) is pinned in host memory
+until its published weights are restored: its blob on disk is untouched, and evicting it would page those back in.
+
 Concurrent requests for the same cold adapter share one load (one task per digest); a failed load reaches every
 waiter and is not remembered, so the next request tries again. The engine reads an adapter (`prepare_lora`) before
 the pager takes its lock for `add_lora`: loads of several adapters overlap, and the engine's steps wait only for the
@@ -29,7 +32,7 @@ from typing import Literal, Protocol
 from preft.adapters import AdapterInfo
 from preft.common import metrics
 from preft.common.engine_contract import AdapterSpec
-from preft.common.errors import InvalidArgument, PreftError, Unavailable
+from preft.common.errors import InvalidArgument, NotFound, PreftError, Unavailable
 from preft.engine.paging.disk import DiskStore
 from preft.engine.paging.downloader import BlobSource, fetch_adapter
 from preft.engine.paging.lru import CapacityError, LruPolicy
@@ -135,6 +138,20 @@ class Pager:
             except PreftError as e:
                 logger.warning("prefetch of %s skipped: %s", spec.ref, e.message)
         return [s.digest for s in chosen if self.holds(s.digest)]
+
+    def pin(self, digest: str) -> None:
+        """Keep a resident adapter in host memory (and on disk) until `unpin`: an adapter whose weights were updated in
+        place must never be evicted, which would page its blob's weights back in. NotFound if it is not resident."""
+        if not self.holds(digest):
+            raise NotFound(f"adapter {digest[:12]} is not resident on this replica")
+        self._host.pin(digest)
+
+    def unpin(self, digest: str) -> None:
+        self._host.unpin(digest)
+
+    def path(self, digest: str) -> Path:
+        """The directory of an adapter held on disk (its published files)."""
+        return self._store.path(digest)
 
     def holds(self, digest: str, tier: Tier = "host") -> bool:
         if tier == "host":

@@ -18,7 +18,7 @@ import torch
 from preft.adapters import AdapterMethod, ModelShape, load_direft_tensors
 from preft.adapters.formats import detect_method
 from preft.vllm_plugin import compat
-from preft.vllm_plugin.patches import gc_freeze, load_ahead, mlp
+from preft.vllm_plugin.patches import adapter_weights, gc_freeze, load_ahead, mlp
 from preft.vllm_plugin.patches.patching import wrap_method
 from preft.vllm_plugin.step import ops  # noqa: F401  (ops registers torch.ops.preft.direft_apply)
 from preft.vllm_plugin.step.state import PreftSlotState
@@ -91,18 +91,26 @@ def _load_adapter(original):
             return read
         gc_freeze.adapter_loaded()
         if detect_method(lora_request.lora_path) is not AdapterMethod.DIREFT:
-            return original(self, lora_request, *args, **kwargs)
-        state: PreftSlotState = self.preft_state
-        if not getattr(state, "direft_supported", False):
-            raise compat.UnsupportedVllmError(
-                f"DiReFT adapters need one of {compat.DIREFT_ARCHITECTURES}, not {state.shape.architecture}"
-            )
-        tensors = load_direft_tensors(lora_request.lora_path, state.shape, max_rank=state.max_rank)
-        model = self._lora_model_cls(lora_request.lora_int_id, max(a.shape[0] for a, _, _ in tensors.values()), {})
-        model.preft_direft = tensors
+            model = original(self, lora_request, *args, **kwargs)
+        else:
+            model = _load_direft(self, lora_request)
+        adapter_weights.record_load(self, lora_request, model)
         return model
 
     return load_adapter
+
+
+def _load_direft(worker_manager, lora_request):
+    state: PreftSlotState = worker_manager.preft_state
+    if not getattr(state, "direft_supported", False):
+        raise compat.UnsupportedVllmError(
+            f"DiReFT adapters need one of {compat.DIREFT_ARCHITECTURES}, not {state.shape.architecture}"
+        )
+    tensors = load_direft_tensors(lora_request.lora_path, state.shape, max_rank=state.max_rank)
+    rank = max(a.shape[0] for a, _, _ in tensors.values())
+    model = worker_manager._lora_model_cls(lora_request.lora_int_id, rank, {})
+    model.preft_direft = tensors
+    return model
 
 
 def _activate_adapter(original):

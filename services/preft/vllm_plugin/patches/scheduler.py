@@ -1,5 +1,7 @@
 """Scheduler side of PreFT: a prefill-mode request stops holding an adapter slot once its prompt is done, and
-waiting live requests preempt running offline ones (``priority_preemption``) before each step is scheduled.
+waiting live requests preempt running offline ones (``priority_preemption``) before each step is scheduled; adapter
+weight updates that waited for prompts to finish are applied then, and meanwhile hold their adapter's waiting
+requests (``weight_updates``).
 
 vLLM's scheduler bounds the distinct adapters of the scheduled requests by ``max_loras``, counting every
 running request that has a LoRA. During ``schedule()`` we hide the adapter of running requests whose prompt
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from preft.common.modes import is_prefill_only
 from preft.vllm_plugin import compat
-from preft.vllm_plugin.patches import priority_preemption
+from preft.vllm_plugin.patches import prefix_cache, priority_preemption, weight_updates
 from preft.vllm_plugin.patches.patching import wrap_method
 
 PREFILL_ONLY = "_preft_prefill_only"  # set on each vLLM Request by the scheduler's add_request
@@ -26,6 +28,8 @@ def _add_request(original):
     def add_request(self, request, *args, **kwargs):
         setattr(request, PREFILL_ONLY, request.lora_request is not None and is_prefill_only(request.sampling_params))
         priority_preemption.note_arrival(self, request)
+        if prefix_cache.VERSIONS in self.__dict__:  # (some adapter was updated: hashed under its current version)
+            prefix_cache.restamp(self, request)
         return original(self, request, *args, **kwargs)
 
     return add_request
@@ -42,12 +46,16 @@ def _bound_can_bind(scheduler) -> bool:
 
 def _schedule(original):
     def schedule(self, *args, **kwargs):
+        weight_updates.before_schedule(self)
+        updating = weight_updates.hold_waiting(self)  # (adapters whose update waits: no new prompt starts)
         held = priority_preemption.make_room(self)  # (this step's victims, out of the waiting queue until it is built)
         try:
             return hiding_adapters(self, *args, **kwargs)
         finally:
             if held:
                 priority_preemption.requeue(self, held)
+            if updating:
+                weight_updates.release_waiting(updating)
 
     def hiding_adapters(self, *args, **kwargs):
         if not self.lora_config or not _bound_can_bind(self):

@@ -90,15 +90,21 @@ class PreftSlotState:
         self.direft_bias[:, slot].zero_()
         self.slot_direft_layers[slot] = False
         rank = lora_rank or 0
-        for layer, (a, b, bias) in (direft or {}).items():
+        for layer, (a, _, _) in (direft or {}).items():
+            rank = max(rank, a.shape[0])
+            self.slot_direft_layers[slot, layer] = True
+        self.write_direft(slot, direft or {})
+        self.slot_has_direft[slot] = bool(direft)
+        self.slot_rank[slot] = rank
+
+    def write_direft(self, slot: int, direft: dict) -> None:
+        """Copy DiReFT tensors (layer -> (A, B, b)) into `slot`'s buffers, in place: an adapter taking the slot, or
+        new weights for the one in it (same layers and rank, so the host-side record stands)."""
+        for layer, (a, b, bias) in direft.items():
             r = a.shape[0]
-            rank = max(rank, r)
             self.direft_a[layer, slot, :r].copy_(a)
             self.direft_b[layer, slot, :r].copy_(b)
             self.direft_bias[layer, slot, :r].copy_(bias)
-            self.slot_direft_layers[slot, layer] = True
-        self.slot_has_direft[slot] = bool(direft)
-        self.slot_rank[slot] = rank
 
     # --- steps -------------------------------------------------------------------------------------------
     def set_step(self, token_slots: np.ndarray, sampled_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

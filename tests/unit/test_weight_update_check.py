@@ -8,7 +8,7 @@ import math
 import pytest
 from safetensors.torch import load_file
 
-from preft.adapters import TensorSpec, WeightUpdateError, check_weight_update, weight_manifest
+from preft.adapters.updates import TensorSpec, WeightUpdateError, check_weight_update, weight_manifest
 
 
 @pytest.fixture

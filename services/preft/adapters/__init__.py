@@ -14,7 +14,6 @@ from preft.adapters.formats import (
     inspect_adapter,
     load_direft_tensors,
 )
-from preft.adapters.updates import TensorSpec, WeightUpdateError, check_weight_update, weight_manifest
 
 __all__ = [
     "ADAPTER_FILES",
@@ -23,14 +22,10 @@ __all__ = [
     "AdapterInfo",
     "AdapterMethod",
     "ModelShape",
-    "TensorSpec",
-    "WeightUpdateError",
     "adapter_digest",
     "check_adapter",
-    "check_weight_update",
     "content_digest",
     "file_sha256",
     "inspect_adapter",
     "load_direft_tensors",
-    "weight_manifest",
 ]

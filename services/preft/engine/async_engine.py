@@ -15,14 +15,8 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from preft.adapters import (
-    AdapterError,
-    AdapterInfo,
-    ModelShape,
-    WeightUpdateError,
-    check_weight_update,
-    weight_manifest,
-)
+from preft.adapters import AdapterError, AdapterInfo, ModelShape
+from preft.adapters.updates import WeightUpdateError, check_weight_update, weight_manifest
 from preft.common import metrics
 from preft.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
 from preft.common.errors import InvalidArgument, NotFound, PreftError, Unavailable

@@ -30,11 +30,22 @@ df -h / /tmp | tail -n +2
 set +e
 # results straight into $OUT (a call stopped at its limit still returns the runs so far), merged with earlier calls
 cp "$state"/gpu-platform.json "$OUT/" 2>/dev/null
+# Where the engine's processes are, every 15 s (the replica, vLLM's engine core and worker): a run that stalls says
+# in which call. py-spy reads them from outside (it needs ptrace: where that is denied, its error is the file).
+( mkdir -p "$OUT/stacks"
+  while sleep 15; do
+    for pid in $(pgrep -f 'ServeReplica:preft-engine|VLLM::EngineCore|VLLM::Worker'); do
+      py-spy dump --pid "$pid" >"$OUT/stacks/$(date +%H%M%S)-$pid.txt" 2>&1
+    done
+  done ) & sampler=$!
 python3 -m loadtest.platform "$@" --preset "${PRESET:-llama8b}" --state-dir "$state" --out "$OUT/gpu-platform" \
   2>&1 | tee "$OUT/$1.log"
 rc=${PIPESTATUS[0]}
+kill "$sampler" 2>/dev/null
+tar -czf "$OUT/stacks.tar.gz" -C "$OUT" stacks 2>/dev/null && rm -rf "$OUT/stacks"
 cp "$OUT"/gpu-platform.json "$state/" 2>/dev/null
-# the stack's, the peers' and the engine replica's logs (Ray keeps the replica's in its session folder)
+# the stack's, the peers' and the engine replica's logs: Serve's, and the replica's stdout/stderr (vLLM's own log,
+# the pager's), which Ray keeps in the session folder's worker-*.out/.err
 tar -czf "$OUT/logs.tar.gz" -C / --ignore-failed-read "${state#/}/stack/logs" "${state#/}/logs" \
-  tmp/ray/session_latest/logs/serve 2>/dev/null
+  tmp/ray/session_latest/logs/serve $(cd / && ls tmp/ray/session_latest/logs/worker-*.{out,err} 2>/dev/null) 2>/dev/null
 exit "$rc"

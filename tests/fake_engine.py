@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -82,3 +84,29 @@ class ScriptedEngine:
 
     async def shutdown(self) -> None:
         self.stopped = True
+
+
+class OverlapWitnessEngine(ScriptedEngine):
+    """ScriptedEngine that shows whether adapter adds overlap: while `<witness_dir>/hold` exists, each `add_lora` waits
+    (up to `HOLD_S`) for another add to be in flight beside it; every add writes the most adds this engine saw at once
+    to `<witness_dir>/most-<pid>` (a replica's process is the engine's)."""
+
+    HOLD_S = 10.0
+
+    def __init__(self, options=None, *, witness_dir: Path, **kwargs) -> None:
+        super().__init__(options, **kwargs)
+        self.witness_dir = Path(witness_dir)
+        self._adding = self._most = 0
+
+    async def add_lora(self, adapter_dir: Path) -> AdapterInfo:
+        self._adding += 1
+        self._most = max(self._most, self._adding)
+        try:
+            if (self.witness_dir / "hold").exists():
+                deadline = time.monotonic() + self.HOLD_S
+                while self._most < 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            (self.witness_dir / f"most-{os.getpid()}").write_text(str(self._most))
+            return await super().add_lora(adapter_dir)
+        finally:
+            self._adding -= 1

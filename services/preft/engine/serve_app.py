@@ -2,9 +2,11 @@
 
 Routing affinity: the gateway sends each request with header `serve_multiplexed_model_id` = the adapter's content
 digest (or "base"). Ray Serve's proxy routes it to a replica that has registered that id, when one is not overloaded,
-else to one holding the fewest ids. A replica registers an id by running its `@serve.multiplexed` loader, which pages
-the adapter in (`Pager.ensure`); Serve keeps the last `max_adapters_per_replica` ids per replica (its own LRU,
-separate from the pager's tiers: set both to the same size so what is advertised is what is in host memory).
+else to one holding the fewest ids. A replica pages the adapter in (`Pager.ensure`), then registers its id by running
+its `@serve.multiplexed` loader, which only returns a marker: Serve runs every loader call of a replica under one lock,
+so paging inside the loader would page one adapter at a time per replica. Serve keeps the last
+`max_adapters_per_replica` ids per replica (its own LRU, separate from the pager's tiers: set both to the same size so
+what is advertised is what is in host memory).
 
 Drain: on shutdown Serve stops routing to the replica and waits for its in-flight requests (up to
 `graceful_shutdown_timeout_s`); then `__del__` drains the service (late arrivals get 503, stragglers get what is left
@@ -13,7 +15,6 @@ of the budget) and stops vLLM. A replica whose engine died answers 503 and fails
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
 from typing import Any
@@ -38,9 +39,6 @@ logger = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "PreftEngine"
 IMPORT_PATH = "preft.engine.serve_app:app_builder"
-# The adapter of the request being routed, for the multiplexed loader (which Serve calls with the id alone). The
-# loader runs in the request's own task, so a context variable carries it without shared state between requests.
-_REQUEST_ADAPTER: contextvars.ContextVar[AdapterSpec | None] = contextvars.ContextVar("preft_adapter", default=None)
 
 
 class ResidentAdapter:
@@ -115,23 +113,20 @@ class EngineDeployment:
         await self._service.start()
         logger.info("replica %s started its engine in %.1f s", replica_id, self._service.start_seconds)
 
-    def _make_loader(self) -> Any:
-        pager = self._service.pager
-
+    @staticmethod
+    def _make_loader() -> Any:
         async def load_adapter(model_id: str) -> ResidentAdapter:
-            spec = _REQUEST_ADAPTER.get()
-            if model_id != BASE_MODEL_ID and spec is not None:
-                await pager.ensure(spec)
             return ResidentAdapter(model_id)
 
         return load_adapter
 
     async def _on_adapter(self, model_id: str, spec: AdapterSpec | None) -> None:
-        token = _REQUEST_ADAPTER.set(spec)
-        try:
-            await self._load_adapter(model_id)
-        finally:
-            _REQUEST_ADAPTER.reset(token)
+        """Page the request's adapter in (loads of several adapters overlap: the pager bounds them), then register
+        its id with Serve (under Serve's lock: nothing to wait for there)."""
+        pager = self._service.pager
+        if model_id != BASE_MODEL_ID and spec is not None and not pager.holds(spec.digest):
+            await pager.ensure(spec)
+        await self._load_adapter(model_id)
 
     def __serve_build_asgi_app__(self) -> Any:
         token = self._settings.api_token.get_secret_value()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import time
 import uuid
 
@@ -13,12 +15,13 @@ from pydantic import SecretStr
 
 from preft.common.engine_contract import MULTIPLEX_HEADER
 from preft.common.settings import RedisSettings, S3Settings
+from preft.devtools.tiny import build_lora
 from preft.engine.residency import KEY_PREFIX
 from preft.engine.settings import EngineSettings, ReplicaSettings
 from preft.registry.blobstore import BlobStore
 from preft.stack import free_port
 from tests.adapter_specs import upload
-from tests.fake_engine import ScriptedEngine
+from tests.fake_engine import OverlapWitnessEngine
 
 ENGINE_TOKEN = "engine-test-token"
 AUTH = {"authorization": f"Bearer {ENGINE_TOKEN}"}  # (the client's default: every request is the gateway's)
@@ -27,6 +30,7 @@ APP = "preft-routing-test"
 
 @pytest.fixture(scope="module")
 def routed(model_dirs, adapters, s3_server, redis_server, tmp_path_factory):
+    witness = tmp_path_factory.mktemp("add-witness")
     import ray
     from ray import serve
 
@@ -60,9 +64,10 @@ def routed(model_dirs, adapters, s3_server, redis_server, tmp_path_factory):
     start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(settings, engine_cls=ScriptedEngine), name=APP, route_prefix="/")
+        engine_cls = functools.partial(OverlapWitnessEngine, witness_dir=witness)
+        serve.run(build_app(settings, engine_cls=engine_cls), name=APP, route_prefix="/")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=60) as client:
-            yield client, specs, settings
+            yield client, specs, settings, witness
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -74,7 +79,7 @@ def _residency(redis_url: str) -> dict[str, set[str]]:
 
 
 def test_requests_for_an_adapter_stick_to_the_replica_that_holds_it(routed, redis_server):
-    client, specs, settings = routed
+    client, specs, settings, _ = routed
     names = ("lora_a", "lora_b", "direft_a")
     for name in names:  # first request per adapter: Serve picks a replica, which pages the adapter in
         spec = specs[name]
@@ -106,10 +111,36 @@ def test_requests_for_an_adapter_stick_to_the_replica_that_holds_it(routed, redi
 
 
 def test_generate_through_the_proxy_needs_the_engine_token(routed):
-    client, _, _ = routed
+    client, _, _, _ = routed
     body = {"request_id": "anon", "prompt_token_ids": [1, 2], "max_tokens": 2}
     for auth in ("", "Bearer not-the-token"):
         r = client.post("/generate", json=body, headers={MULTIPLEX_HEADER: "base", "authorization": auth})
         assert r.status_code == 401 and r.json()["type"] == "unauthenticated"
     assert client.post("/generate", json=body, headers={MULTIPLEX_HEADER: "base"}).status_code == 200
     assert client.get("/healthz", headers={"authorization": ""}).status_code == 200
+
+
+def test_a_replica_pages_several_cold_adapters_in_at_once(routed, model_dirs, tmp_path):
+    """Serve runs a replica's multiplexed loader calls one at a time: the adapters are paged in before it, so that the
+    adds of several cold adapters overlap (the test engine's adds each wait for another beside it)."""
+    client, _, settings, witness = routed
+    store = BlobStore(settings.s3)
+    cold = [
+        upload(store, build_lora(tmp_path / f"cold{i}", model_dirs["llama"], rank=4, seed=100 + i)) for i in range(4)
+    ]
+
+    def ask(spec) -> httpx.Response:
+        body = {"request_id": f"cold-{spec.digest[:8]}", "prompt_token_ids": [1, 2], "max_tokens": 2}
+        return client.post(
+            "/generate", json={**body, "adapter": spec.model_dump()}, headers={MULTIPLEX_HEADER: spec.digest}
+        )
+
+    (witness / "hold").touch()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(cold)) as pool:
+            answers = list(pool.map(ask, cold))
+    finally:
+        (witness / "hold").unlink()
+    assert [r.status_code for r in answers] == [200] * len(cold), [r.text for r in answers]
+    most = max(int(p.read_text()) for p in witness.glob("most-*"))
+    assert most >= 2, "each replica added its cold adapters one at a time"

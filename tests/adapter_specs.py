@@ -3,12 +3,15 @@ registry would have put in S3 (one blob per file); the engine side of a pager fo
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from pathlib import Path
 
 from preft.adapters import AdapterInfo, ModelShape, adapter_digest, file_sha256, inspect_adapter
 from preft.common.engine_contract import AdapterFileSpec, AdapterSpec
+from preft.common.errors import NotFound, Unavailable
 from preft.engine.paging.pager import Pager
+from preft.engine.service import EngineService
 
 
 def spec_for(adapter_dir: Path, ref: str = "t/adapter@v1", *, method: str | None = None) -> AdapterSpec:
@@ -84,3 +87,33 @@ class RecordingHost:
 def make_pager(**options) -> Pager:
     """A pager with test-sized tiers (2 adapters in host memory, 1 GB of disk); `options` set or change any option."""
     return Pager(**{"disk_max_bytes": 10**9, "host_max_adapters": 2, "download_timeout_s": 30.0, **options})
+
+
+class MemoryBlobs:
+    """Blobs held in memory; `download` checks the sha256 like BlobStore.download."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def add_dir(self, adapter_dir: Path) -> None:
+        for p in adapter_dir.iterdir():
+            self.data[hashlib.sha256(p.read_bytes()).hexdigest()] = p.read_bytes()
+
+    def download(self, digest: str, dest: Path) -> None:
+        if digest not in self.data:
+            raise NotFound(f"blob {digest[:12]} is not in the blob store")
+        body = self.data[digest]
+        if hashlib.sha256(body).hexdigest() != digest:
+            raise Unavailable(f"blob {digest[:12]} is corrupt")
+        dest.write_bytes(body)
+
+
+def service_over(engine, adapter_dirs, disk_dir: Path, **options) -> EngineService:
+    """An EngineService over `engine`, its pager fed from MemoryBlobs holding `adapter_dirs` (make_pager's tiers;
+    `options` go to the pager, `max_live_adapters` to the service)."""
+    blobs = MemoryBlobs()
+    for d in adapter_dirs:
+        blobs.add_dir(d)
+    service_options = {k: options.pop(k) for k in ("max_live_adapters",) if k in options}
+    pager = make_pager(host=engine, blobs=blobs, disk_dir=disk_dir, **options)
+    return EngineService(engine=engine, pager=pager, **service_options)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -52,3 +54,11 @@ def engine_factory():
     yield factory
     for engine in started:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop for a module's async engine (started once, driven by each test)."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()

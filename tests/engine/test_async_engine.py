@@ -33,13 +33,6 @@ CASES = ((None, "prefill"), ("lora_a", "prefill"), ("lora_b", "all"), ("direft_a
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def async_engine(model_dirs, loop):
     engine = AsyncPreftEngine(engine_options(model_dirs["llama"], scheduling_policy="priority"))  # (as served)
     before = {c.pid for c in psutil.Process().children(recursive=True)}

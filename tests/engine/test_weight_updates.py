@@ -20,13 +20,10 @@ from preft.common.engine_contract import EngineRequest
 from preft.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from preft.devtools.tiny import build_direft, build_lora
 from preft.engine.async_engine import AsyncPreftEngine
-from preft.engine.paging.pager import Pager
-from preft.engine.service import EngineService
-from tests.adapter_specs import spec_for
+from tests.adapter_specs import service_over, spec_for
 from tests.conftest import random_prompt
 from tests.engine.conftest import BLOCK_SIZE, engine_options
 from tests.reference import reference_generate
-from tests.unit.test_pager import MemoryBlobs
 
 pytestmark = pytest.mark.engine
 
@@ -39,13 +36,6 @@ CASES = (
     ("direft", "prefill", lambda out, model, seed: build_direft(out, model, rank=4, layers=(0, 2), seed=seed)),
 )
 QV_DOWN = ("q_proj", "v_proj", "down_proj")  # (q and v are slices of vLLM's packed qkv_proj, k has no LoRA)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture(scope="module")
@@ -220,18 +210,8 @@ def test_an_updated_adapter_stays_in_host_memory_until_restored(engine, model_di
     use it; restored, it serves its published weights and is evicted and paged back in like any other."""
     model = model_dirs["llama"]
     (live_old, live_new), (other_a, _), (other_b, _) = pairs["direft-2"], pairs["lora-qv-down-2"], pairs["direft-3"]
-    blobs = MemoryBlobs()
-    for d in (live_old, other_a, other_b):
-        blobs.add_dir(d)
-    pager = Pager(
-        host=engine,
-        blobs=blobs,
-        disk_dir=tmp_path / "disk",
-        disk_max_bytes=10**9,
-        host_max_adapters=2,
-        download_timeout_s=30,
-    )
-    service = EngineService(engine=engine, pager=pager, max_live_adapters=1)
+    service = service_over(engine, (live_old, other_a, other_b), tmp_path / "disk", max_live_adapters=1)
+    pager = service.pager
     live, a, b = spec_for(live_old, ref="t/live@v1"), spec_for(other_a, ref="t/a@v1"), spec_for(other_b, ref="t/b@v1")
     prompt = random_prompt(random.Random("tiers"), 30)
     expected = {d: reference_generate(model, prompt, d, "prefill", MAX_TOKENS) for d in (live_old, live_new)}

@@ -19,12 +19,10 @@ from preft.common.engine_contract import (
     Usage,
 )
 from preft.engine.http import create_app
-from preft.engine.paging.pager import Pager
 from preft.engine.service import EngineService
 from preft.engine.settings import EngineSettings
-from tests.adapter_specs import spec_for
+from tests.adapter_specs import service_over, spec_for
 from tests.fake_engine import ScriptedEngine
-from tests.unit.test_pager import MemoryBlobs
 
 TOKEN = "unit-test-engine-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -38,19 +36,8 @@ def _engine_token(monkeypatch):
 
 @pytest.fixture
 def replica(model_dirs, adapters, tmp_path):
-    blobs = MemoryBlobs()
-    for d in adapters["llama"].values():
-        blobs.add_dir(d)
     engine = ScriptedEngine(model_dir=model_dirs["llama"])
-    pager = Pager(
-        host=engine,
-        blobs=blobs,
-        disk_dir=tmp_path / "disk",
-        disk_max_bytes=10**9,
-        host_max_adapters=4,
-        download_timeout_s=10,
-    )
-    service = EngineService(engine=engine, pager=pager)
+    service = service_over(engine, adapters["llama"].values(), tmp_path / "disk", host_max_adapters=4)
     hook_calls: list[tuple[str, str | None]] = []
 
     async def on_adapter(model_id, spec):

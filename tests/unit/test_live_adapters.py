@@ -17,30 +17,17 @@ from preft.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from preft.engine.paging.pager import Pager
 from preft.engine.service import EngineService
-from tests.adapter_specs import spec_for
+from tests.adapter_specs import service_over, spec_for
 from tests.fake_engine import ScriptedEngine
-from tests.unit.test_pager import MemoryBlobs
 
 TENSORS = {"layers.0.b": torch.zeros(4)}
 
 
 @pytest.fixture
 def replica(model_dirs, adapters, tmp_path):
-    blobs = MemoryBlobs()
-    for d in adapters["llama"].values():
-        blobs.add_dir(d)
     engine = ScriptedEngine(model_dir=model_dirs["llama"])
-    pager = Pager(
-        host=engine,
-        blobs=blobs,
-        disk_dir=tmp_path / "disk",
-        disk_max_bytes=10**9,
-        host_max_adapters=2,
-        download_timeout_s=10,
-    )
-    service = EngineService(engine=engine, pager=pager, max_live_adapters=1)
+    service = service_over(engine, adapters["llama"].values(), tmp_path / "disk", max_live_adapters=1)
     specs = {name: spec_for(path, ref=f"t/{name}@v1") for name, path in adapters["llama"].items()}
     return service, engine, specs
 

@@ -6,37 +6,17 @@ The same behaviours against a real S3 server are in tests/integration/engine/tes
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
 
-from preft.common.errors import InvalidArgument, NotFound, Unavailable
+from preft.common.errors import InvalidArgument, Unavailable
 from preft.engine.paging.pager import Pager
-from tests.adapter_specs import CountingBlobs, RecordingHost, make_pager, spec_for
+from tests.adapter_specs import CountingBlobs, MemoryBlobs, RecordingHost, make_pager, spec_for
 
 ADAPTERS = ("lora_a", "lora_b", "lora_c", "direft_a", "direft_b")
-
-
-class MemoryBlobs:
-    """Blobs held in memory; `download` checks the sha256 like BlobStore.download."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def add_dir(self, adapter_dir: Path) -> None:
-        for p in adapter_dir.iterdir():
-            self.data[hashlib.sha256(p.read_bytes()).hexdigest()] = p.read_bytes()
-
-    def download(self, digest: str, dest: Path) -> None:
-        if digest not in self.data:
-            raise NotFound(f"blob {digest[:12]} is not in the blob store")
-        body = self.data[digest]
-        if hashlib.sha256(body).hexdigest() != digest:
-            raise Unavailable(f"blob {digest[:12]} is corrupt")
-        dest.write_bytes(body)
 
 
 @pytest.fixture

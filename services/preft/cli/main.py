@@ -1,6 +1,6 @@
 """`preft`: run PreFT generation offline (`generate`), a self-contained demo (`demo`), manage a tenant's adapters
-on a gateway (`adapters`), and run the platform locally: on this host (`up`, `down`) or on a testbed of
-network-namespace hosts (`testbed`)."""
+on a gateway (`adapters`), serve rollouts to TRL's trainers (`rollout-serve`), and run the platform locally: on this
+host (`up`, `down`) or on a testbed of network-namespace hosts (`testbed`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from preft.cli.rollout import rollout_serve
 from preft.cli.tenant import app as adapters_app
 from preft.cli.testbed import testbed_app
 from preft.common.modes import PositionMode
@@ -31,6 +32,7 @@ app = typer.Typer(
 )
 app.add_typer(adapters_app, name="adapters")
 app.add_typer(testbed_app, name="testbed")
+app.command("rollout-serve")(rollout_serve)
 err = Console(stderr=True, soft_wrap=True)
 
 ModelOpt = Annotated[Path, typer.Option("--model", help="Model directory (config.json, weights, tokenizer).")]

@@ -63,6 +63,7 @@ VLLM_API = (
     # offline one first (scheduler.py 0.26:576-579, 0.28:643-646; under "fcfs" the last admitted). Neither release
     # refuses a non-zero priority under "fcfs": InputProcessor.process_inputs passes it on, the FCFS queue ignores it.
     "vllm.v1.core.sched.request_queue:SchedulingPolicy.PRIORITY",
+    "vllm.engine.arg_utils:EngineArgs.logprobs_mode",  # EngineOptions.logprobs_mode (the rollout server's)
     "vllm.v1.engine.async_llm:AsyncLLM.from_engine_args",
     # closing its iterator aborts the request (GeneratorExit path); keyword `priority: int = 0` in 0.26
     # (async_llm.py:537) and 0.28 (async_llm.py:563)

@@ -48,6 +48,9 @@ class EngineOptions:
     # "priority": vLLM admits waiting requests by their priority (EngineRequest.priority), then arrival; "fcfs"
     # (vLLM's default, the offline engine's): by arrival alone. The serving engine's settings choose "priority".
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # What returned logprobs are: None is vLLM's default ("raw_logprobs", before any sampling parameter applies);
+    # the rollout server asks for "processed_logprobs" (after temperature and the other processors), as TRL's does
+    logprobs_mode: str | None = None
 
 
 def _is_cpu() -> bool:
@@ -94,6 +97,8 @@ def engine_kwargs(options: EngineOptions) -> dict[str, Any]:
     if o.block_size is not None:
         kwargs["block_size"] = o.block_size
     kwargs["disable_log_stats"] = not o.log_stats
+    if o.logprobs_mode is not None:
+        kwargs["logprobs_mode"] = o.logprobs_mode
     if o.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = o.max_num_batched_tokens
     if o.max_model_len is not None:

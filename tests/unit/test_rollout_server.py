@@ -5,6 +5,7 @@ bodies, orders and adapters are refused with a clear message and leave the engin
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -56,7 +57,7 @@ def test_discovery_endpoints_answer_what_trl_reads(served):
     info = client.get("/server_info", params={"config_format": "json"}).json()["vllm_config"]
     assert info["weight_transfer_config"] == {"backend": "http"}
     assert info["model_config"]["logprobs_mode"] == "processed_logprobs"
-    assert info["preft"]["mode"] == "prefill" and info["preft"]["version"] == 0
+    assert info["preft"]["mode"] == "prefill" and info["preft"]["version"] == 0 and info["preft"]["update"] == "none"
     assert client.post("/reset_prefix_cache").json() == {"success": True}
 
 
@@ -174,3 +175,40 @@ def test_engine_refusals_keep_their_status(model_dirs, lora_dir):
         _post_tensors(client, load_file(str(lora_dir / WEIGHTS)))
         gone = client.post("/finish_weight_update")
         assert gone.status_code == 404 and "not loaded" in gone.json()["message"]
+
+
+def test_a_trainer_that_disconnects_mid_body_changes_nothing(model_dirs, lora_dir):
+    """A real socket closed half-way through a body: the open update is abandoned, nothing reaches the engine, and
+    the next update goes through."""
+    import socket
+
+    import httpx
+
+    from preft.gateway.testing import ThreadedServer
+
+    engine = ScriptedEngine(model_dir=model_dirs["llama"])
+    service = RolloutService(engine=engine, adapter=ServedAdapter(lora_dir, "policy"), transport="http")
+    body = _body(load_file(str(lora_dir / WEIGHTS)))
+    with ThreadedServer(create_app(service)) as server:
+        assert httpx.post(f"{server.url}/start_weight_update").status_code == 200
+        with socket.create_connection(("127.0.0.1", server.port)) as raw:
+            head = (
+                f"POST {HTTP_UPDATE_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: {SAFETENSORS_MEDIA_TYPE}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            )
+            raw.sendall(head.encode() + body[: len(body) // 2])
+        for _ in range(100):  # (until the server has seen the disconnect)
+            state = httpx.get(f"{server.url}/server_info").json()["vllm_config"]["preft"]["update"]
+            if state.startswith("abandoned"):
+                break
+            time.sleep(0.05)
+        assert "disconnected" in state, state
+        finish = httpx.post(f"{server.url}/finish_weight_update")
+        assert finish.status_code == 409 and "disconnected" in finish.json()["message"], finish.text
+        assert engine.updates == [] and service.version == 0
+        httpx.post(f"{server.url}/start_weight_update")
+        sent = httpx.post(
+            f"{server.url}{HTTP_UPDATE_PATH}", content=body, headers={"content-type": SAFETENSORS_MEDIA_TYPE}
+        )
+        assert sent.status_code == 200
+        assert httpx.post(f"{server.url}/finish_weight_update").json()["version"] == 1

@@ -97,6 +97,7 @@ class RolloutService:
                 "mode": self.adapter.mode.value,
                 "digest": self.digest,
                 "version": self.version,
+                "update": self.staging.state,
                 "tensors": {name: [list(s.shape), s.dtype] for name, s in self.staging.manifest.items()},
             },
         }

@@ -30,6 +30,13 @@ class UpdateStaging:
     def open(self) -> bool:
         return self._staged is not None
 
+    @property
+    def state(self) -> str:
+        """ "open" (tensors staged: the count), "abandoned: <why>", or "none"."""
+        if self._staged is not None:
+            return f"open ({len(self._staged)} tensors staged)"
+        return f"abandoned: {self._abandoned}" if self._abandoned is not None else "none"
+
     def begin(self) -> bool:
         """Open a new update; True when an unfinished one was dropped."""
         dropped = self._staged is not None

@@ -55,11 +55,10 @@ class RolloutService:
         adapter: ServedAdapter,
         transport: Transport,
         logprobs_mode: str = "processed_logprobs",
-        max_model_len: int = 0,
         nccl_factory: Any = None,
     ) -> None:
         self.engine, self.adapter, self.transport = engine, adapter, transport
-        self.logprobs_mode, self.max_model_len = logprobs_mode, max_model_len
+        self.logprobs_mode = logprobs_mode
         self.staging = UpdateStaging(weight_manifest(adapter.path))
         self.digest: str | None = None
         self.version = 0
@@ -88,7 +87,7 @@ class RolloutService:
             "model_config": {
                 "model": self.adapter.name,
                 "logprobs_mode": self.logprobs_mode,
-                "max_model_len": self.max_model_len,
+                "max_model_len": getattr(self.engine, "max_model_len", None),  # (the vLLM engine's, once started)
             },
             "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
             "weight_transfer_config": {"backend": self.transport},

@@ -81,6 +81,8 @@ def test_completions_refuse_text_prompts_and_other_models(served):
     assert other.status_code == 404 and "'other' is not served" in other.json()["message"]
     unknown = client.post("/v1/completions", json={"prompt": [[3]], "best_of": 2})
     assert unknown.status_code == 400 and "best_of" in unknown.json()["message"]
+    outside = client.post("/v1/completions", json={"prompt": [[3], [5, 10**6]], "n": 3, "max_tokens": 2})
+    assert outside.status_code == 400 and "outside the vocabulary" in outside.json()["message"]
 
 
 def test_an_update_reaches_the_engine_only_at_finish(served, lora_dir):

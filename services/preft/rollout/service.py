@@ -110,12 +110,18 @@ class RolloutService:
             raise NotFound(f"model {body.model!r} is not served here (this server serves {self.adapter.name!r})")
         rid = f"cmpl-{secrets.token_hex(8)}"
         jobs = [(p, j) for p in body.prompt for j in range(body.n)]
-        async with asyncio.TaskGroup() as group:  # (one failure cancels the others)
-            tasks = [group.create_task(self._one(body, prompt, f"{rid}-{k}", j)) for k, (prompt, j) in enumerate(jobs)]
-        choices = []
-        for k, ((prompt, _), task) in enumerate(zip(jobs, tasks, strict=True)):
-            choice = task.result()
-            choices.append({"index": k, "prompt_token_ids": prompt, **choice})
+        tasks = [asyncio.ensure_future(self._one(body, p, f"{rid}-{k}", j)) for k, (p, j) in enumerate(jobs)]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:  # (the first failure is the answer: the other generations are aborted)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        choices = [
+            {"index": k, "prompt_token_ids": prompt, **choice}
+            for k, ((prompt, _), choice) in enumerate(zip(jobs, results, strict=True))
+        ]
         n_prompt = sum(len(p) for p in body.prompt) * body.n
         n_completion = sum(len(c["token_ids"]) for c in choices)
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
